@@ -1,0 +1,93 @@
+"""Batched torch fallback for sparse MQA over a paged KV cache (any device, any head count).
+
+It gathers and dequantizes the candidate rows of a chunk of query tokens (never the whole cache),
+computes the scores with one batched matmul, adds the sink as an extra logit column of the softmax
+and reduces with a second batched matmul. It never builds a ``[T, H, N_total]`` mask: memory is
+bounded by the chunk, ``tokens_per_chunk * K_total * 512`` float32 values.
+
+Numerics: scores and the softmax in float32; rows are bf16-exact, so the products are exact and
+only the float32 accumulation rounds. Output bf16, lse float32 (natural log, sink excluded).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_attn import kv_cache
+from dsv4_attn.kv_cache import KVFormat
+
+__all__ = ["sparse_attention"]
+
+# Target bytes of float32 gathered rows per chunk (the largest temporary).
+_CHUNK_BYTES = 256 * 1024 * 1024
+
+
+def _gather(
+    cache: torch.Tensor,
+    fmt: KVFormat,
+    block_size: int,
+    indices: torch.Tensor,
+    lens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized rows ``[t, K, 512]`` float32 (zeros at holes) and the validity mask ``[t, K]``."""
+    t, K = indices.shape
+    counted = torch.arange(K, device=indices.device)[None, :] < lens[:, None]
+    valid = counted & (indices >= 0)
+    slots = torch.where(valid, indices, torch.full_like(indices, -1)).reshape(-1)
+    rows = kv_cache.read_unchecked(cache, slots, fmt, block_size)
+    return rows.view(t, K, kv_cache.HEAD_DIM).float(), valid
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    fmt: KVFormat,
+    block_size: int,
+    indices: torch.Tensor,
+    lens: torch.Tensor,
+    sink: torch.Tensor | None,
+    scale: float,
+    extra_cache: torch.Tensor | None = None,
+    extra_block_size: int | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_lens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`dsv4_attn.ops.sparse_attention` (inputs already validated there).
+
+    Returns ``(out bf16 [T, H, 512], lse float32 [T, H])``.
+    """
+    T, H, D = q.shape
+    out = torch.empty(T, H, D, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    k_total = indices.shape[1] + (extra_indices.shape[1] if extra_indices is not None else 0)
+    tokens_per_chunk = max(1, _CHUNK_BYTES // max(1, k_total * D * 4))
+    # The sink column: +inf is clamped to the float32 maximum so that it dominates every real
+    # logit without producing inf - inf; -inf contributes exp(-inf) = 0 as it should.
+    if sink is not None:
+        sink_logit = sink.to(device=q.device, dtype=torch.float32).clamp(
+            max=torch.finfo(torch.float32).max
+        )
+    for t0 in range(0, T, tokens_per_chunk):
+        sl = slice(t0, min(T, t0 + tokens_per_chunk))
+        rows, valid = _gather(cache, fmt, block_size, indices[sl], lens[sl])
+        if extra_cache is not None:
+            extra_rows, extra_valid = _gather(
+                extra_cache, fmt, extra_block_size, extra_indices[sl], extra_lens[sl]
+            )
+            rows = torch.cat([rows, extra_rows], dim=1)
+            valid = torch.cat([valid, extra_valid], dim=1)
+        scores = torch.bmm(q[sl].float(), rows.transpose(1, 2)) * scale  # [t, H, K]
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        if sink is not None:
+            sink_col = sink_logit[None, :, None].expand(scores.shape[0], H, 1)
+            logits = torch.cat([scores, sink_col], dim=-1)
+        else:
+            logits = scores
+        row_max = logits.amax(dim=-1, keepdim=True)
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        weights = torch.exp(logits - row_max)
+        denom = weights.sum(dim=-1, keepdim=True)
+        probs = weights[..., : scores.shape[-1]] / torch.where(denom > 0, denom, 1.0)
+        out[sl] = torch.bmm(probs, rows).to(torch.bfloat16)
+        lse[sl] = torch.logsumexp(scores, dim=-1)
+    return out, lse

@@ -1,0 +1,425 @@
+"""Paged KV-cache formats for DeepSeek-V4 attention rows, and torch codecs for them.
+
+A DeepSeek-V4 KV row is 512 values: 448 "nope" values followed by 64 RoPE values (DESIGN.md §3).
+A cache is a ``uint8`` tensor ``[num_blocks, page_bytes_or_more]`` (row stride may exceed the page
+size, as in vLLM's packed pages); slot ``s`` is token ``s % block_size`` of block
+``s // block_size``. Every format keeps a page as *all data rows first, then all scale rows*, so a
+kernel can bulk-copy the data rows of a tile and, separately, their scales.
+
+``FP8_DS_MLA`` (584 B/token) — byte-for-byte vLLM's ``fp8_ds_mla`` (FlashMLA "MODEL1"):
+    data row, 576 B:  [0, 448)    448 x float8_e4m3fn, nope value i / 2^(e_{i//64} - 127)
+                      [448, 576)  64 x bfloat16 RoPE values, little-endian, unquantized
+    scale row, 8 B:   [0, 7)      7 x UE8M0 exponent byte e_b = ceil(log2(max(amax_b, 1e-4) / 448)) + 127
+                                  for the 64-value block b (amax over the bf16 inputs)
+                      [7]         0 (padding)
+    page:             block_size data rows, then block_size scale rows, padded to a multiple of 576 B.
+    Nope values are x / 2^(e_b - 127) rounded to nearest-even e4m3 (never beyond +-448).
+
+``NVFP4`` (384 B/token) — this backend's default:
+    data row, 352 B:  [0, 224)    448 x e2m1 packed two per byte: value 2j in the low nibble, 2j+1 in
+                                  the high nibble; nibble = sign << 3 | magnitude code, codes 0..7 =
+                                  {0, 0.5, 1, 1.5, 2, 3, 4, 6}
+                      [224, 352)  64 x bfloat16 RoPE values, unquantized
+    scale row, 32 B:  [0, 28)     28 x float8_e4m3fn block scale s_b, one per 16 nope values
+                      [28]        UE8M0 token scale byte u: the token scale is G = 2^(u - 127)
+                      [29, 32)    0 (padding)
+    page:             block_size data rows, then block_size scale rows (always a multiple of 128 B).
+    Decoded value i = e2m1_i * s_{i//16} * G. Every such product is exact in bfloat16 (a 2-bit
+    times a 4-bit significand), so kernels may dequantize in bf16 without rounding.
+
+    Scale rule (chosen so no element ever saturates, and the e4m3 scales use their full range):
+      * G = 2^ceil(log2(amax_token / (6 * 448))) with amax_token over the 448 nope values
+        (G = 1 for an all-zero row). This per-token power of two is the "global" scale of NVFP4,
+        kept per token because a paged cache is written a token at a time.
+      * s_b = the smallest e4m3 value >= amax_b / 6 / G (rounded *up*, so |x / (s_b G)| <= 6).
+      * e2m1_i = x_i / (s_b G) rounded to the nearest e2m1 value, ties to the even code.
+    Error bound per nope value (finite inputs, |x| < 2^127):
+      |x - x_hat| <= max(|x| / 4, s_b * G / 4), with s_b * G <= 1.125 * amax_b / 6 + 2^-9 * G.
+
+``BF16`` (1024 B/token): 512 x bfloat16, no scale rows; a lossless format for tests and for
+    checking a model path without quantization.
+
+FP8_DS_MLA round-trip error bound per nope value: |x - x_hat| <= 2^-4 |x| + 2^-10 * 2^(e_b - 127).
+RoPE values round-trip exactly in every format.
+
+The codecs here are the reference implementation of the formats (vectorized torch, CPU or CUDA);
+``write`` and ``read`` validate their inputs and are not meant for a serving hot path.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "HEAD_DIM",
+    "NOPE_DIM",
+    "ROPE_DIM",
+    "KVFormat",
+    "PageLayout",
+    "allocate",
+    "bytes_per_token",
+    "decode_rows",
+    "encode_rows",
+    "page_layout",
+    "read",
+    "write",
+]
+
+HEAD_DIM = 512
+NOPE_DIM = 448
+ROPE_DIM = 64
+
+FP8_MAX = 448.0  # largest float8_e4m3fn
+FP8_QUANT_BLOCK = 64  # nope values per UE8M0 scale in fp8_ds_mla
+FP8_AMAX_FLOOR = 1e-4  # vLLM/FlashMLA clamp amax before taking the scale
+NVFP4_QUANT_BLOCK = 16  # nope values per e4m3 scale in NVFP4
+E2M1_MAX = 6.0
+UE8M0_BIAS = 127
+
+
+class KVFormat(enum.Enum):
+    """KV-cache formats this package reads and writes. Values are vLLM-style dtype names."""
+
+    FP8_DS_MLA = "fp8_ds_mla"
+    NVFP4 = "nvfp4"
+    BF16 = "bf16"
+
+    @classmethod
+    def parse(cls, fmt: KVFormat | str) -> KVFormat:
+        """Accept a member or its value/name (case-insensitive); ValueError lists the options."""
+        if isinstance(fmt, KVFormat):
+            return fmt
+        if isinstance(fmt, str):
+            key = fmt.strip().lower()
+            for member in cls:
+                if key in (member.value, member.name.lower()):
+                    return member
+        options = ", ".join(m.value for m in cls)
+        raise ValueError(f"unknown KV-cache format {fmt!r}; expected one of: {options}")
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Byte geometry of one cache page (block) of ``block_size`` tokens."""
+
+    block_size: int
+    data_row_bytes: int  # bytes per token in the data area
+    scale_row_bytes: int  # bytes per token in the scale area
+    page_bytes: int  # minimum row stride of the cache tensor (padded)
+
+    @property
+    def scale_offset(self) -> int:
+        """Byte offset of the first scale row within a page."""
+        return self.block_size * self.data_row_bytes
+
+
+# data row bytes, scale row bytes, page alignment
+_GEOMETRY: dict[KVFormat, tuple[int, int, int]] = {
+    KVFormat.FP8_DS_MLA: (NOPE_DIM + 2 * ROPE_DIM, 8, 576),
+    KVFormat.NVFP4: (NOPE_DIM // 2 + 2 * ROPE_DIM, 32, 128),
+    KVFormat.BF16: (2 * HEAD_DIM, 0, 1),
+}
+
+
+def bytes_per_token(fmt: KVFormat | str) -> int:
+    """Bytes one token occupies (data row + scale row), before page padding."""
+    data, scale, _ = _GEOMETRY[KVFormat.parse(fmt)]
+    return data + scale
+
+
+def page_layout(fmt: KVFormat | str, block_size: int) -> PageLayout:
+    """Geometry of a page of ``block_size`` tokens in format ``fmt``."""
+    fmt = KVFormat.parse(fmt)
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    data, scale, align = _GEOMETRY[fmt]
+    raw = block_size * (data + scale)
+    return PageLayout(block_size, data, scale, -(-raw // align) * align)
+
+
+def allocate(
+    num_blocks: int,
+    block_size: int,
+    fmt: KVFormat | str,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """A zero-filled cache: ``uint8 [num_blocks, page_bytes]``."""
+    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+        raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    layout = page_layout(fmt, block_size)
+    return torch.zeros(num_blocks, layout.page_bytes, dtype=torch.uint8, device=device)
+
+
+# --------------------------------------------------------------------------------------------
+# Bit-exact helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
+    """Exact ceil(log2(x)) for positive finite float32 ``x``, as int32."""
+    mantissa, exponent = torch.frexp(x)  # x = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return (exponent - (mantissa == 0.5).to(exponent.dtype)).to(torch.int32)
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """Exact 2^exponent as float32 for int ``exponent`` in [-127, 127], built from its bits."""
+    e = exponent.to(torch.int32)
+    normal_bits = (e + UE8M0_BIAS).clamp(min=1) << 23
+    bits = torch.where(e >= -126, normal_bits, torch.full_like(e, 1 << 22))  # 2^-127 is subnormal
+    return bits.view(torch.float32)
+
+
+def _e4m3_round_up(x: torch.Tensor) -> torch.Tensor:
+    """Smallest float8_e4m3fn value >= x, for float32 x in [0, 448]; returned as uint8 bits."""
+    bits = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    below = bits.view(torch.float8_e4m3fn).to(torch.float32) < x
+    return bits + below.to(torch.uint8)
+
+
+# e2m1 magnitudes by code; ties in rounding go to the even code.
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between consecutive codes, and whether a tie there rounds up (to an even code).
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
+                   (2.5, False), (3.5, True), (5.0, False))  # fmt: skip
+
+
+def _e2m1_encode(y: torch.Tensor) -> torch.Tensor:
+    """Round float32 ``y`` (|y| <= 6) to e2m1 nibbles (sign << 3 | code), uint8."""
+    mag = y.abs()
+    code = torch.zeros_like(mag, dtype=torch.uint8)
+    for midpoint, tie_up in _E2M1_MIDPOINTS:
+        code += (mag >= midpoint if tie_up else mag > midpoint).to(torch.uint8)
+    return code | ((y < 0).to(torch.uint8) << 3)
+
+
+def _e2m1_decode(nibbles: torch.Tensor) -> torch.Tensor:
+    lut = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=nibbles.device)
+    values = lut[(nibbles & 7).long()]
+    return torch.where((nibbles & 8) != 0, -values, values)
+
+
+# --------------------------------------------------------------------------------------------
+# Row codecs: bf16 rows [N, 512] <-> (data rows [N, data_row_bytes], scale rows [N, scale_row_bytes])
+# --------------------------------------------------------------------------------------------
+
+
+def _encode_fp8_ds_mla(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = rows.shape[0]
+    nope = rows[:, :NOPE_DIM].float().view(n, NOPE_DIM // FP8_QUANT_BLOCK, FP8_QUANT_BLOCK)
+    amax = nope.abs().amax(dim=-1).clamp(min=FP8_AMAX_FLOOR)
+    exponent = _ceil_log2(amax / FP8_MAX)
+    scaled = (nope / _pow2(exponent)[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    fp8 = scaled.to(torch.float8_e4m3fn).view(torch.uint8).view(n, NOPE_DIM)
+    rope = rows[:, NOPE_DIM:].contiguous().view(torch.uint8)
+    scales = torch.zeros(n, 8, dtype=torch.uint8, device=rows.device)
+    scales[:, :7] = (exponent + UE8M0_BIAS).clamp(0, 255).to(torch.uint8)
+    return torch.cat([fp8, rope], dim=1), scales
+
+
+def _decode_fp8_ds_mla(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    n = data.shape[0]
+    fp8 = data[:, :NOPE_DIM].contiguous().view(torch.float8_e4m3fn).float()
+    scale = _pow2(scales[:, :7].to(torch.int32) - UE8M0_BIAS)
+    nope = fp8.view(n, 7, FP8_QUANT_BLOCK) * scale[..., None]
+    rope = data[:, NOPE_DIM:].contiguous().view(torch.bfloat16)
+    return torch.cat([nope.view(n, NOPE_DIM).to(torch.bfloat16), rope], dim=1)
+
+
+def _encode_nvfp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = rows.shape[0]
+    blocks = NOPE_DIM // NVFP4_QUANT_BLOCK
+    nope = rows[:, :NOPE_DIM].float().view(n, blocks, NVFP4_QUANT_BLOCK)
+    block_amax = nope.abs().amax(dim=-1)  # [n, 28]
+    token_amax = block_amax.amax(dim=-1)  # [n]
+    token_exp = torch.where(
+        token_amax > 0,
+        _ceil_log2(token_amax.clamp(min=torch.finfo(torch.float32).tiny) / (E2M1_MAX * FP8_MAX)),
+        torch.zeros_like(token_amax, dtype=torch.int32),
+    ).clamp(-UE8M0_BIAS, UE8M0_BIAS)
+    token_scale = _pow2(token_exp)  # [n]
+    block_scale_bits = _e4m3_round_up(block_amax / E2M1_MAX / token_scale[:, None])
+    block_scale = block_scale_bits.view(torch.float8_e4m3fn).float()
+    step = block_scale * token_scale[:, None]  # [n, 28] dequant multiplier per block
+    safe_step = torch.where(step > 0, step, torch.ones_like(step))
+    nibbles = _e2m1_encode(nope / safe_step[..., None]).view(n, NOPE_DIM // 2, 2)
+    packed = nibbles[..., 0] | (nibbles[..., 1] << 4)
+    rope = rows[:, NOPE_DIM:].contiguous().view(torch.uint8)
+    scales = torch.zeros(n, 32, dtype=torch.uint8, device=rows.device)
+    scales[:, :blocks] = block_scale_bits
+    scales[:, blocks] = (token_exp + UE8M0_BIAS).to(torch.uint8)
+    return torch.cat([packed, rope], dim=1), scales
+
+
+def _decode_nvfp4(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    n = data.shape[0]
+    blocks = NOPE_DIM // NVFP4_QUANT_BLOCK
+    packed = data[:, : NOPE_DIM // 2]
+    nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(n, NOPE_DIM)
+    values = _e2m1_decode(nibbles).view(n, blocks, NVFP4_QUANT_BLOCK)
+    block_scale = scales[:, :blocks].contiguous().view(torch.float8_e4m3fn).float()
+    token_scale = _pow2(scales[:, blocks].to(torch.int32) - UE8M0_BIAS)
+    nope = values * (block_scale * token_scale[:, None])[..., None]
+    rope = data[:, NOPE_DIM // 2 :].contiguous().view(torch.bfloat16)
+    return torch.cat([nope.view(n, NOPE_DIM).to(torch.bfloat16), rope], dim=1)
+
+
+def _encode_bf16(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    data = rows.contiguous().view(torch.uint8)
+    return data, data.new_zeros(rows.shape[0], 0)
+
+
+def _decode_bf16(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return data.contiguous().view(torch.bfloat16)
+
+
+_ENCODERS = {
+    KVFormat.FP8_DS_MLA: _encode_fp8_ds_mla,
+    KVFormat.NVFP4: _encode_nvfp4,
+    KVFormat.BF16: _encode_bf16,
+}
+_DECODERS = {
+    KVFormat.FP8_DS_MLA: _decode_fp8_ds_mla,
+    KVFormat.NVFP4: _decode_nvfp4,
+    KVFormat.BF16: _decode_bf16,
+}
+
+
+def _check_rows(rows: torch.Tensor) -> None:
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.bfloat16:
+        got = rows.dtype if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise ValueError(f"rows must be a bfloat16 tensor, got {got}")
+    if rows.dim() != 2 or rows.shape[1] != HEAD_DIM:
+        raise ValueError(f"rows must be [N, {HEAD_DIM}], got shape {tuple(rows.shape)}")
+
+
+def encode_rows(rows: torch.Tensor, fmt: KVFormat | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize bf16 rows ``[N, 512]`` to ``(data uint8 [N, data_row_bytes], scales uint8
+    [N, scale_row_bytes])`` in format ``fmt`` (module docstring gives the byte layout)."""
+    _check_rows(rows)
+    return _ENCODERS[KVFormat.parse(fmt)](rows)
+
+
+def decode_rows(data: torch.Tensor, scales: torch.Tensor, fmt: KVFormat | str) -> torch.Tensor:
+    """Inverse of :func:`encode_rows`: bf16 ``[N, 512]``."""
+    fmt = KVFormat.parse(fmt)
+    data_bytes, scale_bytes, _ = _GEOMETRY[fmt]
+    n = data.shape[0] if data.dim() == 2 else -1
+    if data.dtype != torch.uint8 or data.shape != (n, data_bytes):
+        raise ValueError(
+            f"data must be uint8 [N, {data_bytes}], got {data.dtype} {tuple(data.shape)}"
+        )
+    if scales.dtype != torch.uint8 or scales.shape != (n, scale_bytes):
+        raise ValueError(
+            f"scales must be uint8 [N={n}, {scale_bytes}], got {scales.dtype} {tuple(scales.shape)}"
+        )
+    return _DECODERS[fmt](data, scales)
+
+
+# --------------------------------------------------------------------------------------------
+# Paged cache access
+# --------------------------------------------------------------------------------------------
+
+
+def _check_cache(cache: torch.Tensor, layout: PageLayout) -> None:
+    if not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8 or cache.dim() != 2:
+        got = f"{cache.dtype} {tuple(cache.shape)}" if isinstance(cache, torch.Tensor) else cache
+        raise ValueError(f"cache must be a uint8 tensor [num_blocks, page_bytes], got {got}")
+    if cache.shape[1] < layout.page_bytes or cache.stride(1) != 1:
+        raise ValueError(
+            f"cache rows must hold a page of {layout.page_bytes} contiguous bytes "
+            f"(block_size={layout.block_size}), got shape {tuple(cache.shape)} "
+            f"strides {cache.stride()}"
+        )
+
+
+def _check_slots(slots: torch.Tensor, n: int | None, num_slots: int, device: torch.device) -> None:
+    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
+        got = slots.dtype if isinstance(slots, torch.Tensor) else type(slots).__name__
+        raise ValueError(f"slots must be an int32 or int64 tensor, got {got}")
+    if slots.dim() != 1 or (n is not None and slots.shape[0] != n):
+        raise ValueError(f"slots must be [N={n}], got shape {tuple(slots.shape)}")
+    if slots.device != device:
+        raise ValueError(f"slots are on {slots.device} but the cache is on {device}")
+    bad = slots[(slots < -1) | (slots >= num_slots)]
+    if bad.numel():
+        raise ValueError(
+            f"slot {int(bad[0])} is out of range: slots must lie in [-1, {num_slots}) "
+            f"(num_blocks * block_size), -1 meaning skip"
+        )
+
+
+def _byte_index(
+    slots: torch.Tensor, layout: PageLayout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(block ids [N, 1], data byte columns [N, data_row_bytes], scale columns [N, scale_row])."""
+    slots = slots.long()
+    block = (slots // layout.block_size)[:, None]
+    pos = (slots % layout.block_size)[:, None]
+    data_cols = pos * layout.data_row_bytes + torch.arange(
+        layout.data_row_bytes, device=slots.device
+    )
+    scale_cols = (
+        layout.scale_offset
+        + pos * layout.scale_row_bytes
+        + torch.arange(layout.scale_row_bytes, device=slots.device)
+    )
+    return block, data_cols, scale_cols
+
+
+def write(
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    rows: torch.Tensor,
+    fmt: KVFormat | str,
+    block_size: int,
+) -> None:
+    """Quantize ``rows`` (bf16 ``[N, 512]``) into ``cache`` at ``slots`` (int ``[N]``), in place.
+
+    Slot -1 is skipped. Only the bytes of the written slots change. Raises ValueError on a wrong
+    dtype or shape, a slot outside ``[-1, num_blocks * block_size)``, a slot given twice, or a
+    cache too small for ``block_size`` pages.
+    """
+    layout = page_layout(fmt, block_size)
+    _check_cache(cache, layout)
+    _check_rows(rows)
+    if rows.device != cache.device:
+        raise ValueError(f"rows are on {rows.device} but the cache is on {cache.device}")
+    _check_slots(slots, rows.shape[0], cache.shape[0] * block_size, cache.device)
+    keep = slots >= 0
+    slots, rows = slots[keep], rows[keep]
+    if slots.numel() != torch.unique(slots).numel():
+        raise ValueError("slots must not repeat within one write (the result would be undefined)")
+    if slots.numel() == 0:
+        return
+    data, scales = _ENCODERS[KVFormat.parse(fmt)](rows)
+    block, data_cols, scale_cols = _byte_index(slots, layout)
+    cache[block, data_cols] = data
+    if layout.scale_row_bytes:
+        cache[block, scale_cols] = scales
+
+
+def read_unchecked(
+    cache: torch.Tensor, slots: torch.Tensor, fmt: KVFormat, block_size: int
+) -> torch.Tensor:
+    """:func:`read` without validation (no host sync): for callers that validated already."""
+    layout = page_layout(fmt, block_size)
+    valid = slots >= 0
+    block, data_cols, scale_cols = _byte_index(slots.clamp(min=0), layout)
+    data = cache[block, data_cols]
+    scales = cache[block, scale_cols] if layout.scale_row_bytes else data.new_zeros(len(slots), 0)
+    rows = _DECODERS[fmt](data, scales)
+    return torch.where(valid[:, None], rows, torch.zeros_like(rows))
+
+
+def read(
+    cache: torch.Tensor, slots: torch.Tensor, fmt: KVFormat | str, block_size: int
+) -> torch.Tensor:
+    """Dequantize the rows at ``slots`` (int ``[N]``): bf16 ``[N, 512]``; slot -1 reads as zeros."""
+    fmt = KVFormat.parse(fmt)
+    layout = page_layout(fmt, block_size)
+    _check_cache(cache, layout)
+    _check_slots(slots, None, cache.shape[0] * block_size, cache.device)
+    return read_unchecked(cache, slots, fmt, block_size)
