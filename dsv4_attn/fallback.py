@@ -29,7 +29,7 @@ def _gather(
     indices: torch.Tensor,
     lens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantized rows ``[t, K, 512]`` float32 (zeros at holes) and the validity mask ``[t, K]``."""
+    """Dequantized rows ``[t, K, 512]`` float32 (zeros at holes) and the valid mask ``[t, K]``."""
     t, K = indices.shape
     counted = torch.arange(K, device=indices.device)[None, :] < lens[:, None]
     valid = counted & (indices >= 0)

@@ -9,16 +9,18 @@ kernel can bulk-copy the data rows of a tile and, separately, their scales.
 ``FP8_DS_MLA`` (584 B/token) — byte-for-byte vLLM's ``fp8_ds_mla`` (FlashMLA "MODEL1"):
     data row, 576 B:  [0, 448)    448 x float8_e4m3fn, nope value i / 2^(e_{i//64} - 127)
                       [448, 576)  64 x bfloat16 RoPE values, little-endian, unquantized
-    scale row, 8 B:   [0, 7)      7 x UE8M0 exponent byte e_b = ceil(log2(max(amax_b, 1e-4) / 448)) + 127
-                                  for the 64-value block b (amax over the bf16 inputs)
+    scale row, 8 B:   [0, 7)      7 x UE8M0 exponent byte per 64-value block b:
+                                  e_b = ceil(log2(max(amax_b, 1e-4) / 448)) + 127,
+                                  amax_b over the bf16 inputs of the block
                       [7]         0 (padding)
-    page:             block_size data rows, then block_size scale rows, padded to a multiple of 576 B.
+    page:             block_size data rows, then block_size scale rows, padded to a
+                      multiple of 576 B.
     Nope values are x / 2^(e_b - 127) rounded to nearest-even e4m3 (never beyond +-448).
 
 ``NVFP4`` (384 B/token) — this backend's default:
-    data row, 352 B:  [0, 224)    448 x e2m1 packed two per byte: value 2j in the low nibble, 2j+1 in
-                                  the high nibble; nibble = sign << 3 | magnitude code, codes 0..7 =
-                                  {0, 0.5, 1, 1.5, 2, 3, 4, 6}
+    data row, 352 B:  [0, 224)    448 x e2m1 packed two per byte: value 2j in the low nibble,
+                                  2j+1 in the high nibble; nibble = sign << 3 | magnitude
+                                  code, codes 0..7 = {0, 0.5, 1, 1.5, 2, 3, 4, 6}
                       [224, 352)  64 x bfloat16 RoPE values, unquantized
     scale row, 32 B:  [0, 28)     28 x float8_e4m3fn block scale s_b, one per 16 nope values
                       [28]        UE8M0 token scale byte u: the token scale is G = 2^(u - 127)
@@ -202,7 +204,7 @@ def _e2m1_decode(nibbles: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# Row codecs: bf16 rows [N, 512] <-> (data rows [N, data_row_bytes], scale rows [N, scale_row_bytes])
+# Row codecs: bf16 rows [N, 512] <-> (data rows [N, data_row_bytes], scale rows [N, scale_row])
 # --------------------------------------------------------------------------------------------
 
 
