@@ -184,8 +184,15 @@ def _e4m3_round_up(x: torch.Tensor) -> torch.Tensor:
 # e2m1 magnitudes by code; ties in rounding go to the even code.
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between consecutive codes, and whether a tie there rounds up (to an even code).
-_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
-                   (2.5, False), (3.5, True), (5.0, False))  # fmt: skip
+_E2M1_MIDPOINTS = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
 
 
 def _e2m1_encode(y: torch.Tensor) -> torch.Tensor:

@@ -82,9 +82,20 @@ def _check_scope(
 
 
 def _validate(
-    q, cache, fmt, block_size, indices, lens, sink, scale,
-    extra_cache, extra_block_size, extra_indices, extra_lens, check_values,
-) -> bool:  # fmt: skip
+    q,
+    cache,
+    fmt,
+    block_size,
+    indices,
+    lens,
+    sink,
+    scale,
+    extra_cache,
+    extra_block_size,
+    extra_indices,
+    extra_lens,
+    check_values,
+) -> bool:
     """Raise ValueError naming the first bad argument; return whether an extra scope is given."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != HEAD_DIM:
         got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
@@ -102,9 +113,16 @@ def _validate(
     if all(given):
         _check_block_size("extra_block_size", extra_block_size)
         _check_scope(
-            "extra_", extra_cache, fmt, extra_block_size, extra_indices, extra_lens, T,
-            q.device, check_values,
-        )  # fmt: skip
+            "extra_",
+            extra_cache,
+            fmt,
+            extra_block_size,
+            extra_indices,
+            extra_lens,
+            T,
+            q.device,
+            check_values,
+        )
     if sink is not None:
         if not isinstance(sink, torch.Tensor) or sink.shape != (H,):
             got = tuple(sink.shape) if isinstance(sink, torch.Tensor) else type(sink).__name__
@@ -116,13 +134,13 @@ def _validate(
     return all(given)
 
 
-def _cutedsl_unsupported_reason(q: torch.Tensor, fmt: KVFormat, has_extra: bool) -> str | None:
-    """Why the CuTeDSL kernel cannot run this case, or None when it can."""
+def _cutedsl_unsupported_reason(args: tuple) -> str | None:
+    """Why the CuTeDSL kernel cannot run this case (``args`` as for the kernel), or None."""
     try:
         from dsv4_attn.kernels import sparse_decode
     except ImportError as exc:
         return f"the CuTeDSL sparse-decode kernel is unavailable ({exc})"
-    return sparse_decode.unsupported_reason(q, fmt)
+    return sparse_decode.unsupported_reason(*args)
 
 
 def _log_fallback_once(reason: str) -> None:
@@ -132,9 +150,19 @@ def _log_fallback_once(reason: str) -> None:
 
 
 def _reference_on_cache(
-    q, cache, fmt, block_size, indices, lens, sink, scale,
-    extra_cache, extra_block_size, extra_indices, extra_lens,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q,
+    cache,
+    fmt,
+    block_size,
+    indices,
+    lens,
+    sink,
+    scale,
+    extra_cache,
+    extra_block_size,
+    extra_indices,
+    extra_lens,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the float64 reference on the dequantized rows the indices touch."""
 
     def rows_and_local_ids(cache_, block_size_, indices_, lens_):
@@ -195,18 +223,39 @@ def sparse_attention(
     fmt = KVFormat.parse(fmt)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    has_extra = _validate(
-        q, cache, fmt, block_size, indices, lens, sink, scale,
-        extra_cache, extra_block_size, extra_indices, extra_lens, check_values,
-    )  # fmt: skip
+    _validate(
+        q,
+        cache,
+        fmt,
+        block_size,
+        indices,
+        lens,
+        sink,
+        scale,
+        extra_cache,
+        extra_block_size,
+        extra_indices,
+        extra_lens,
+        check_values,
+    )
     args = (
-        q, cache, fmt, block_size, indices, lens, sink, scale,
-        extra_cache, extra_block_size, extra_indices, extra_lens,
-    )  # fmt: skip
+        q,
+        cache,
+        fmt,
+        block_size,
+        indices,
+        lens,
+        sink,
+        scale,
+        extra_cache,
+        extra_block_size,
+        extra_indices,
+        extra_lens,
+    )
     if backend == "reference":
         return _reference_on_cache(*args)
     if backend in ("auto", "cutedsl"):
-        reason = _cutedsl_unsupported_reason(q, fmt, has_extra)
+        reason = _cutedsl_unsupported_reason(args)
         if reason is None:
             from dsv4_attn.kernels import sparse_decode
 

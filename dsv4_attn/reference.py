@@ -59,7 +59,7 @@ def _gather_scope(
     """Rows ``[t, K, D]`` (float64, zero where invalid) and the validity mask ``[t, K]``."""
     K = indices.shape[1]
     valid = (torch.arange(K, device=indices.device)[None, :] < lens[:, None]) & (indices >= 0)
-    rows = kv.to(torch.float64)[indices.clamp(min=0).long()]
+    rows = kv.to(torch.float64)[torch.where(valid, indices, 0).long()]
     return rows * valid[..., None], valid
 
 

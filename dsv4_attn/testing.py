@@ -1,0 +1,164 @@
+"""Random sparse-decode problems over paged caches, shared by tests and benchmarks.
+
+A :class:`DecodeCase` is a ready argument set for :func:`dsv4_attn.ops.sparse_attention`: a SWA
+cache and (optionally) a compressed "extra" cache filled with random rows, random queries, and per
+token slot lists in the shape DeepSeek-V4 decode produces them (a window of up to 128 slots, then
+compressed slots), with holes (-1) and lengths as asked. Values are random normal, never zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4_attn import kv_cache
+from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+
+__all__ = ["DecodeCase", "make_decode_case", "random_rows"]
+
+_FILL_CHUNK = 1 << 16  # rows generated and written at a time
+
+
+def random_rows(n: int, generator: torch.Generator, device: torch.device | str = "cpu"):
+    """bf16 ``[n, 512]`` rows shaped like DeepSeek-V4 KV rows after RMSNorm: nope values with a
+    per-channel spread of magnitudes, RoPE values of order 1."""
+    channel_scale = torch.exp(torch.randn(HEAD_DIM, generator=generator) * 0.5)
+    rows = torch.randn(n, HEAD_DIM, generator=generator) * channel_scale
+    return rows.to(device=device, dtype=torch.bfloat16)
+
+
+@dataclass
+class DecodeCase:
+    q: torch.Tensor  # bf16 [T, H, 512]
+    cache: torch.Tensor  # uint8 [num_blocks, page_bytes]
+    fmt: KVFormat
+    block_size: int
+    indices: torch.Tensor  # int32 [T, window]
+    lens: torch.Tensor  # int32 [T]
+    sink: torch.Tensor | None  # float32 [H]
+    scale: float
+    extra_cache: torch.Tensor | None = None
+    extra_block_size: int | None = None
+    extra_indices: torch.Tensor | None = None  # int32 [T, K_extra]
+    extra_lens: torch.Tensor | None = None  # int32 [T]
+
+    def args(self) -> tuple:
+        """Positional arguments for ``ops.sparse_attention``."""
+        return (
+            self.q,
+            self.cache,
+            self.fmt,
+            self.block_size,
+            self.indices,
+            self.lens,
+            self.sink,
+            self.scale,
+            self.extra_cache,
+            self.extra_block_size,
+            self.extra_indices,
+            self.extra_lens,
+        )
+
+    @property
+    def num_keys(self) -> int:
+        """Valid (non-hole, within-length) keys over all tokens and both scopes."""
+
+        def count(indices, lens):
+            if indices is None:
+                return 0
+            k = torch.arange(indices.shape[1], device=indices.device)
+            return int(((k[None, :] < lens[:, None]) & (indices >= 0)).sum())
+
+        return count(self.indices, self.lens) + count(self.extra_indices, self.extra_lens)
+
+
+def _slot_lists(
+    T: int,
+    width: int,
+    rows_per_token: int,
+    num_slots: int,
+    hole_rate: float,
+    gen: torch.Generator,
+    distinct: bool,
+) -> torch.Tensor:
+    """Slot ids ``[T, width]``: token t's rows in its own range when ``distinct`` (like separate
+    requests, so every key is a separate read), else drawn from the whole cache."""
+    if distinct:
+        base = (torch.arange(T) * rows_per_token)[:, None]
+        offsets = torch.stack(
+            [torch.randperm(rows_per_token, generator=gen)[:width] for _ in range(T)]
+        )
+        slots = base + offsets
+    else:
+        slots = torch.randint(0, num_slots, (T, width), generator=gen)
+    if hole_rate > 0:
+        slots[torch.rand(T, width, generator=gen) < hole_rate] = -1
+    return slots.to(torch.int32)
+
+
+def make_decode_case(
+    T: int,
+    H: int,
+    fmt: KVFormat | str,
+    window: int = 128,
+    extra: int | None = None,
+    *,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    block_size: int = 64,
+    extra_block_size: int = 64,
+    hole_rate: float = 0.0,
+    lens: str = "full",
+    sink: str | None = "finite",
+    distinct: bool = True,
+) -> DecodeCase:
+    """A random decode problem.
+
+    Args:
+        T, H: query tokens and heads.
+        window: slots per token in the SWA scope (indices width); ``extra``: width of the
+            compressed scope (None for no extra scope; 0 for an empty one).
+        lens: ``"full"`` (every slot counts) or ``"random"`` (uniform in [0, width], with the
+            first token at 0 and the last at full width).
+        sink: None, ``"finite"``, ``"inf"`` (+inf), ``"-inf"`` or ``"mixed"`` (all of those).
+        distinct: give each token its own rows (realistic traffic for benchmarks).
+    """
+    fmt = KVFormat.parse(fmt)
+    gen = torch.Generator().manual_seed(seed)
+
+    def scope(width: int, bs: int):
+        rows_per_token = max(width, 1)
+        num_slots = T * rows_per_token if distinct else max(4 * width, bs)
+        num_blocks = -(-num_slots // bs)
+        cache = kv_cache.allocate(num_blocks, bs, fmt, device=device)
+        for start in range(0, num_blocks * bs, _FILL_CHUNK):
+            slots = torch.arange(start, min(num_blocks * bs, start + _FILL_CHUNK))
+            kv_cache.write(cache, slots.to(device), random_rows(len(slots), gen, device), fmt, bs)
+        indices = _slot_lists(T, width, rows_per_token, num_blocks * bs, hole_rate, gen, distinct)
+        if lens == "full":
+            scope_lens = torch.full((T,), width, dtype=torch.int32)
+        elif lens == "random":
+            scope_lens = torch.randint(0, width + 1, (T,), generator=gen, dtype=torch.int32)
+            scope_lens[0], scope_lens[-1] = 0, width
+        else:
+            raise ValueError(f"lens must be 'full' or 'random', got {lens!r}")
+        return cache, indices.to(device), scope_lens.to(device)
+
+    cache, indices, scope_lens = scope(window, block_size)
+    q = (torch.randn(T, H, HEAD_DIM, generator=gen) * 0.5).to(device=device, dtype=torch.bfloat16)
+    sinks = {
+        None: None,
+        "finite": torch.randn(H, generator=gen) * 2,
+        "inf": torch.full((H,), float("inf")),
+        "-inf": torch.full((H,), float("-inf")),
+        "mixed": torch.tensor([float("inf"), float("-inf"), 0.0, 3.0] * H)[:H],
+    }
+    if sink not in sinks:
+        raise ValueError(f"sink must be one of {list(sinks)}, got {sink!r}")
+    sink_t = sinks[sink].to(device) if sinks[sink] is not None else None
+    case = DecodeCase(q, cache, fmt, block_size, indices, scope_lens, sink_t, HEAD_DIM**-0.5)
+    if extra is not None:
+        case.extra_cache, case.extra_indices, case.extra_lens = scope(extra, extra_block_size)
+        case.extra_block_size = extra_block_size
+    return case

@@ -1,0 +1,105 @@
+"""The batched torch fallback against the float64 reference, on CPU and (marked gpu) CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4_attn import fallback, kv_cache, reference
+from dsv4_attn.testing import DecodeCase, make_decode_case
+
+
+def reference_on_rows(case: DecodeCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference on the dequantized cache, built here without ops' own plumbing."""
+
+    def rows_of(cache, bs):
+        return kv_cache.read(
+            cache, torch.arange(cache.shape[0] * bs, device=cache.device), case.fmt, bs
+        )
+
+    extra = ()
+    if case.extra_cache is not None:
+        extra = (
+            rows_of(case.extra_cache, case.extra_block_size),
+            case.extra_indices,
+            case.extra_lens,
+        )
+    return reference.sparse_attention(
+        case.q,
+        rows_of(case.cache, case.block_size),
+        case.indices,
+        case.lens,
+        case.sink,
+        case.scale,
+        *extra,
+    )
+
+
+def assert_matches_reference(out, lse, ref_out, ref_lse, tol=1e-2):
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert torch.isfinite(out.float()).all(), "NaN/inf in output"
+    rel = (out.double() - ref_out).norm() / ref_out.norm().clamp(min=1e-30)
+    assert rel <= tol, f"relative error {rel:.3e}"
+    zero_rows = ref_out.abs().amax(-1) == 0
+    assert torch.all(out[zero_rows] == 0), "rows with no valid key (or sink=+inf) must be 0"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.all(lse[~finite] == float("-inf"))
+    torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=1e-5, atol=1e-4)
+
+
+CASES = [
+    # T, H, fmt, window, extra, lens, sink, holes
+    (5, 8, "nvfp4", 128, None, "random", "finite", 0.2),
+    (5, 8, "fp8_ds_mla", 128, 64, "random", "mixed", 0.2),
+    (3, 16, "bf16", 17, 5, "full", None, 0.0),
+    (4, 64, "nvfp4", 128, 0, "full", "-inf", 0.1),
+    (2, 128, "fp8_ds_mla", 128, 96, "random", "inf", 0.3),
+]
+
+
+def run_case(params, device, seed):
+    T, H, fmt, window, extra, lens, sink, holes = params
+    case = make_decode_case(
+        T,
+        H,
+        fmt,
+        window,
+        extra,
+        seed=seed,
+        device=device,
+        lens=lens,
+        sink=sink,
+        hole_rate=holes,
+        distinct=False,
+    )
+    torch.manual_seed(seed)
+    out, lse = fallback.sparse_attention(*case.args())
+    assert_matches_reference(out, lse, *reference_on_rows(case))
+
+
+@pytest.mark.parametrize("params", CASES, ids=str)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fallback_matches_reference_cpu(params, seed):
+    run_case(params, "cpu", seed)
+
+
+def test_fallback_chunks_tokens(monkeypatch):
+    """Force one token per chunk: results must not depend on the chunking."""
+    case = make_decode_case(
+        6, 8, "nvfp4", 32, 16, seed=3, lens="random", hole_rate=0.2, distinct=False
+    )
+    whole = fallback.sparse_attention(*case.args())
+    monkeypatch.setattr(fallback, "_CHUNK_BYTES", 1)
+    chunked = fallback.sparse_attention(*case.args())
+    torch.testing.assert_close(whole, chunked, rtol=0, atol=0)
+    assert_matches_reference(*chunked, *reference_on_rows(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params", CASES, ids=str)
+def test_fallback_matches_reference_cuda(params):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for seed in range(3):
+        run_case(params, "cuda", seed)

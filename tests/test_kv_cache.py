@@ -1,0 +1,317 @@
+"""KV-cache codecs: byte layouts against independent packers, error bounds, slot isolation."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsv4_attn import kv_cache
+from dsv4_attn.kv_cache import KVFormat
+
+# ---------------------------------------------------------------------------------------------
+# Independent scalar implementations of the formats, written from the documented spec only.
+# ---------------------------------------------------------------------------------------------
+
+
+def e4m3_value(code: int) -> float:
+    """float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; 0x7F/0xFF are NaN."""
+    sign = -1.0 if code & 0x80 else 1.0
+    exp, man = (code >> 3) & 0xF, code & 0x7
+    if exp == 0xF and man == 0x7:
+        return math.nan
+    if exp == 0:
+        return sign * man / 8 * 2.0**-6
+    return sign * (1 + man / 8) * 2.0 ** (exp - 7)
+
+
+E4M3_POSITIVE = sorted((e4m3_value(c), c) for c in range(0x7F))  # 0 .. 448, finite, sign +
+
+
+def e4m3_nearest_even(x: float) -> int:
+    """Code of the e4m3 value nearest x (|x| <= 448), ties to the even code."""
+    mag = abs(x)
+    best = min(E4M3_POSITIVE, key=lambda vc: (abs(vc[0] - mag), vc[1] & 1))
+    return best[1] | (0x80 if x < 0 and best[0] != 0 else 0)
+
+
+def e4m3_round_up(x: float) -> int:
+    return next(c for v, c in E4M3_POSITIVE if v >= x)
+
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def e2m1_nearest_even(y: float) -> int:
+    mag = abs(y)
+    code = min(range(8), key=lambda c: (abs(E2M1[c] - mag), c & 1))
+    return code | (8 if y < 0 else 0)
+
+
+def ceil_log2(x: float) -> int:
+    m, e = math.frexp(x)
+    return e - 1 if m == 0.5 else e
+
+
+def bf16_bytes(value: float) -> bytes:
+    return struct.pack("<f", value)[2:4]  # bf16 = the high half of the float32 pattern
+
+
+def pack_fp8_ds_mla_page(token_rows: dict[int, list[float]], block_size: int) -> bytes:
+    """One page of vLLM's fp8_ds_mla layout from the spec: data rows, scale rows, pad to 576."""
+    data = bytearray(block_size * 576)
+    scales = bytearray(block_size * 8)
+    for pos, row in token_rows.items():
+        for b in range(7):
+            block = row[64 * b : 64 * (b + 1)]
+            exponent = ceil_log2(max(max(abs(v) for v in block), 1e-4) / 448.0)
+            for i, v in enumerate(block):
+                data[pos * 576 + 64 * b + i] = e4m3_nearest_even(v / 2.0**exponent)
+            scales[pos * 8 + b] = exponent + 127
+        for i, v in enumerate(row[448:]):
+            data[pos * 576 + 448 + 2 * i : pos * 576 + 450 + 2 * i] = bf16_bytes(v)
+    page = bytes(data + scales)
+    return page + bytes(-len(page) % 576)
+
+
+def pack_nvfp4_token(row: list[float]) -> tuple[bytes, bytes]:
+    """(352-B data row, 32-B scale row) from the documented NVFP4 rule, float32 arithmetic."""
+    f32 = np.float32
+    nope = [f32(v) for v in row[:448]]
+    amax = max(abs(v) for v in nope)
+    g_exp = 0 if amax == 0 else max(-127, min(127, ceil_log2(float(amax) / 2688.0)))
+    G = f32(2.0**g_exp)
+    codes, block_scales = [], []
+    for b in range(28):
+        block = nope[16 * b : 16 * (b + 1)]
+        s_code = e4m3_round_up(float(f32(max(abs(v) for v in block) / f32(6.0)) / G))
+        step = f32(e4m3_value(s_code)) * G
+        block_scales.append(s_code)
+        codes += [e2m1_nearest_even(float(v / step)) if step > 0 else 0 for v in block]
+    packed = bytes(codes[2 * j] | (codes[2 * j + 1] << 4) for j in range(224))
+    rope = b"".join(bf16_bytes(v) for v in row[448:])
+    return packed + rope, bytes(block_scales) + bytes([g_exp + 127, 0, 0, 0])
+
+
+def unpack_nvfp4_token(data: bytes, scales: bytes) -> list[float]:
+    G = 2.0 ** (scales[28] - 127)
+    out = []
+    for j in range(448):
+        nibble = (data[j // 2] >> (4 * (j % 2))) & 0xF
+        value = E2M1[nibble & 7] * (-1 if nibble & 8 else 1)
+        out.append(value * e4m3_value(scales[j // 16]) * G)
+    for i in range(64):
+        out.append(struct.unpack("<f", b"\0\0" + data[224 + 2 * i : 226 + 2 * i])[0])
+    return out
+
+
+def unpack_fp8_ds_mla_token(data: bytes, scales: bytes) -> list[float]:
+    out = [e4m3_value(data[i]) * 2.0 ** (scales[i // 64] - 127) for i in range(448)]
+    for i in range(64):
+        out.append(struct.unpack("<f", b"\0\0" + data[448 + 2 * i : 450 + 2 * i])[0])
+    return out
+
+
+def random_rows(gen: torch.Generator, n: int, kind: str = "normal") -> torch.Tensor:
+    x = torch.randn(n, 512, generator=gen)
+    if kind == "mixed":  # magnitudes spanning 1e-8 .. 1e8 across blocks of 16
+        magnitude = torch.logspace(-8, 8, 32)[torch.randint(0, 32, (n, 32), generator=gen)]
+        x = x * magnitude.repeat_interleave(16, 1)
+    elif kind == "tiny":
+        x = x * 1e-6
+    elif kind == "huge":
+        x = x * 1e30
+    elif kind == "zero":
+        x = torch.zeros(n, 512)
+    elif kind == "ties":  # values on e2m1/e4m3 midpoints after scaling
+        x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 64).repeat(n, 1)
+        x = x * torch.where(torch.rand(n, 512, generator=gen) < 0.5, -1.0, 1.0)
+    return x.to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sizes():
+    assert kv_cache.bytes_per_token("fp8_ds_mla") == 584
+    assert kv_cache.bytes_per_token(KVFormat.NVFP4) == 384
+    assert 1 - 384 / 584 > 0.34  # "34% smaller than FP8"
+    assert kv_cache.page_layout("fp8_ds_mla", 64).page_bytes == 37440  # 64*584 padded to 576
+    assert kv_cache.page_layout("nvfp4", 64).page_bytes == 64 * 384
+    assert kv_cache.allocate(3, 64, "nvfp4").shape == (3, 64 * 384)
+
+
+@pytest.mark.parametrize("block_size", [64, 2, 5])
+def test_fp8_ds_mla_page_is_byte_identical_to_independent_packer(block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    rows = torch.cat(
+        [random_rows(gen, 3, "normal"), random_rows(gen, 1, "tiny"), random_rows(gen, 1, "zero")]
+    )
+    rows = rows[: min(5, block_size)]
+    positions = torch.randperm(block_size, generator=gen)[: rows.shape[0]]
+    cache = kv_cache.allocate(2, block_size, "fp8_ds_mla")
+    kv_cache.write(cache, positions + block_size, rows, "fp8_ds_mla", block_size)  # block 1
+    expected = pack_fp8_ds_mla_page(
+        {int(p): [float(v) for v in r.float()] for p, r in zip(positions, rows, strict=True)},
+        block_size,
+    )
+    assert bytes(cache[1].tolist()) == expected
+    assert not cache[0].any()
+
+
+def test_fp8_ds_mla_reads_bytes_from_independent_packer():
+    gen = torch.Generator().manual_seed(11)
+    rows = random_rows(gen, 4, "mixed")
+    page = pack_fp8_ds_mla_page({p: [float(v) for v in r.float()] for p, r in enumerate(rows)}, 4)
+    cache = torch.tensor(list(page), dtype=torch.uint8).view(1, -1)
+    decoded = kv_cache.read(cache, torch.arange(4), "fp8_ds_mla", 4)
+    for p in range(4):
+        expected = unpack_fp8_ds_mla_token(page[p * 576 : (p + 1) * 576], page[4 * 576 + 8 * p :])
+        assert decoded[p].float().tolist() == pytest.approx(expected, rel=0, abs=0)
+
+
+@pytest.mark.parametrize("kind", ["normal", "mixed", "tiny", "huge", "zero", "ties"])
+def test_nvfp4_bytes_match_independent_packer(kind):
+    gen = torch.Generator().manual_seed(hash(kind) % 1000)
+    rows = random_rows(gen, 3, kind)
+    data, scales = kv_cache.encode_rows(rows, "nvfp4")
+    for i, row in enumerate(rows):
+        exp_data, exp_scales = pack_nvfp4_token([float(v) for v in row.float()])
+        assert bytes(data[i].tolist()) == exp_data
+        assert bytes(scales[i].tolist()) == exp_scales
+        decoded = kv_cache.decode_rows(data[i : i + 1], scales[i : i + 1], "nvfp4")[0]
+        assert decoded.float().tolist() == unpack_nvfp4_token(exp_data, exp_scales)
+
+
+def _fp8_bound(x: torch.Tensor) -> torch.Tensor:
+    blocks = x[:, :448].double().view(-1, 7, 64)
+    amax = blocks.abs().amax(-1).clamp(min=1e-4)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448)))
+    return (2.0**-4 * blocks.abs() + 2.0**-10 * scale[..., None]).view(-1, 448)
+
+
+def _nvfp4_bound(x: torch.Tensor) -> torch.Tensor:
+    blocks = x[:, :448].double().view(-1, 28, 16)
+    amax_b = blocks.abs().amax(-1)
+    amax_t = amax_b.amax(-1)
+    G = torch.where(amax_t > 0, torch.exp2(torch.ceil(torch.log2(amax_t / 2688))), 1.0)
+    step = 1.125 * amax_b / 6 + 2.0**-9 * G[:, None]
+    return torch.maximum(blocks.abs() / 4, step[..., None] / 4).view(-1, 448)
+
+
+BOUNDS = {"fp8_ds_mla": _fp8_bound, "nvfp4": _nvfp4_bound, "bf16": lambda x: 0 * x[:, :448]}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    fmt=st.sampled_from(["fp8_ds_mla", "nvfp4", "bf16"]),
+    kind=st.sampled_from(["normal", "mixed", "tiny", "huge", "zero", "ties"]),
+    n=st.integers(1, 9),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_round_trip_error_bounds(fmt, kind, n, seed):
+    rows = random_rows(torch.Generator().manual_seed(seed), n, kind)
+    back = kv_cache.decode_rows(*kv_cache.encode_rows(rows, fmt), fmt)
+    err = (back.double() - rows.double()).abs()
+    assert torch.equal(back[:, 448:], rows[:, 448:]), "RoPE values must round-trip exactly"
+    assert torch.all(err[:, :448] <= BOUNDS[fmt](rows)), f"max err {err.max().item()}"
+    assert torch.isfinite(back.float()).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    fmt=st.sampled_from(["fp8_ds_mla", "nvfp4", "bf16"]),
+    block_size=st.sampled_from([1, 3, 64]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_write_touches_only_its_slots(fmt, block_size, seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 3
+    row_bytes = kv_cache.page_layout(fmt, block_size).page_bytes + 7
+    cache = torch.randint(0, 256, (num_blocks, row_bytes), generator=gen, dtype=torch.uint8)
+    before = cache.clone()
+    n = int(torch.randint(1, num_blocks * block_size + 1, (1,), generator=gen))
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:n]
+    slots[torch.rand(n, generator=gen) < 0.2] = -1  # skipped
+    rows = random_rows(gen, n, "normal")
+    kv_cache.write(cache, slots, rows, fmt, block_size)
+
+    layout = kv_cache.page_layout(fmt, block_size)
+    expected = before.clone()
+    data, scales = kv_cache.encode_rows(rows, fmt)
+    for i, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        b, p = divmod(slot, block_size)
+        d0 = p * layout.data_row_bytes
+        expected[b, d0 : d0 + layout.data_row_bytes] = data[i]
+        s0 = layout.scale_offset + p * layout.scale_row_bytes
+        expected[b, s0 : s0 + layout.scale_row_bytes] = scales[i]
+    assert torch.equal(cache, expected)
+    keep = slots >= 0
+    back = kv_cache.read(cache, slots, fmt, block_size)
+    assert torch.equal(back[keep], kv_cache.decode_rows(data, scales, fmt)[keep])
+    assert not back[~keep].any(), "slot -1 reads as zeros"
+
+
+def test_strided_cache_view_round_trips():
+    """vLLM hands out page views whose row stride exceeds the page (packed layers)."""
+    gen = torch.Generator().manual_seed(2)
+    backing = torch.zeros(4, 2 * 37440, dtype=torch.uint8)
+    cache = backing[:, 37440:]
+    rows = random_rows(gen, 5, "normal")
+    slots = torch.tensor([0, 63, 64, 200, 255])
+    kv_cache.write(cache, slots, rows, "fp8_ds_mla", 64)
+    assert not backing[:, :37440].any()
+    expected = kv_cache.decode_rows(*kv_cache.encode_rows(rows, "fp8_ds_mla"), "fp8_ds_mla")
+    assert torch.equal(kv_cache.read(cache, slots, "fp8_ds_mla", 64), expected)
+
+
+def _good_write_args():
+    return {
+        "cache": kv_cache.allocate(2, 4, "nvfp4"),
+        "slots": torch.tensor([0, 7]),
+        "rows": torch.randn(2, 512).to(torch.bfloat16),
+        "fmt": "nvfp4",
+        "block_size": 4,
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"rows": torch.randn(2, 512)}, "rows must be a bfloat16 tensor, got torch.float32"),
+        ({"rows": torch.randn(2, 511).bfloat16()}, "rows must be \\[N, 512\\], got shape"),
+        ({"slots": torch.tensor([0, 8])}, "slot 8 is out of range: slots must lie in \\[-1, 8\\)"),
+        ({"slots": torch.tensor([-2, 1])}, "slot -2 is out of range"),
+        ({"slots": torch.tensor([1, 1])}, "must not repeat"),
+        ({"slots": torch.tensor([0.0, 1.0])}, "int32 or int64"),
+        ({"slots": torch.tensor([0, 1, 2])}, "slots must be \\[N=2\\]"),
+        ({"cache": torch.zeros(2, 100, dtype=torch.uint8)}, "page of 1536 contiguous bytes"),
+        ({"cache": torch.zeros(2, 1536)}, "uint8 tensor"),
+        ({"fmt": "fp4"}, "unknown KV-cache format 'fp4'; expected one of: fp8_ds_mla, nvfp4, bf16"),
+        ({"block_size": 0}, "block_size must be a positive int, got 0"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_it(change, message):
+    args = _good_write_args()
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        kv_cache.write(**args)
+
+
+def test_read_rejects_bad_slots():
+    cache = kv_cache.allocate(1, 4, "bf16")
+    with pytest.raises(ValueError, match="slot 4 is out of range"):
+        kv_cache.read(cache, torch.tensor([4]), "bf16", 4)
+
+
+def test_format_parse_accepts_names():
+    assert KVFormat.parse("NVFP4") is KVFormat.NVFP4
+    assert KVFormat.parse("fp8_ds_mla") is KVFormat.FP8_DS_MLA
+    assert KVFormat.parse(KVFormat.BF16) is KVFormat.BF16
