@@ -360,22 +360,21 @@ def _check_slots(slots: torch.Tensor, n: int | None, num_slots: int, device: tor
         )
 
 
-def _byte_index(
-    slots: torch.Tensor, layout: PageLayout
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(block ids [N, 1], data byte columns [N, data_row_bytes], scale columns [N, scale_row])."""
-    slots = slots.long()
-    block = (slots // layout.block_size)[:, None]
-    pos = (slots % layout.block_size)[:, None]
-    data_cols = pos * layout.data_row_bytes + torch.arange(
-        layout.data_row_bytes, device=slots.device
+def _row_views(cache: torch.Tensor, layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views ``[num_blocks, block_size, data_row_bytes]`` and ``[..., scale_row_bytes]`` of the
+    data and scale areas of every page (no copy; any row stride of ``cache``)."""
+    num_blocks, stride = cache.shape[0], cache.stride(0)
+    base = cache.storage_offset()
+    shape = (num_blocks, layout.block_size)
+    data = cache.as_strided(
+        (*shape, layout.data_row_bytes), (stride, layout.data_row_bytes, 1), base
     )
-    scale_cols = (
-        layout.scale_offset
-        + pos * layout.scale_row_bytes
-        + torch.arange(layout.scale_row_bytes, device=slots.device)
+    scales = cache.as_strided(
+        (*shape, layout.scale_row_bytes),
+        (stride, layout.scale_row_bytes, 1),
+        base + layout.scale_offset,
     )
-    return block, data_cols, scale_cols
+    return data, scales
 
 
 def write(
@@ -404,10 +403,11 @@ def write(
     if slots.numel() == 0:
         return
     data, scales = _ENCODERS[KVFormat.parse(fmt)](rows)
-    block, data_cols, scale_cols = _byte_index(slots, layout)
-    cache[block, data_cols] = data
+    data_rows, scale_rows = _row_views(cache, layout)
+    block, pos = slots.long() // block_size, slots.long() % block_size
+    data_rows[block, pos] = data
     if layout.scale_row_bytes:
-        cache[block, scale_cols] = scales
+        scale_rows[block, pos] = scales
 
 
 def read_unchecked(
@@ -416,10 +416,10 @@ def read_unchecked(
     """:func:`read` without validation (no host sync): for callers that validated already."""
     layout = page_layout(fmt, block_size)
     valid = slots >= 0
-    block, data_cols, scale_cols = _byte_index(slots.clamp(min=0), layout)
-    data = cache[block, data_cols]
-    scales = cache[block, scale_cols] if layout.scale_row_bytes else data.new_zeros(len(slots), 0)
-    rows = _DECODERS[fmt](data, scales)
+    safe = slots.clamp(min=0).long()
+    block, pos = safe // block_size, safe % block_size
+    data_rows, scale_rows = _row_views(cache, layout)
+    rows = _DECODERS[fmt](data_rows[block, pos], scale_rows[block, pos])
     return torch.where(valid[:, None], rows, torch.zeros_like(rows))
 
 
