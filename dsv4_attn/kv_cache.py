@@ -67,7 +67,9 @@ __all__ = [
     "encode_rows",
     "page_layout",
     "read",
+    "read_unchecked",
     "write",
+    "write_unchecked",
 ]
 
 HEAD_DIM = 512
@@ -377,6 +379,36 @@ def _row_views(cache: torch.Tensor, layout: PageLayout) -> tuple[torch.Tensor, t
     return data, scales
 
 
+def write_unchecked(
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    rows: torch.Tensor,
+    fmt: KVFormat,
+    block_size: int,
+) -> None:
+    """:func:`write` without validation and without a host sync (fixed shapes, graph-safe).
+
+    Same bytes as :func:`write`. Rows whose slot is -1 are not dropped (that would need a
+    data-dependent shape): they rewrite the target of the first valid row with that row's own
+    bytes, or, when no slot is valid, slot 0 with its current bytes, so nothing changes.
+    Valid slots must lie in ``[0, num_blocks * block_size)`` and must not repeat.
+    """
+    if slots.numel() == 0:
+        return
+    layout = page_layout(fmt, block_size)
+    data, scales = _ENCODERS[fmt](rows)
+    valid = slots >= 0
+    first = torch.argmax(valid.to(torch.int32))  # 0 when no slot is valid
+    any_valid = valid.any()
+    target = torch.where(valid, slots, torch.where(any_valid, slots[first], 0)).long()
+    block, pos = target // block_size, target % block_size
+    for area, values in zip(_row_views(cache, layout), (data, scales), strict=True):
+        if area.shape[-1] == 0:
+            continue
+        fill = torch.where(any_valid, values[first], area[0, 0])
+        area[block, pos] = torch.where(valid[:, None], values, fill[None, :])
+
+
 def write(
     cache: torch.Tensor,
     slots: torch.Tensor,
@@ -390,24 +422,17 @@ def write(
     dtype or shape, a slot outside ``[-1, num_blocks * block_size)``, a slot given twice, or a
     cache too small for ``block_size`` pages.
     """
+    fmt = KVFormat.parse(fmt)
     layout = page_layout(fmt, block_size)
     _check_cache(cache, layout)
     _check_rows(rows)
     if rows.device != cache.device:
         raise ValueError(f"rows are on {rows.device} but the cache is on {cache.device}")
     _check_slots(slots, rows.shape[0], cache.shape[0] * block_size, cache.device)
-    keep = slots >= 0
-    slots, rows = slots[keep], rows[keep]
-    if slots.numel() != torch.unique(slots).numel():
+    valid_slots = slots[slots >= 0]
+    if valid_slots.numel() != torch.unique(valid_slots).numel():
         raise ValueError("slots must not repeat within one write (the result would be undefined)")
-    if slots.numel() == 0:
-        return
-    data, scales = _ENCODERS[KVFormat.parse(fmt)](rows)
-    data_rows, scale_rows = _row_views(cache, layout)
-    block, pos = slots.long() // block_size, slots.long() % block_size
-    data_rows[block, pos] = data
-    if layout.scale_row_bytes:
-        scale_rows[block, pos] = scales
+    write_unchecked(cache, slots, rows, fmt, block_size)
 
 
 def read_unchecked(

@@ -9,6 +9,9 @@
 
 ``"auto"`` picks the kernel where it supports the case and otherwise the fallback, and logs the
 reason for falling back once per distinct reason.
+
+The prefill family, :func:`fmha` (dense) and :func:`sparse_prefill` (index-gathered bf16 rows),
+lives in :mod:`dsv4_attn.fmha_ops` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import math
 import torch
 
 from dsv4_attn import fallback, kv_cache, reference
+from dsv4_attn.fmha_ops import fmha, sparse_prefill
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 
-__all__ = ["BACKENDS", "sparse_attention"]
+__all__ = ["BACKENDS", "fmha", "sparse_attention", "sparse_prefill"]
 
 logger = logging.getLogger(__name__)
 

@@ -16,13 +16,20 @@ entries of ``extra_indices[t]`` into ``extra_kv``. Both scopes join one softmax;
 appears twice counts twice (DeepSeek-V4 does not de-duplicate window and compressed entries).
 With no valid candidate, ``out = 0`` and ``lse = -inf``. ``sink = +inf`` gives ``out = 0``;
 ``sink = -inf`` or ``None`` leaves the softmax unchanged.
+
+:func:`dense_attention` is the same math for dense prefill (MHA/GQA/MQA, separate K and V,
+causal and sliding-window masks): every key a query may see is a candidate. Its mask convention
+is bottom-right aligned, as in FlashAttention: with ``Sq`` queries and ``Sk`` keys in a sequence,
+query ``i`` sees key ``j`` iff ``j <= i + Sk - Sq`` (when causal) and ``j > i + Sk - Sq - window``
+(when a window is given: the ``window`` most recent keys including its own position).
+``tests/test_reference.py`` checks it against :func:`sparse_attention`.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["sparse_attention"]
+__all__ = ["dense_attention", "sparse_attention", "visible_mask"]
 
 # Tokens per chunk; bounds the float64 gather to about chunk * K * D * 8 bytes.
 _TOKENS_PER_CHUNK = 16
@@ -136,4 +143,122 @@ def sparse_attention(
             o_real = o_real * factor[..., None]
         out[sl] = o_real
         lse[sl] = chunk_lse
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense attention (prefill)
+# ---------------------------------------------------------------------------------------------
+
+# Bound on float64 score elements per chunk (64 M elements = 512 MB).
+_MAX_SCORE_ELEMS = 1 << 26
+
+
+def visible_mask(
+    seqlen_q: int, seqlen_k: int, causal: bool, window: int | None, device=None
+) -> torch.Tensor:
+    """``bool [Sq, Sk]``: which key each query sees under the causal / window convention."""
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    diag = i + (seqlen_k - seqlen_q)
+    mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if causal:
+        mask &= j <= diag
+    if window is not None:
+        mask &= j > diag - window
+    return mask
+
+
+def _one_sequence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    window: int | None,
+    sink: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: ``q [Sq, H, D]``, ``k [Sk, Hk, D]``, ``v [Sk, Hk, Dv]``.
+
+    Returns float64 ``out [Sq, H, Dv]`` and ``lse [Sq, H]``.
+    """
+    sq, h, _ = q.shape
+    sk, hk, dv = v.shape
+    group = h // hk
+    out = torch.zeros(sq, h, dv, dtype=torch.float64, device=q.device)
+    lse = torch.full((sq, h), float("-inf"), dtype=torch.float64, device=q.device)
+    if sq == 0 or sk == 0:
+        return out, lse
+    visible = visible_mask(sq, sk, causal, window, device=q.device)
+    heads_per_chunk = max(1, _MAX_SCORE_ELEMS // max(1, sq * sk))
+    for h0 in range(0, h, heads_per_chunk):
+        heads = torch.arange(h0, min(h, h0 + heads_per_chunk), device=q.device)
+        qh = q[:, heads].to(torch.float64).transpose(0, 1)  # [h, Sq, D]
+        kh = k[:, heads // group].to(torch.float64).transpose(0, 1)  # [h, Sk, D]
+        vh = v[:, heads // group].to(torch.float64).transpose(0, 1)  # [h, Sk, Dv]
+        scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
+        scores = scores.masked_fill(~visible, float("-inf"))
+        chunk_lse = torch.logsumexp(scores, dim=-1)  # [h, Sq]
+        shift = torch.where(torch.isfinite(chunk_lse), chunk_lse, torch.zeros_like(chunk_lse))
+        o = torch.matmul(torch.exp(scores - shift[..., None]), vh)  # [h, Sq, Dv]
+        if sink is not None:
+            s64 = sink.to(device=q.device, dtype=torch.float64)[heads][:, None]
+            factor = torch.sigmoid(chunk_lse - s64)
+            factor = torch.where(torch.isfinite(chunk_lse), factor, torch.zeros_like(factor))
+            o = o * factor[..., None]
+        out[:, heads] = o.transpose(0, 1)
+        lse[:, heads] = chunk_lse.transpose(0, 1)
+    return out, lse
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    window: int | None = None,
+    sink: torch.Tensor | None = None,
+    scale: float | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention in float64.
+
+    Args:
+        q: ``[B, Sq, H, D]``, or ``[total_q, H, D]`` with ``cu_seqlens_q``.
+        k: ``[B, Sk, Hk, D]``, or ``[total_k, Hk, D]`` with ``cu_seqlens_k``; ``H % Hk == 0``,
+            query head ``h`` uses key head ``h // (H // Hk)``.
+        v: like ``k`` with last dimension ``Dv``.
+        causal, window: the mask (module docstring).
+        sink: ``[H]`` per-head sink logit or None.
+        scale: softmax scale, default ``D ** -0.5``.
+        cu_seqlens_q, cu_seqlens_k: ``[B + 1]`` cumulative sequence offsets (packed layout).
+
+    Returns:
+        ``(out, lse)`` float64: ``out`` shaped like ``q`` with last dimension ``Dv``; ``lse``
+        shaped like ``q`` without its last dimension (natural log, sink excluded).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if cu_seqlens_q is None:
+        results = [
+            _one_sequence(q[b], k[b], v[b], causal, window, sink, scale) for b in range(q.shape[0])
+        ]
+        if not results:
+            shape = q.shape[:-1]
+            return (
+                torch.zeros(*shape, v.shape[-1], dtype=torch.float64, device=q.device),
+                torch.full(shape, float("-inf"), dtype=torch.float64, device=q.device),
+            )
+        return torch.stack([o for o, _ in results]), torch.stack([s for _, s in results])
+    cq = [int(x) for x in cu_seqlens_q.tolist()]
+    ck = [int(x) for x in cu_seqlens_k.tolist()]
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float64, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float64, device=q.device)
+    for b in range(len(cq) - 1):
+        o, s = _one_sequence(
+            q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]],
+            causal, window, sink, scale,
+        )  # fmt: skip
+        out[cq[b] : cq[b + 1]] = o
+        lse[cq[b] : cq[b + 1]] = s
     return out, lse

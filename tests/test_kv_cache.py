@@ -315,3 +315,27 @@ def test_format_parse_accepts_names():
     assert KVFormat.parse("NVFP4") is KVFormat.NVFP4
     assert KVFormat.parse("fp8_ds_mla") is KVFormat.FP8_DS_MLA
     assert KVFormat.parse(KVFormat.BF16) is KVFormat.BF16
+
+
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.value)
+@pytest.mark.parametrize(
+    "slot_list", [[-1, 0, -1, 9, -1], [-1, -1, -1, -1, -1], [3, -1, -1, 0, -1], [15, 14, 0]]
+)
+def test_write_unchecked_places_rows_and_leaves_holes_harmless(fmt, slot_list):
+    """The graph-safe writer aims hole rows at a valid row's slot (or slot 0 with its own bytes):
+    the cache must equal one where only the valid rows were placed, by hand."""
+    gen = torch.Generator().manual_seed(len(slot_list))
+    slots = torch.tensor(slot_list)
+    rows = random_rows(gen, len(slot_list), "normal")
+    layout = kv_cache.page_layout(fmt, 4)
+    cache = torch.randint(0, 256, (4, layout.page_bytes + 9), generator=gen, dtype=torch.uint8)
+    expected = cache.clone()
+    data, scales = kv_cache.encode_rows(rows, fmt)
+    for i, slot in enumerate(slot_list):
+        if slot >= 0:
+            b, p = divmod(slot, 4)
+            d0, s0 = p * layout.data_row_bytes, layout.scale_offset + p * layout.scale_row_bytes
+            expected[b, d0 : d0 + layout.data_row_bytes] = data[i]
+            expected[b, s0 : s0 + layout.scale_row_bytes] = scales[i]
+    kv_cache.write_unchecked(cache, slots, rows, fmt, 4)
+    assert torch.equal(cache, expected)

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from dsv4_attn.reference import sparse_attention
+from dsv4_attn import reference
+from dsv4_attn.reference import dense_attention, sparse_attention, visible_mask
 
 INF = float("inf")
 
@@ -168,3 +169,109 @@ def test_out_of_range_index_beyond_lens_is_ignored():
     kv = torch.randn(10, 8, dtype=torch.float64)
     out, _ = sparse_attention(q, kv, torch.tensor([[3, 99]]), torch.tensor([1]), None, 1.0)
     torch.testing.assert_close(out[0], kv[3].expand(2, 8))  # one key: softmax weight 1
+
+
+# --- dense reference ----------------------------------------------------------------------
+# The dense float64 reference agrees with THE reference (dsv4_attn.reference.sparse_attention).
+#
+# ``reference.sparse_attention`` treats each row as both key and value, so a dense problem maps
+# onto it exactly by concatenating rows ``[k | v]`` and padding queries to ``[q | 0]``: the scores
+# are ``<q, k>`` and the output's last ``Dv`` columns are ``sum_j p_j v_j``. Candidates are the
+# keys each query may see, holes (-1) elsewhere.
+
+
+def _via_sparse_reference(q, k, v, causal, window, sink, scale):
+    """Dense attention of one sequence ``q [Sq, H, D]`` through the sparse reference."""
+    sq, h, d = q.shape
+    sk, hk, dv = v.shape
+    group = h // hk
+    mask = visible_mask(sq, sk, causal, window)
+    idx = torch.where(mask, torch.arange(sk)[None, :], torch.full((sq, sk), -1))
+    lens = torch.full((sq,), sk)
+    out = torch.empty(sq, h, dv, dtype=torch.float64)
+    lse = torch.empty(sq, h, dtype=torch.float64)
+    for j in range(hk):
+        heads = list(range(j * group, (j + 1) * group))
+        rows = torch.cat([k[:, j], v[:, j]], dim=-1)
+        qq = torch.cat([q[:, heads], torch.zeros(sq, group, dv, dtype=q.dtype)], dim=-1)
+        s = None if sink is None else sink[heads]
+        o, l = reference.sparse_attention(qq, rows, idx, lens, s, scale)
+        out[:, heads] = o[..., d:]
+        lse[:, heads] = l
+    return out, lse
+
+
+def _assert_same(a_out, a_lse, b_out, b_lse):
+    assert torch.allclose(a_out, b_out, rtol=1e-10, atol=1e-12)
+    assert torch.equal(torch.isneginf(a_lse), torch.isneginf(b_lse))
+    finite = torch.isfinite(b_lse)
+    assert torch.allclose(a_lse[finite], b_lse[finite], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "sq, sk, h, hk, causal, window",
+    [
+        (5, 9, 4, 2, False, None),
+        (5, 9, 4, 2, True, None),
+        (9, 5, 4, 4, True, None),  # Sq > Sk: the first rows see nothing
+        (7, 7, 6, 1, True, 3),  # MQA with a window
+        (1, 11, 2, 1, True, 4),  # a single query (decode-like)
+    ],
+)
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_matches_sparse_reference(sq, sk, h, hk, causal, window, with_sink):
+    g = torch.Generator().manual_seed(sq * 100 + sk * 10 + h)
+    d, dv = 12, 8
+    q = torch.randn(2, sq, h, d, generator=g)
+    k = torch.randn(2, sk, hk, d, generator=g)
+    v = torch.randn(2, sk, hk, dv, generator=g)
+    sink = torch.randn(h, generator=g) if with_sink else None
+    out, lse = dense_attention(q, k, v, causal, window, sink, 0.37)
+    assert out.dtype == torch.float64 and out.shape == (2, sq, h, dv)
+    assert lse.shape == (2, sq, h)
+    for b in range(2):
+        ref_out, ref_lse = _via_sparse_reference(q[b], k[b], v[b], causal, window, sink, 0.37)
+        _assert_same(out[b], lse[b], ref_out, ref_lse)
+
+
+def test_packed_layout_matches_per_sequence_calls():
+    g = torch.Generator().manual_seed(3)
+    lq, lk = [3, 0, 6, 1], [4, 2, 6, 0]
+    h, hk, d = 4, 2, 8
+    q = torch.randn(sum(lq), h, d, generator=g)
+    k = torch.randn(sum(lk), hk, d, generator=g)
+    v = torch.randn(sum(lk), hk, d, generator=g)
+    sink = torch.randn(h, generator=g)
+    cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32)
+    out, lse = dense_attention(q, k, v, True, 3, sink, None, cu_q, cu_k)
+    for b in range(len(lq)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        o, l = dense_attention(q[None, qs], k[None, ks], v[None, ks], True, 3, sink, d**-0.5)
+        _assert_same(out[qs], lse[qs], o[0], l[0])
+    # Sequence 3 has queries but no keys: out 0, lse -inf.
+    assert torch.all(out[cu_q[3] :] == 0) and torch.all(torch.isneginf(lse[cu_q[3] :]))
+
+
+def test_visible_mask_matches_its_definition():
+    for sq, sk, causal, window in [(4, 6, True, None), (6, 4, True, 2), (3, 3, False, None)]:
+        mask = visible_mask(sq, sk, causal, window)
+        for i in range(sq):
+            for j in range(sk):
+                want = True
+                if causal:
+                    want &= j <= i + sk - sq
+                if window is not None:
+                    want &= j > i + sk - sq - window
+                assert bool(mask[i, j]) == want
+
+
+def test_infinite_sinks():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, 2, 8, generator=g) for _ in range(3))
+    sink = torch.tensor([math.inf, -math.inf])
+    out, lse = dense_attention(q, k, v, sink=sink)
+    plain, plain_lse = dense_attention(q, k, v)
+    assert torch.all(out[..., 0, :] == 0)  # +inf sink takes all the mass
+    assert torch.allclose(out[..., 1, :], plain[..., 1, :])  # -inf sink is no sink
+    assert torch.allclose(lse, plain_lse)  # the LSE never includes the sink

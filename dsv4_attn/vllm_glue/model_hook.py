@@ -1,0 +1,144 @@
+"""Route ``--attention-backend DSV4_NVFP4`` to DeepSeek-V4's decoder layers.
+
+vLLM 0.33.0 builds DeepSeek-V4 attention in ``DeepseekV4DecoderLayer.__init__`` through the module
+function ``vllm.models.deepseek_v4.nvidia.model._select_dsv4_attn_cls(vllm_config)``, which maps
+unknown backend names to FlashMLA without a word. :func:`install` wraps that function: for
+``DSV4_NVFP4`` it returns :class:`dsv4_attn.vllm_glue.attention.DSV4NVFP4Attention`; every other
+choice goes to the original unchanged. The decoder layer looks the function up as a module global
+at call time, so the wrapper covers the main model, MTP and DSpark alike.
+
+The V4.1 model (``vllm.models.deepseek_v41``) has its own selector and its own attention base
+class, which this package does not implement: there ``DSV4_NVFP4`` raises a ValueError at model
+construction instead of silently running FlashMLA.
+
+The model modules are heavy (seconds to import), so :func:`install` does not import them: it patches
+a module already imported, and otherwise patches it right after its first import, through a
+``sys.meta_path`` finder. A target whose function is missing or has another signature raises
+:class:`~dsv4_attn.vllm_glue.compat.IncompatibleVLLMError` from that import.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from vllm.logger import init_logger
+
+from dsv4_attn.vllm_glue import BACKEND_NAME
+from dsv4_attn.vllm_glue.compat import HOOK_TARGETS, HookTarget, check_hook_callable
+
+__all__ = ["install", "is_dsv4_nvfp4", "is_patched"]
+
+logger = init_logger(__name__)
+
+_PATCHED_MARK = "_dsv4_nvfp4_hook"
+
+
+def is_dsv4_nvfp4(backend: Any) -> bool:
+    """Whether an ``attention_config.backend`` value selects this package's backend."""
+    return backend is not None and getattr(backend, "name", None) == BACKEND_NAME
+
+
+def _dsv4_selector(original: Callable[[Any], type]) -> Callable[[Any], type]:
+    @functools.wraps(original)
+    def select(vllm_config: Any) -> type:
+        if is_dsv4_nvfp4(vllm_config.attention_config.backend):
+            from dsv4_attn.vllm_glue.attention import DSV4NVFP4Attention
+
+            return DSV4NVFP4Attention
+        return original(vllm_config)
+
+    return select
+
+
+def _dsv41_selector(original: Callable[[Any], type]) -> Callable[[Any], type]:
+    @functools.wraps(original)
+    def select(vllm_config: Any) -> type:
+        if is_dsv4_nvfp4(vllm_config.attention_config.backend):
+            raise ValueError(
+                f"--attention-backend {BACKEND_NAME} serves DeepSeek-V4 checkpoints "
+                "(model_type deepseek_v4) only; this is a DeepSeek-V4.1 checkpoint, whose "
+                "attention layer it does not implement. Use FLASHMLA_SPARSE_DSV41 or leave "
+                "--attention-backend unset."
+            )
+        return original(vllm_config)
+
+    return select
+
+
+_WRAPPERS: dict[str, Callable[[Callable[[Any], type]], Callable[[Any], type]]] = {
+    "vllm.models.deepseek_v4.nvidia.model": _dsv4_selector,
+    "vllm.models.deepseek_v41.nvidia.model": _dsv41_selector,
+}
+
+
+def _patch(module: ModuleType, target: HookTarget) -> None:
+    original = getattr(module, target.function, None)
+    if getattr(original, _PATCHED_MARK, False):
+        return
+    check_hook_callable(original, target)
+    wrapper = _WRAPPERS[target.module](original)
+    setattr(wrapper, _PATCHED_MARK, True)
+    setattr(module, target.function, wrapper)
+    logger.debug("dsv4-attn: hooked %s.%s", target.module, target.function)
+
+
+def is_patched(module: ModuleType, target: HookTarget) -> bool:
+    """Whether ``module``'s hook target is this package's wrapper."""
+    return getattr(getattr(module, target.function, None), _PATCHED_MARK, False)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Delegates to the real loader, then patches the freshly executed module."""
+
+    def __init__(self, loader: importlib.abc.Loader, target: HookTarget) -> None:
+        self._loader = loader
+        self._target = target
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        _patch(module, self._target)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_code, is_package, ...
+        return getattr(self._loader, name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Finds the hook targets' modules like the path finder does, with a patching loader."""
+
+    def __init__(self) -> None:
+        self.targets: dict[str, HookTarget] = {}
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        hook = self.targets.get(fullname)
+        if hook is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _PatchingLoader(spec.loader, hook)
+        return spec
+
+
+_finder = _PostImportFinder()
+
+
+def install() -> None:
+    """Hook every target in :data:`~dsv4_attn.vllm_glue.compat.HOOK_TARGETS`; idempotent."""
+    for target in HOOK_TARGETS:
+        module = sys.modules.get(target.module)
+        if module is not None:
+            _patch(module, target)
+        _finder.targets[target.module] = target  # also covers a later re-import
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)

@@ -1,0 +1,393 @@
+"""DSV4NVFP4Attention on CPU: real layers built by vLLM's selector, caches laid out by vLLM's
+planner, metadata from the builders; forward_mqa against the float64 reference.
+
+The caches are filled with random bytes first (NaN-prone for NVFP4/FP8 scales), so a read of any
+slot the step does not own shows up in the output.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests import vllm_glue_testing as vt
+
+pytest.importorskip("vllm")
+
+from vllm.forward_context import set_forward_context
+
+from dsv4_attn import kv_cache, ops, reference
+from dsv4_attn.kv_cache import KVFormat
+from dsv4_attn.testing import random_rows
+from dsv4_attn.vllm_glue import kv_spec
+from dsv4_attn.vllm_glue.attention import DSV4NVFP4Attention, check_supported
+from dsv4_attn.vllm_glue.metadata import (
+    DSV4CompressedMetadataBuilder,
+    DSV4SWAMetadataBuilder,
+)
+from dsv4_attn.vllm_glue.writers import DSV4NVFP4Compressor, qnorm_rope
+
+KV_DTYPES = {"auto": KVFormat.NVFP4, "fp8": KVFormat.FP8_DS_MLA}
+
+
+def poison(model: vt.TinyModel, gen: torch.Generator) -> None:
+    """Random bytes over the whole KV buffer (all layers' views share it)."""
+    any_view = next(iter(model.kv_caches.values()))
+    raw = torch.empty(0, dtype=torch.uint8).set_(any_view.untyped_storage())
+    raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
+
+
+def build_metadata(layer, batch: vt.Batch) -> dict:
+    config = layer_config(layer)
+    swa = DSV4SWAMetadataBuilder(
+        layer.swa_cache_layer.get_kv_cache_spec(config), [], config, torch.device("cpu")
+    ).build(0, batch.swa_cm)
+    out = {layer.swa_cache_layer.prefix: swa}
+    if layer.compress_ratio > 1:
+        spec = layer.get_kv_cache_spec(config)
+        builder = DSV4CompressedMetadataBuilder(spec, [layer.prefix], config, torch.device("cpu"))
+        out[layer.prefix] = builder.build(0, batch.cache_cm)
+    return out
+
+
+def layer_config(layer):
+    for kv_dtype in KV_DTYPES:
+        model = vt.tiny_model(kv_dtype)
+        if any(m is layer for m in model.layers.values()):
+            return model.vllm_config
+    raise AssertionError("unknown layer")
+
+
+def write_step_rows(layer, batch: vt.Batch, gen: torch.Generator) -> None:
+    """Random rows at every SWA and compressed slot the batch's requests own (checked writer)."""
+    fmt = layer.kv_format
+    swa = [vt.slot(batch.swa_block_table, r, p, vt.SWA_BLOCK)
+           for r, (s, q) in enumerate(zip(batch.seq_lens, batch.query_lens, strict=True))
+           for p in range(max(0, s - q - vt.WINDOW + 1), s)]  # fmt: skip
+    kv_cache.write(layer.swa_pages(), torch.tensor(swa), random_rows(len(swa), gen), fmt, 64)
+    if layer.compress_ratio > 1:
+        per_block = layer.compressed_rows_per_block
+        entries = [vt.slot(batch.cache_block_table, r, i, per_block)
+                   for r, s in enumerate(batch.seq_lens)
+                   for i in range(s // layer.compress_ratio)]  # fmt: skip
+        if entries:
+            rows = random_rows(len(entries), gen)
+            kv_cache.write(layer.compressed_pages(), torch.tensor(entries), rows, fmt, per_block)
+
+
+def expected_output(layer, batch, q, local_topk) -> torch.Tensor:
+    """float64 reference on rows read back from the caches at brute-force slots."""
+    fmt, T = layer.kv_format, batch.num_tokens
+    win_slots, win_lens = vt.brute_window(batch)
+    win_slots = torch.tensor(win_slots)
+    swa_rows = kv_cache.read(layer.swa_pages(), win_slots.flatten(), fmt, 64)
+    local = torch.arange(win_slots.numel()).view(win_slots.shape)
+    extra = ()
+    if layer.compress_ratio > 1:
+        if layer.compress_ratio == 4:
+            slots, lens = vt.brute_local(batch, local_topk)
+        else:
+            slots, lens = vt.brute_visible(batch, 128, max(1, max(batch.seq_lens) // 128))
+        slots = torch.tensor(slots)
+        rows = kv_cache.read(
+            layer.compressed_pages(), slots.flatten(), fmt, layer.compressed_rows_per_block
+        )
+        idx = torch.arange(slots.numel()).view(slots.shape)
+        extra = (rows, torch.where(slots >= 0, idx, -1), torch.tensor(lens))
+    out, _ = reference.sparse_attention(
+        q,
+        swa_rows,
+        torch.where(win_slots >= 0, local, -1),
+        torch.tensor(win_lens),
+        layer.attn_sink.detach(),
+        layer.scale,
+        *extra,
+    )
+    assert out.shape[0] == T
+    return out
+
+
+BATCHES = {
+    "mixed": ([5, 300, 129], [1, 3, 129]),
+    "chunked_prefill_long": ([1300, 700], [1, 90]),
+    "short_requests": ([1, 2, 127], [1, 2, 60]),
+}
+
+
+@pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
+@pytest.mark.parametrize("ratio", vt.RATIOS)
+@pytest.mark.parametrize("batch_name", list(BATCHES))
+def test_forward_mqa_matches_reference(kv_dtype, ratio, batch_name):
+    model = vt.tiny_model(kv_dtype)
+    layer = model.layers[ratio]
+    assert isinstance(layer, DSV4NVFP4Attention) and layer.kv_format is KV_DTYPES[kv_dtype]
+    gen = torch.Generator().manual_seed(ratio * 7 + len(batch_name))
+    seq_lens, query_lens = BATCHES[batch_name]
+    batch = vt.make_batch(gen, seq_lens, query_lens, padding=2, num_blocks=300)
+    poison(model, gen)
+    write_step_rows(layer, batch, gen)
+    with torch.no_grad():
+        layer.attn_sink[: vt.NUM_HEADS] = torch.randn(vt.NUM_HEADS, generator=gen)
+    T, H = batch.num_tokens, layer.padded_heads
+    q = (torch.randn(T, H, 512, generator=gen) * 0.5).to(torch.bfloat16)
+    local_topk = None
+    if ratio == 4:
+        local_topk = vt.random_local_topk(gen, batch, vt.INDEX_TOPK)
+        model.topk_indices_buffer[:T] = local_topk
+    output = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16)
+
+    with set_forward_context(build_metadata(layer, batch), model.vllm_config):
+        layer.forward_mqa(q, None, batch.swa_cm.positions, output)
+
+    ref = expected_output(layer, batch, q, local_topk)
+    assert torch.isfinite(output.float()).all()
+    real = len(batch.positions())
+    assert (output[real:] == 0).all(), "padding rows have no keys: output 0"
+    torch.testing.assert_close(output.double(), ref, rtol=2**-7, atol=1e-3 * ref.abs().max())
+
+
+def test_forward_mqa_calls_ops_without_value_checks(monkeypatch):
+    """No host sync in the hot path: ops.sparse_attention gets check_values=False."""
+    model = vt.tiny_model("auto")
+    layer = model.layers[128]
+    batch = vt.make_batch(torch.Generator().manual_seed(5), [300], [1], num_blocks=300)
+    calls = []
+    real_op = ops.sparse_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real_op(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "sparse_attention", spy)
+    q = torch.randn(1, layer.padded_heads, 512).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    with set_forward_context(build_metadata(layer, batch), model.vllm_config):
+        layer.forward_mqa(q, None, batch.swa_cm.positions, out)
+    assert len(calls) == 1 and calls[0]["check_values"] is False
+
+
+def test_profile_run_zeroes_output():
+    layer = vt.tiny_model("auto").layers[4]
+    out = torch.full((3, layer.padded_heads, 512), float("nan"), dtype=torch.bfloat16)
+    with set_forward_context(None, vt.tiny_model("auto").vllm_config):
+        layer.forward_mqa(torch.randn_like(out), None, torch.zeros(3, dtype=torch.long), out)
+    assert (out == 0).all()
+
+
+@pytest.mark.parametrize("ratio", vt.RATIOS)
+def test_nvfp4_swa_insert_writes_kv_cache_bytes(ratio):
+    """The NVFP4 replacement of vLLM's fused insert: q normed and roped, KV roped and written
+    at the step's slots as kv_cache.write would, every other byte untouched."""
+    model = vt.tiny_model("auto")
+    layer = model.layers[ratio]
+    gen = torch.Generator().manual_seed(11 + ratio)
+    batch = vt.make_batch(gen, [70, 200], [3, 64], padding=1, num_blocks=300)
+    poison(model, gen)
+    T = batch.num_tokens
+    q = torch.randn(T, vt.NUM_HEADS, 512, generator=gen).to(torch.bfloat16)
+    kv = random_rows(T, gen)
+    positions = batch.swa_cm.positions
+    expected = layer.swa_pages().clone()
+    q_ref, kv_ref = qnorm_rope(
+        q, kv, positions, layer.rotary_emb.cos_sin_cache, layer.eps, layer.padded_heads
+    )
+    kv_cache.write(expected, batch.swa_cm.slot_mapping, kv_ref, KVFormat.NVFP4, 64)
+
+    q_out = layer._fused_qnorm_rope_kv_insert(q, kv, positions, build_metadata(layer, batch))
+
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(layer.swa_pages(), expected)
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_nvfp4_compressor_stores_kernel_rows_in_nvfp4(ratio, monkeypatch):
+    """vLLM's compressor kernel (CUDA-only, replaced by a stand-in that writes known rows where it
+    is told to) feeds the staging rows; the layer's compressed cache gets them in NVFP4 at the
+    compressed write slots, and nothing else changes."""
+    model = vt.tiny_model("auto")
+    layer = model.layers[ratio]
+    assert isinstance(layer.compressor, DSV4NVFP4Compressor)
+    gen = torch.Generator().manual_seed(ratio)
+    batch = vt.make_batch(gen, [400, 130, 9], [260, 2, 9], padding=3, num_blocks=300)
+    poison(model, gen)
+    T = batch.num_tokens
+    token_rows = random_rows(T, gen)
+    seen = {}
+
+    def kernel(**kwargs):
+        seen.update(kwargs)
+        slots = kwargs["k_cache_metadata"].slot_mapping
+        done = slots >= 0
+        kwargs["kv_cache"][slots[done], 0] = token_rows[done]
+
+    monkeypatch.setattr(DSV4NVFP4Compressor, "_store_rows_kernel", staticmethod(lambda: kernel))
+    metadata = build_metadata(layer, batch)
+    write_slots = metadata[layer.prefix].slot_mapping
+    expected = layer.compressed_pages().clone()
+    per_block = layer.compressed_rows_per_block
+    kv_cache.write(expected, write_slots, token_rows, KVFormat.NVFP4, per_block)
+    state = SimpleNamespace(
+        slot_mapping=torch.zeros(T, dtype=torch.long),
+        token_to_req_indices=None,
+        block_table=None,
+        block_size=4,
+    )
+    layer.compressor._compress_norm_rope_store(
+        state, None, 0, batch.cache_cm.positions, layer.rotary_emb, metadata, {}
+    )
+    assert seen["store_full_kv"] is True and seen["store_full_fp8"] is False
+    assert seen["compress_ratio"] == ratio and seen["head_dim"] == 512
+    assert torch.equal(layer.compressed_pages(), expected)
+    assert int((write_slots >= 0).sum()) > 0
+
+
+@pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
+def test_kv_cache_specs_and_views(kv_dtype):
+    """The specs vLLM's planner allocated from, and the page views the layers read through."""
+    model = vt.tiny_model(kv_dtype)
+    fmt = KV_DTYPES[kv_dtype]
+    for ratio, layer in model.layers.items():
+        swa_spec = layer.swa_cache_layer.get_kv_cache_spec(model.vllm_config)
+        assert swa_spec.state_content_size_bytes == kv_cache.bytes_per_token(fmt)
+        assert swa_spec.block_size == 64 and swa_spec.sliding_window == vt.WINDOW
+        pages = layer.swa_pages()
+        assert pages.shape[1] == kv_cache.page_layout(fmt, 64).page_bytes
+        spec = layer.get_kv_cache_spec(model.vllm_config)
+        if ratio == 1:
+            assert spec is None
+            continue
+        assert spec.tokens_per_state == ratio and spec.num_states == 256 // ratio
+        assert spec.state_content_size_bytes == kv_cache.bytes_per_token(fmt)
+        layout = kv_cache.page_layout(fmt, 256 // ratio)
+        assert layer.compressed_pages().shape[1] == layout.page_bytes
+        assert spec.page_size_bytes == layout.page_bytes
+    if fmt is KVFormat.NVFP4:  # 384 B per token instead of 584
+        assert swa_spec.page_size_bytes == 64 * 384
+    else:
+        assert model.vllm_config.cache_config.cache_dtype == "fp8_ds_mla"
+
+
+def test_nvfp4_fits_more_blocks_than_fp8_in_the_same_memory():
+    blocks = {dt: vt.tiny_model(dt).kv_cache_config.num_blocks for dt in KV_DTYPES}
+    assert blocks["auto"] > blocks["fp8"], blocks
+
+
+def test_unsupported_kv_cache_dtype_fails_at_model_build():
+    config = vt.engine_config("DSV4_NVFP4", "bfloat16")
+    with pytest.raises(ValueError, match=r"kv-cache-dtype 'bfloat16'.*auto \(nvfp4\)"):
+        DSV4NVFP4Attention(config, prefix="model.layers.0.attn")
+
+
+def test_resolve_kv_format_lists_accepted_values():
+    assert kv_spec.resolve_kv_format("auto") is KVFormat.NVFP4
+    for name in ("fp8", "fp8_e4m3", "fp8_ds_mla"):
+        assert kv_spec.resolve_kv_format(name) is KVFormat.FP8_DS_MLA
+    for name in ("fp8_e5m2", "nvfp4", "nvfp4_ds_mla", "bfloat16"):
+        with pytest.raises(ValueError, match="accepted: auto"):
+            kv_spec.resolve_kv_format(name)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"decode_context_parallel_size": 2}, "context parallelism"),
+        ({"prefill_context_parallel_size": 2}, "context parallelism"),
+        ({"vision_n_layers": 2}, "vision"),
+        ({"dspark": True}, "DSpark"),
+    ],
+)
+def test_unsupported_configurations_are_refused(change, message):
+    parallel = SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1)
+    hf = SimpleNamespace(vision_n_layers=0)
+    spec = None
+    for key, value in change.items():
+        if key == "vision_n_layers":
+            hf.vision_n_layers = value
+        elif key == "dspark":
+            spec = SimpleNamespace(use_dspark=lambda: True)
+        else:
+            setattr(parallel, key, value)
+    config = SimpleNamespace(
+        parallel_config=parallel,
+        model_config=SimpleNamespace(hf_config=hf),
+        speculative_config=spec,
+    )
+    with pytest.raises(ValueError, match=message):
+        check_supported(config)
+    check_supported(vt.engine_config())  # the tiny model itself is fine
+
+
+def test_paged_view_rejects_what_it_cannot_address():
+    cache = torch.zeros(4, 64, 384, dtype=torch.uint8)
+    assert kv_spec.paged_view(cache, KVFormat.NVFP4, 64).shape == (4, 64 * 384)
+    with pytest.raises(ValueError, match="rows of nvfp4"):
+        kv_spec.paged_view(cache, KVFormat.NVFP4, 32)
+    dense = torch.zeros(4, 64, 584, dtype=torch.uint8)  # no room for the 576-B page padding
+    with pytest.raises(ValueError, match="less than a fp8_ds_mla page"):
+        kv_spec.paged_view(dense, KVFormat.FP8_DS_MLA, 64)
+    page = kv_cache.page_layout(KVFormat.FP8_DS_MLA, 64).page_bytes
+    short = torch.zeros(3 * page + 64 * 584, dtype=torch.uint8)
+    padded = torch.as_strided(short, (4, 64, 584), (page, 584, 1))
+    with pytest.raises(ValueError, match="runs past its storage"):
+        kv_spec.paged_view(padded, KVFormat.FP8_DS_MLA, 64)
+    roomy = torch.zeros(4 * page, dtype=torch.uint8)
+    view = kv_spec.paged_view(torch.as_strided(roomy, (4, 64, 584), (page, 584, 1)),
+                              KVFormat.FP8_DS_MLA, 64)  # fmt: skip
+    assert view.shape == (4, page) and view.stride() == (page, 1)
+
+
+def test_head_padding_follows_the_kernels_head_counts():
+    """No padding where the kernel takes the head count; otherwise the next count it takes."""
+    from dsv4_attn.kernels import sparse_decode
+
+    counts = sorted(sparse_decode.SUPPORTED_HEAD_COUNTS)
+    for n in range(1, counts[-1] + 3):
+        got = DSV4NVFP4Attention.get_padded_num_q_heads(n)
+        if n in counts or n > counts[-1]:
+            assert got == n
+        else:
+            assert got == min(c for c in counts if c > n)
+
+
+def test_backend_capabilities():
+    from vllm.platforms.interface import DeviceCapability
+
+    from dsv4_attn.vllm_glue.backend import DSV4NVFP4Backend, DSV4NVFP4SWABackend
+
+    assert DSV4NVFP4Backend.get_name() == "DSV4_NVFP4"
+    assert DSV4NVFP4SWABackend.get_name() == "DSV4_NVFP4_SWA"
+    assert DSV4NVFP4Backend.is_mla() and DSV4NVFP4Backend.is_sparse()
+    assert DSV4NVFP4Backend.supports_sink()
+    assert DSV4NVFP4Backend.get_supported_head_sizes() == [512]
+    for dtype in ("auto", "fp8", "fp8_ds_mla"):
+        assert DSV4NVFP4Backend.supports_kv_cache_dtype(dtype)
+    assert not DSV4NVFP4Backend.supports_kv_cache_dtype("bfloat16")
+    for major in (8, 9, 10, 12):
+        assert DSV4NVFP4Backend.supports_compute_capability(DeviceCapability(major, 0))
+        assert DSV4NVFP4Backend.kernels_support(DeviceCapability(major, 0)) == (major == 9)
+    assert DSV4NVFP4Backend.get_supported_kernel_block_sizes() == [256]
+    with pytest.raises(NotImplementedError):
+        DSV4NVFP4Backend.get_impl_cls()
+
+
+def test_query_rows_past_the_metadata_attend_to_nothing():
+    """q may be padded past the step's tokens (CUDA-graph sizes): those rows come out 0 and the
+    others as without the padding."""
+    model = vt.tiny_model("auto")
+    layer = model.layers[128]
+    gen = torch.Generator().manual_seed(21)
+    batch = vt.make_batch(gen, [300, 40], [1, 5], num_blocks=300)
+    poison(model, gen)
+    write_step_rows(layer, batch, gen)
+    T, H = batch.num_tokens, layer.padded_heads
+    q = torch.randn(T + 3, H, 512, generator=gen).to(torch.bfloat16)
+    padded_out = torch.full((T + 3, H, 512), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16)
+    metadata = build_metadata(layer, batch)
+    with set_forward_context(metadata, model.vllm_config):
+        layer.forward_mqa(q, None, None, padded_out)
+        layer.forward_mqa(q[:T], None, None, out)
+    assert torch.equal(padded_out[:T], out) and (padded_out[T:] == 0).all()
+    assert torch.isfinite(out.float()).all() and out.abs().amax() > 0

@@ -1,0 +1,167 @@
+"""The selector hook: DSV4_NVFP4 reaches DeepSeek-V4's layers, every other choice behaves as
+upstream, and a vLLM whose hook targets changed is refused naming the supported version."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+from dsv4_attn import plugin
+from dsv4_attn.vllm_glue import BACKEND_NAME, compat, model_hook
+
+UPSTREAM_CHOICES = [
+    None,
+    "FLASHMLA_SPARSE_DSV4",
+    "FLASHMLA_SPARSE",
+    "FLASHINFER_MLA_SPARSE_DSV4",
+    "FLASHINFER_MLA_SPARSE",
+    "FLASHINFER_MLA_SPARSE_SM120",
+    "FLASHMLA_SPARSE_DSV41",
+    "FLASHINFER_MLA_SPARSE_DSV41",
+    "FLASHMLA_MEGA_ATTN_DSV41",
+    "TRITON_ATTN",
+]
+
+
+def fake_config(backend: str | None):
+    member = None if backend is None else AttentionBackendEnum[backend]
+    return SimpleNamespace(
+        attention_config=SimpleNamespace(backend=member),
+        parallel_config=SimpleNamespace(prefill_context_parallel_size=1),
+    )
+
+
+def outcome(select, config):
+    """What a selector does with ``config``: the class it returns, or the error it raises."""
+    try:
+        return select(config)
+    except Exception as exc:
+        return type(exc), str(exc)
+
+
+@pytest.fixture(scope="module")
+def dsv4_model():
+    plugin.register()
+    return importlib.import_module("vllm.models.deepseek_v4.nvidia.model")
+
+
+@pytest.fixture(scope="module")
+def dsv41_model():
+    plugin.register()
+    return importlib.import_module("vllm.models.deepseek_v41.nvidia.model")
+
+
+def test_dsv4_selector_returns_our_class_only_for_our_backend(dsv4_model):
+    from dsv4_attn.vllm_glue.attention import DSV4NVFP4Attention
+
+    select = dsv4_model._select_dsv4_attn_cls
+    assert model_hook.is_patched(dsv4_model, compat.HOOK_TARGETS[0])
+    assert select(fake_config(BACKEND_NAME)) is DSV4NVFP4Attention
+    original = select.__wrapped__
+    for choice in UPSTREAM_CHOICES:
+        got = outcome(select, fake_config(choice))
+        assert got == outcome(original, fake_config(choice)), choice
+        assert got is not DSV4NVFP4Attention
+    # The decoder layer looks the selector up in its module globals at construction time.
+    decoder_globals = dsv4_model.DeepseekV4DecoderLayer.__init__.__globals__
+    assert decoder_globals["_select_dsv4_attn_cls"] is select
+
+
+def test_dsv41_selector_refuses_our_backend_and_keeps_the_rest(dsv41_model):
+    select = dsv41_model._select_dsv4_attn_cls
+    assert model_hook.is_patched(dsv41_model, compat.HOOK_TARGETS[1])
+    with pytest.raises(ValueError, match=r"DeepSeek-V4\.1"):
+        select(fake_config(BACKEND_NAME))
+    original = select.__wrapped__
+    for choice in UPSTREAM_CHOICES:
+        assert outcome(select, fake_config(choice)) == outcome(original, fake_config(choice))
+
+
+def test_install_is_idempotent(dsv4_model):
+    select = dsv4_model._select_dsv4_attn_cls
+    model_hook.install()
+    model_hook.install()
+    assert dsv4_model._select_dsv4_attn_cls is select
+    assert sys.meta_path.count(model_hook._finder) == 1
+
+
+def test_installed_vllm_matches_the_hook_targets():
+    compat.check_installed_vllm()
+    assert compat.installed_vllm_version() == compat.SUPPORTED_VLLM_VERSION
+
+
+@pytest.mark.parametrize(
+    "target, reason",
+    [
+        (compat.HookTarget("vllm.models.deepseek_v4.nvidia.model", "_select_dsv4_attn_cls",
+                           ("vllm_config", "device"), True), r"takes \(vllm_config\)"),
+        (compat.HookTarget("vllm.models.deepseek_v4.nvidia.model", "_select_attention",
+                           ("vllm_config",), True), "has no module-level function"),
+        (compat.HookTarget("vllm.models.deepseek_v9.nvidia.model", "_select_dsv4_attn_cls",
+                           ("vllm_config",), True), "is missing"),
+    ],
+)  # fmt: skip
+def test_changed_hook_targets_are_refused_naming_the_version(monkeypatch, target, reason):
+    monkeypatch.setattr(compat, "HOOK_TARGETS", (target,))
+    with pytest.raises(compat.IncompatibleVLLMError, match=reason) as info:
+        compat.check_installed_vllm()
+    assert "vLLM 0.33.0 only" in str(info.value) and "VLLM_PLUGINS" in str(info.value)
+
+
+def test_missing_optional_target_is_fine(monkeypatch):
+    absent = compat.HookTarget("vllm.models.deepseek_v9.model", "f", ("vllm_config",), False)
+    monkeypatch.setattr(compat, "HOOK_TARGETS", (absent,))
+    compat.check_installed_vllm()
+
+
+def test_runtime_signature_check():
+    target = compat.HOOK_TARGETS[0]
+
+    def good(vllm_config):
+        return None
+
+    def extra(vllm_config, device=None):
+        return None
+
+    def renamed(config):
+        return None
+
+    compat.check_hook_callable(good, target)
+    for bad in (extra, renamed, None):
+        with pytest.raises(compat.IncompatibleVLLMError, match=r"0\.33\.0"):
+            compat.check_hook_callable(bad, target)
+
+
+@pytest.mark.parametrize("signature, ok", [("vllm_config", True), ("vllm_config, extra", False)])
+def test_import_hook_patches_or_refuses_on_first_import(tmp_path, monkeypatch, signature, ok):
+    """The post-import path, on a stand-in module: patched when its signature matches, and the
+    import itself fails when it does not."""
+    name = f"dsv4_fake_model_{int(ok)}"
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent(f"""
+            def _select_dsv4_attn_cls({signature}):
+                return "upstream"
+        """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    target = compat.HookTarget(name, "_select_dsv4_attn_cls", ("vllm_config",), True)
+    monkeypatch.setitem(model_hook._WRAPPERS, name, model_hook._dsv4_selector)
+    monkeypatch.setitem(model_hook._finder.targets, name, target)
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    if ok:
+        module = importlib.import_module(name)
+        assert model_hook.is_patched(module, target)
+        assert module._select_dsv4_attn_cls(fake_config("TRITON_ATTN")) == "upstream"
+        sys.modules.pop(name)
+    else:
+        with pytest.raises(compat.IncompatibleVLLMError, match=r"0\.33\.0"):
+            importlib.import_module(name)
+        assert name not in sys.modules

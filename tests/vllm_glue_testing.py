@@ -1,0 +1,387 @@
+"""Shared set-up for the vLLM-glue tests: a tiny DeepSeek-V4 checkpoint, real vLLM configs, real
+attention layers on CPU with KV caches laid out by vLLM's own planner, and random batches.
+
+Everything expensive is built once per process (``functools.cache``): vLLM's import (~6 s), an
+engine config per ``--kv-cache-dtype``, the distributed state, the layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# vLLM resolves its platform on first use; without a GPU it must be told to use the CPU one.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+# The tiny model's layers: one of each attention kind (SWA-only, CSA ratio 4, HCA ratio 128).
+LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+RATIOS = (1, 4, 128)
+NUM_HEADS = 8
+INDEX_TOPK = 16
+MAX_MODEL_LEN = 4096
+MAX_NUM_BATCHED_TOKENS = 2048
+SWA_BLOCK = 64
+CACHE_BLOCK = 256  # tokens per compressed-cache block
+WINDOW = 128
+
+
+def tiny_config_dict() -> dict:
+    """A DeepSeek-V4 ``config.json`` (HF format, as vLLM 0.33.0 reads it) small enough for CPU."""
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "vocab_size": 1024,
+        "hidden_size": 256,
+        "num_hidden_layers": len(LAYER_TYPES),
+        "num_attention_heads": NUM_HEADS,
+        "num_key_value_heads": 1,
+        "q_lora_rank": 128,
+        "o_lora_rank": 64,
+        "o_groups": 2,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "index_n_heads": 4,
+        "index_head_dim": 128,
+        "index_topk": INDEX_TOPK,
+        "sliding_window": WINDOW,
+        "layer_types": list(LAYER_TYPES),
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        "mlp_layer_types": ["hash_moe", "moe", "moe"],
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "n_shared_experts": 1,
+        "max_position_embeddings": MAX_MODEL_LEN,
+        "num_nextn_predict_layers": 0,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "torch_dtype": "bfloat16",
+    }
+
+
+@functools.cache
+def tiny_checkpoint() -> str:
+    """Directory holding the tiny checkpoint's ``config.json`` (no weights: load_format dummy)."""
+    path = Path(tempfile.mkdtemp(prefix="dsv4_tiny_"))
+    (path / "config.json").write_text(json.dumps(tiny_config_dict(), indent=1))
+    return str(path)
+
+
+def engine_args(**overrides):
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs = dict(
+        model=tiny_checkpoint(),
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        enforce_eager=True,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs=16,
+    )
+    kwargs.update(overrides)
+    return EngineArgs(**kwargs)
+
+
+@functools.cache
+def engine_config(attention_backend: str | None = "DSV4_NVFP4", kv_cache_dtype: str = "auto"):
+    """A real ``VllmConfig`` for the tiny checkpoint (plugins load through their entry points)."""
+    args = engine_args(attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
+    return args.create_engine_config()
+
+
+@functools.cache
+def _distributed_ready() -> bool:
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    with set_current_vllm_config(engine_config()):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"file://{tempfile.mktemp(prefix='dsv4_dist_')}",
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(1, 1)
+    return True
+
+
+class _NoEvent:
+    """Stands in for torch.cuda.Event, which the layers create in __init__ (CPU torch lacks it)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+
+@contextmanager
+def _cpu_events() -> Iterator[None]:
+    saved = torch.cuda.Event
+    torch.cuda.Event = _NoEvent  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        torch.cuda.Event = saved  # type: ignore[misc]
+
+
+@dataclass
+class TinyModel:
+    """The tiny model's attention layers (one per ratio) on CPU, KV caches bound."""
+
+    vllm_config: object
+    layers: dict[int, object]  # compress ratio -> DSV4NVFP4Attention
+    topk_indices_buffer: torch.Tensor  # int32 [MAX_NUM_BATCHED_TOKENS, INDEX_TOPK]
+    kv_caches: dict[str, torch.Tensor]  # layer name -> vLLM's [B, H, N, C] view
+    kv_cache_config: object
+
+
+@functools.cache
+def tiny_model(kv_cache_dtype: str = "auto") -> TinyModel:
+    """Build the layers with ``--attention-backend DSV4_NVFP4`` through vLLM's model hook, and
+    allocate their caches with vLLM's KV-cache planner and allocator."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.models.deepseek_v4.nvidia import model as dsv4_model
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    _distributed_ready()
+    config = engine_config("DSV4_NVFP4", kv_cache_dtype)
+    topk = torch.full((MAX_NUM_BATCHED_TOKENS, INDEX_TOPK), -1, dtype=torch.int32)
+    layers = {}
+    with set_current_vllm_config(config), _cpu_events():
+        attention_cls = dsv4_model._select_dsv4_attn_cls(config)
+        for layer_id, ratio in enumerate(RATIOS):
+            layer = attention_cls(config, prefix=f"model.layers.{layer_id}.attn",
+                                  topk_indices_buffer=topk)  # fmt: skip
+            assert layer.compress_ratio == ratio
+            layers[ratio] = layer
+        context = config.compilation_config.static_forward_context
+        specs = {}
+        for name, module in context.items():
+            if isinstance(module, AttentionLayerBase):
+                spec = module.get_kv_cache_spec(config)
+                if spec is not None:
+                    specs[name] = spec
+        backends = {context[name].get_attn_backend() for name in specs}
+        layouts = get_supported_kv_cache_layouts(backends)
+        layout = resolve_kv_cache_layout(config, [[x.name for x in layouts]], specs.values())
+        config.cache_config.kv_cache_layout = layout.name
+        groups = get_global_kv_cache_groups(config, [specs])
+        (kv_cache_config,) = get_kv_cache_configs(config, [specs], [64 << 20], groups)
+        caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+        for name, cache in caches.items():
+            context[name].bind_kv_cache(cache)
+    return TinyModel(config, layers, topk, caches, kv_cache_config)
+
+
+# ----------------------------------------------------------------------------------------------
+# Random batches as vLLM's model runner describes them
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """A step: requests (decodes first), their block tables per cache group, and vLLM's
+    ``CommonAttentionMetadata`` for the SWA group and for the compressed group."""
+
+    seq_lens: list[int]
+    query_lens: list[int]
+    num_tokens: int  # rows, including padding rows past the last request
+    swa_block_table: torch.Tensor  # int32 [R, max SWA blocks]
+    cache_block_table: torch.Tensor  # int32 [R, max 256-token blocks]
+    swa_cm: object
+    cache_cm: object
+
+    def positions(self) -> list[tuple[int, int]]:
+        """(request, position) of every real token, in row order."""
+        out = []
+        for r, (seq, q) in enumerate(zip(self.seq_lens, self.query_lens, strict=True)):
+            out += [(r, p) for p in range(seq - q, seq)]
+        return out
+
+
+def _common_metadata(seq_lens, query_lens, num_tokens, block_table, block: int):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64)
+    t = 0
+    for r, (s, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        for p in range(s - q, s):
+            slots[t] = int(block_table[r, p // block]) * block + p % block
+            t += 1
+    positions = torch.zeros(num_tokens, dtype=torch.int64)
+    positions[:t] = torch.tensor(
+        [p for s, q in zip(seq_lens, query_lens, strict=True) for p in range(s - q, s)]
+    )
+    return CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=seq,
+        num_reqs=len(seq_lens),
+        num_actual_tokens=num_tokens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=block_table,
+        slot_mapping=slots,
+        positions=positions,
+        seq_lens_cpu_upper_bound=seq.clone(),
+    )
+
+
+def make_batch(
+    gen: torch.Generator,
+    seq_lens: Sequence[int],
+    query_lens: Sequence[int],
+    padding: int = 0,
+    num_blocks: int = 700,
+) -> Batch:
+    """A batch with random block ids, distinct across both groups (they share vLLM's block
+    pool, so one physical block holds either SWA or compressed pages); ``padding`` extra rows
+    have slot -1."""
+    num_tokens = sum(query_lens) + padding
+    swa_width = max(-(-s // SWA_BLOCK) for s in seq_lens)
+    cache_width = max(-(-s // CACHE_BLOCK) for s in seq_lens)
+    num_reqs = len(seq_lens)
+    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    swa_bt = ids[: num_reqs * swa_width].view(num_reqs, swa_width)
+    cache_bt = ids[num_reqs * swa_width :][: num_reqs * cache_width].view(num_reqs, cache_width)
+    return Batch(
+        list(seq_lens),
+        list(query_lens),
+        num_tokens,
+        swa_bt,
+        cache_bt,
+        _common_metadata(seq_lens, query_lens, num_tokens, swa_bt, SWA_BLOCK),
+        _common_metadata(seq_lens, query_lens, num_tokens, cache_bt, CACHE_BLOCK),
+    )
+
+
+def random_batch(gen: torch.Generator, max_seq: int = 1200, max_reqs: int = 6) -> Batch:
+    """Mixed decodes (query length 1 to 3, as with spec decode) then prefills (chunked: with a
+    prefix), short and long sequences, some padding rows."""
+    num_reqs = int(torch.randint(1, max_reqs + 1, (1,), generator=gen))
+    num_decodes = int(torch.randint(0, num_reqs + 1, (1,), generator=gen))
+    seq_lens, query_lens = [], []
+    for r in range(num_reqs):
+        seq = int(torch.randint(1, max_seq, (1,), generator=gen))
+        if r < num_decodes:
+            q = min(seq, int(torch.randint(1, 4, (1,), generator=gen)))
+        else:
+            q = min(seq, int(torch.randint(4, 300, (1,), generator=gen)))
+        seq_lens.append(seq)
+        query_lens.append(q)
+    padding = int(torch.randint(0, 4, (1,), generator=gen))
+    return make_batch(gen, seq_lens, query_lens, padding)
+
+
+# ----------------------------------------------------------------------------------------------
+# Brute force: one token at a time, from (request, position) and the block tables
+# ----------------------------------------------------------------------------------------------
+
+
+def slot(block_table: torch.Tensor, req: int, row: int, rows_per_block: int) -> int:
+    return int(block_table[req, row // rows_per_block]) * rows_per_block + row % rows_per_block
+
+
+def padded(values: list[int], width: int) -> list[int]:
+    return values + [-1] * (width - len(values))
+
+
+def brute_window(batch: Batch) -> tuple[list[list[int]], list[int]]:
+    rows, lens = [], []
+    for req, pos in batch.positions():
+        window = range(max(0, pos - WINDOW + 1), pos + 1)
+        slots = [slot(batch.swa_block_table, req, p, SWA_BLOCK) for p in window]
+        rows.append(padded(slots, WINDOW))
+        lens.append(len(slots))
+    pad = batch.num_tokens - len(rows)
+    return rows + [[-1] * WINDOW] * pad, lens + [0] * pad
+
+
+def brute_write_slots(batch: Batch, ratio: int) -> list[int]:
+    per_block = CACHE_BLOCK // ratio
+    out = []
+    for req, pos in batch.positions():
+        done = (pos + 1) % ratio == 0
+        out.append(slot(batch.cache_block_table, req, pos // ratio, per_block) if done else -1)
+    return out + [-1] * (batch.num_tokens - len(out))
+
+
+def brute_visible(batch: Batch, ratio: int, width: int):
+    per_block = CACHE_BLOCK // ratio
+    rows, lens = [], []
+    for req, pos in batch.positions():
+        slots = [
+            slot(batch.cache_block_table, req, i, per_block) for i in range((pos + 1) // ratio)
+        ]
+        rows.append(padded(slots, width))
+        lens.append(len(slots))
+    pad = batch.num_tokens - len(rows)
+    return rows + [[-1] * width] * pad, lens + [0] * pad
+
+
+def random_local_topk(gen: torch.Generator, batch: Batch, k: int) -> torch.Tensor:
+    """Indexer-like picks: distinct visible entries (i < (pos + 1) // 4) in random order, -1 holes
+    anywhere; padding rows hold garbage that must be ignored."""
+    out = torch.randint(-1, 50, (batch.num_tokens, k), generator=gen, dtype=torch.int32)
+    for t, (_, pos) in enumerate(batch.positions()):
+        visible = (pos + 1) // 4
+        picks = torch.randperm(visible, generator=gen)[:k].to(torch.int32) if visible else None
+        row = torch.full((k,), -1, dtype=torch.int32)
+        if picks is not None:
+            row[: len(picks)] = picks
+        out[t] = row[torch.randperm(k, generator=gen)]
+    return out
+
+
+def brute_local(batch: Batch, local: torch.Tensor):
+    per_block = CACHE_BLOCK // 4
+    rows, lens = [], []
+    for t, (req, _) in enumerate(batch.positions()):
+        entries = local[t].tolist()
+        rows.append([slot(batch.cache_block_table, req, e, per_block) if e >= 0 else -1
+                     for e in entries])  # fmt: skip
+        used = [j for j, e in enumerate(entries) if e >= 0]
+        lens.append(used[-1] + 1 if used else 0)
+    pad = batch.num_tokens - len(rows)
+    return rows + [[-1] * local.shape[1]] * pad, lens + [0] * pad
+
+
+# ----------------------------------------------------------------------------------------------
+# Spawn round trip (the target must be importable by the child: it lives here, not in a test)
+# ----------------------------------------------------------------------------------------------
+
+
+def spawn_child(config, results) -> None:
+    """Runs in a fresh interpreter started with ``spawn``: ``config`` was unpickled before any
+    vLLM plugin could load. Reports what it found and sends the config back."""
+    import sys
+
+    import vllm.plugins
+
+    backend = config.attention_config.backend
+    results.put(
+        {
+            "backend": backend.name,
+            "class_path": backend.get_path(),
+            "plugins_loaded": vllm.plugins.plugins_loaded,
+            "plugin_module": "dsv4_attn.plugin" in sys.modules,
+            "config": config,
+        }
+    )
