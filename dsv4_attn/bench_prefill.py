@@ -1,0 +1,183 @@
+"""Benchmark of the prefill kernels (``python -m dsv4_attn.bench prefill``).
+
+Shapes (issue 5): dense causal attention at 8K tokens, D in {128, 256, 512}, H in {16, 32, 64}
+(D = 512 with K = V, the DeepSeek-V4 latent, as the kernel requires), next to torch SDPA on the
+same inputs; sparse prefill shaped like DeepSeek-V4-Flash (H = 64, 128-token window + top-512:
+K = 640) and V4-Pro (H = 128, K = 1152) at T = 4096. TFLOP/s count the masked work only (visible
+query-key pairs, or valid gathered entries); the bf16 matmul ceiling is measured in the same run.
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import torch
+
+from dsv4_attn import fmha_ops
+from dsv4_attn.benchmarking import format_table, measure_ceilings, time_cuda_us, write_json
+from dsv4_attn.prefill_cases import make_dense_case, make_v4_sparse_case
+
+COLUMNS = [
+    ("kind", "kind", "s"),
+    ("D", "D", "d"),
+    ("H", "H", "d"),
+    ("Hk", "Hk", "d"),
+    ("tokens", "tokens", "d"),
+    ("K", "K", "d"),
+    ("median_us", "us", ".0f"),
+    ("tflops", "TFLOP/s", ".1f"),
+    ("of_ceiling", "/ceil", ".2f"),
+    ("sdpa_us", "sdpa us", ".0f"),
+    ("sdpa_tflops", "sdpa TF/s", ".1f"),
+    ("vs_sdpa", "x sdpa", ".2f"),
+    ("target", "target", "s"),
+]
+
+
+def _sdpa_time(case, reps: int) -> float | None:
+    """Median microseconds of torch SDPA on the same inputs ([B, H, S, D] views), or None."""
+    q, k, v = (t.transpose(1, 2) for t in (case.q, case.k, case.v))
+    enable_gqa = q.shape[1] != k.shape[1]
+
+    def call():
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=case.causal, scale=case.scale, enable_gqa=enable_gqa
+        )
+
+    try:
+        return time_cuda_us(call, reps=reps, warmup=2)["median_us"]
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+        print(f"  sdpa failed for D={case.q.shape[-1]} H={case.q.shape[2]}: {exc}".splitlines()[0])
+        torch.cuda.empty_cache()
+        return None
+
+
+def dense_rows(dims, heads, seqlen: int, reps: int, ceiling: float) -> list[dict]:
+    """Causal rows; head_dim <= 256 is timed with both row-split mainloops (``-ov1`` with the
+    intra-warpgroup overlap, the default; ``-ov0`` plain ping-pong)."""
+    rows = []
+    for d in dims:
+        for h in heads:
+            kv_shared = d == 512
+            case = make_dense_case(
+                [(seqlen, seqlen)], h, h, d, causal=True, kv_shared=kv_shared,
+                device="cuda", seed=d + h,
+            )  # fmt: skip
+            flops = case.flops()
+            sdpa = _sdpa_time(case, max(3, reps // 2))
+            for overlap in ("1", "0") if d <= 256 else ("0",):
+                os.environ["DSV4_FMHA_INTRA_WG_OVERLAP"] = overlap
+
+                def call(case=case):
+                    return fmha_ops.fmha(
+                        case.q, case.k, case.v, causal=True, scale=case.scale, backend="cutedsl",
+                        check_values=False,
+                    )  # fmt: skip
+
+                t = time_cuda_us(call, reps=reps)["median_us"]
+                tflops = flops / (t * 1e6)
+                kind = "dense-causal-k=v" if kv_shared else f"dense-causal-ov{overlap}"
+                rows.append(
+                    {
+                        "kind": kind,
+                        "D": d,
+                        "H": h,
+                        "Hk": h,
+                        "tokens": seqlen,
+                        "K": None,
+                        "median_us": t,
+                        "flops": flops,
+                        "tflops": tflops,
+                        "of_ceiling": tflops / ceiling,
+                        "sdpa_us": sdpa,
+                        "sdpa_tflops": flops / (sdpa * 1e6) if sdpa else None,
+                        "vs_sdpa": sdpa / t if sdpa else None,
+                        "target": "0.9x sdpa" if d <= 256 else ">=450",
+                        "meets_target": (sdpa is not None and sdpa / t >= 0.9)
+                        if d <= 256
+                        else tflops >= 450,
+                    }
+                )
+                print(f"{kind} D={d} H={h}: {t:.0f} us, {tflops:.1f} TFLOP/s", flush=True)
+            os.environ.pop("DSV4_FMHA_INTRA_WG_OVERLAP", None)
+            del case
+            torch.cuda.empty_cache()
+    return rows
+
+
+def sparse_rows(configs, tokens: int, reps: int, ceiling: float) -> list[dict]:
+    rows = []
+    for name, h, topk in configs:
+        case = make_v4_sparse_case(tokens, h, topk, device="cuda", seed=topk)
+        args = case.args()
+
+        def call(args=args):
+            return fmha_ops.sparse_prefill(*args, backend="cutedsl", check_values=False)
+
+        t = time_cuda_us(call, reps=reps)["median_us"]
+        flops = case.flops()
+        tflops = flops / (t * 1e6)
+        rows.append(
+            {
+                "kind": f"sparse-{name}",
+                "D": case.q.shape[-1],
+                "H": h,
+                "Hk": 1,
+                "tokens": tokens,
+                "K": case.indices.shape[1],
+                "valid_entries": case.num_valid(),
+                "median_us": t,
+                "flops": flops,
+                "tflops": tflops,
+                "of_ceiling": tflops / ceiling,
+                "sdpa_us": None,
+                "sdpa_tflops": None,
+                "vs_sdpa": None,
+                "target": ">=450",
+                "meets_target": tflops >= 450,
+            }
+        )
+        print(f"sparse {name}: {t:.0f} us, {tflops:.1f} TFLOP/s", flush=True)
+        del case, args
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dsv4_attn.bench prefill")
+    parser.add_argument("--dims", type=int, nargs="+", default=[128, 256, 512])
+    parser.add_argument("--heads", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--seqlen", type=int, default=8192)
+    parser.add_argument("--tokens", type=int, default=4096, help="sparse prefill tokens")
+    parser.add_argument("--skip-dense", action="store_true")
+    parser.add_argument("--skip-sparse", action="store_true")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--json", default="bench_prefill.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the prefill benchmark times CUDA kernels: no CUDA device found")
+    ceilings = measure_ceilings()
+    print(f"{ceilings.device}: bf16 matmul {ceilings.bf16_tflops:.0f} TFLOP/s, "
+          f"copy {ceilings.copy_gbps:.0f} GB/s", flush=True)  # fmt: skip
+    rows = []
+    if not args.skip_dense:
+        rows += dense_rows(args.dims, args.heads, args.seqlen, args.reps, ceilings.bf16_tflops)
+    if not args.skip_sparse:
+        configs = [("v4flash", 64, 512), ("v4pro", 128, 1024)]
+        rows += sparse_rows(configs, args.tokens, args.reps, ceilings.bf16_tflops)
+    for row in rows:
+        for key, value in row.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                row[key] = None
+    print()
+    print(format_table(rows, COLUMNS))
+    print(f"bf16 ceiling (8192^3 matmul, same run): {ceilings.bf16_tflops:.0f} TFLOP/s")
+    write_json(args.json, "prefill", ceilings, rows)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

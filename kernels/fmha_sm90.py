@@ -1,0 +1,1153 @@
+"""Parameterized fused multi-head attention forward for Hopper (sm_90a), written in CuTeDSL.
+
+One kernel class, :class:`FmhaSm90`, specialised at compile time by head dimension, dense or
+index-gathered KV, mask kind (none / causal / causal + sliding window), mainloop and tile shapes.
+Every CTA has 3 warpgroups: warpgroup 0 loads (TMA for Q and dense K/V, ``cp.async`` for gathered
+rows), warpgroups 1 and 2 compute. Two mainloops share the producer, the masks and the epilogue:
+
+* **row split** (head_dim <= 256, dense only): the FA3 design. The CTA owns ``tile_m = 128``
+  query rows, each compute warpgroup 64 of them with the whole ``64 x D`` output in registers.
+  ``S = Q K^T`` from shared memory, ``O += P V`` with P straight from registers (RS wgmma).
+  Either intra-warpgroup pipelining (the next tile's QK is in flight during this tile's softmax
+  and PV) or a strict ping-pong of the two warpgroups on the tensor cores (named barriers).
+* **column split** (head_dim 512; DESIGN.md §5): a ``64 x 512`` fp32 output is half the register
+  file and a wgmma has N <= 256, so the CTA owns 64 query rows (dense: positions of one head;
+  gather: 64 heads of one token) and each warpgroup owns 256 output columns (multi-PV-tile).
+  KV is consumed in steps of two 64-row tiles a and b; warpgroup 1 computes ``S_a``, warpgroup
+  2 ``S_b``; they agree on the running row max through shared memory, each multiplies its own
+  P tile from registers and the other's through shared memory (SMEM-P), both with its half of
+  V. K and V are the same rows (MQA latent, DeepSeek-V4), so one tile of shared memory serves
+  as both; it is split into four 32 KB column halves (aL, aR, bL, bR) with their own barriers so
+  that the producer refills a half as soon as its last reader is done.
+
+Semantics (checked against ``dsv4_attn.reference``): ``s = scale * <q, k>``; masked or invalid
+keys are dropped; ``lse = log(sum exp(s))`` (natural log, sink excluded, ``-inf`` with no valid
+key); ``out = sum exp(s) v / (sum exp(s) + exp(sink[h]))``, 0 with no valid key. Causal masks are
+bottom-right aligned: query ``i`` of a sequence with ``Sq`` queries and ``Sk`` keys sees key ``j``
+iff ``j <= i + Sk - Sq``; a window ``w`` further requires ``j > i + Sk - Sq - w``.
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from dsv4_attn.kernels import fmha_sm90_utils as fu
+
+__all__ = ["FmhaSm90"]
+
+# Named barrier ids (0 is __syncthreads).
+_BAR_EPILOGUE = 1  # all 256 compute threads
+_BAR_SCHED_WG1 = 2  # ping-pong turn of compute warpgroup 1 (row split)
+_BAR_SCHED_WG2 = 3  # ping-pong turn of compute warpgroup 2 (row split)
+_BAR_MAX = 4  # column split: both warpgroups published their row max
+_BAR_P = 5  # column split: both warpgroups wrote their P tile
+_BAR_SUM = 6  # column split: both warpgroups published their row sums
+
+_THREADS_PER_WG = 128
+_GATHER_ROWS = 64  # rows per gathered KV tile (one warpgroup's S tile)
+
+
+class FmhaSm90:
+    """Compile-time configuration of one FMHA kernel variant.
+
+    Args:
+        head_dim: D = Dv, one of 64, 128, 192, 256 (row split) or 512 (column split).
+        gather: KV rows come from ``kv[indices[t, :lens[t]]]`` (sparse prefill, MQA) instead of
+            dense ``[total_k, Hk, D]`` tensors. Needs ``head_dim == 512``.
+        kv_shared: K and V are the same tensor (column split only; always true for gather).
+        causal: bottom-right aligned causal mask (dense only).
+        local: sliding window on top of the causal mask (dense only; window size at run time).
+        tile_m: query rows per CTA (128 row split, 64 column split).
+        tile_n: keys per KV tile (per warpgroup S tile in the column split: 64).
+        num_stages: K/V pipeline depth of the row split.
+        intra_wg_overlap: row split only: issue the next tile's QK before this tile's PV so a
+            warpgroup's softmax overlaps its own PV (FA3's intra-warpgroup pipelining). When
+            off, the two warpgroups strictly alternate on the tensor cores (ping-pong).
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        gather: bool = False,
+        kv_shared: bool = False,
+        causal: bool = False,
+        local: bool = False,
+        tile_m: int | None = None,
+        tile_n: int | None = None,
+        num_stages: int = 2,
+        intra_wg_overlap: bool = True,
+    ):
+        if head_dim not in (64, 128, 192, 256, 512):
+            raise ValueError(f"head_dim must be 64, 128, 192, 256 or 512, got {head_dim}")
+        self.head_dim = head_dim
+        self.split_cols = head_dim > 256
+        if gather and not self.split_cols:
+            raise ValueError("the gathered (sparse) kernel needs head_dim 512")
+        if gather and (causal or local):
+            raise ValueError("the gathered kernel takes no causal/window mask")
+        if local and not causal:
+            raise ValueError("a sliding window is defined on top of the causal mask")
+        if self.split_cols and not (kv_shared or gather):
+            raise ValueError("head_dim 512 needs K and V to be the same tensor")
+        self.gather = gather
+        self.kv_shared = kv_shared or gather
+        self.causal = causal
+        self.local = local
+        if self.split_cols:
+            self.tile_m = 64 if tile_m is None else tile_m
+            self.tile_n = _GATHER_ROWS if tile_n is None else tile_n
+            if (self.tile_m, self.tile_n) != (64, 64):
+                raise ValueError("the column-split kernel uses 64 x 64 tiles")
+            self.num_stages = 1
+        else:
+            default_n = {64: 128, 128: 128, 192: 112, 256: 80}[head_dim]
+            self.tile_m = 128 if tile_m is None else tile_m
+            self.tile_n = default_n if tile_n is None else tile_n
+            if self.tile_m != 128:
+                raise ValueError("the row-split kernel uses tile_m = 128 (2 x 64 rows)")
+            if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+                raise ValueError(f"tile_n must be a multiple of 16 in [16, 256], got {tile_n}")
+            self.num_stages = num_stages
+        self.intra_wg_overlap = intra_wg_overlap and not self.split_cols
+        # Ping-pong scheduling between the compute warpgroups (row split). With the overlap it
+        # only pays for small head dims (FA3/FA4 heuristics).
+        self.use_sched_barrier = not self.split_cols and (
+            not self.intra_wg_overlap or head_dim <= 128
+        )
+        self.dtype = cutlass.BFloat16
+        self.num_threads = 3 * _THREADS_PER_WG
+        # Register split between the producer and the two compute warpgroups; 128 * (2 * mma +
+        # producer) must not exceed 64K registers.
+        if self.split_cols:
+            self.regs_mma, self.regs_producer = (224, 64) if gather else (232, 40)
+        else:
+            self.regs_mma, self.regs_producer = 240, 24
+
+    # ------------------------------------------------------------------------------------------
+    # Host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor | None,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mSink: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mIndices: cute.Tensor | None,
+        mLens: cute.Tensor | None,
+        softmax_scale: Float32,
+        window: Int32,
+        max_seqlen_q: Int32,
+        stream: cuda.CUstream,
+    ):
+        """Build layouts and TMA descriptors, then launch.
+
+        Dense: ``mQ``/``mO`` ``[total_q, H, D]``, ``mK``/``mV`` ``[total_k, Hk, D]`` (``mV`` None
+        when ``kv_shared``), ``mLSE`` ``[total_q, H]`` fp32, cumulative sequence offsets
+        ``mCuSeqlensQ``/``mCuSeqlensK`` ``[B + 1]`` int32, ``max_seqlen_q`` sizes the grid.
+        Gather: ``mQ``/``mO`` ``[T, H, 512]``, ``mK`` = kv ``[N, 512]``, ``mLSE`` ``[T, H]``,
+        ``mIndices`` ``[T, K]`` int32 (-1 = skip), ``mLens`` ``[T]`` int32.
+        ``mSink`` ``[H]`` fp32 (``-inf`` = no sink). bf16 data, fp32 LSE.
+        """
+        D = self.head_dim
+        if const_expr(self.gather):
+            # Rows of a Q tile are the heads of one token: (H, D, T).
+            q3 = fu.select_modes(mQ, [1, 2, 0])
+            o3 = fu.select_modes(mO, [1, 2, 0])
+            lse2 = fu.select_modes(mLSE, [1, 0])
+            k3 = mK
+            v3 = None
+        else:
+            # Rows of a Q tile are positions of one head: (total_q, D, H).
+            q3 = fu.select_modes(mQ, [0, 2, 1])
+            o3 = fu.select_modes(mO, [0, 2, 1])
+            lse2 = mLSE
+            k3 = fu.select_modes(mK, [0, 2, 1])
+            v3 = None if const_expr(self.kv_shared) else fu.select_modes(mV, [0, 2, 1])
+
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        sQ_layout = fu.smem_layout_rowmajor(self.dtype, self.tile_m, D)
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_op, q3, sQ_layout, (self.tile_m, D))
+
+        if const_expr(self.split_cols):
+            # KV: 2 tiles x (64 rows x 512), addressed as 4 column halves of 64 x 256.
+            sKV_half_layout = fu.smem_layout_rowmajor(self.dtype, self.tile_n, D // 2, 4)
+            sKV_tile_layout = fu.smem_layout_rowmajor(self.dtype, self.tile_n, D, 2)
+            sP_layout = fu.smem_layout_rowmajor(self.dtype, self.tile_m, self.tile_n, 2)
+            tma_atom_k, tma_k = None, None
+            if const_expr(not self.gather):
+                tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
+                    tma_op,
+                    k3,
+                    cute.select(sKV_half_layout, mode=[0, 1]),
+                    (self.tile_n, D // 2),
+                )
+            tma_atom_v, tma_v = None, None
+            tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype,
+                self.dtype,
+                warpgroup.OperandMajorMode.K,
+                warpgroup.OperandMajorMode.K,
+                Float32,
+                (1, 1, 1),
+                (64, self.tile_n),
+            )
+            tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype,
+                self.dtype,
+                warpgroup.OperandMajorMode.K,
+                warpgroup.OperandMajorMode.MN,
+                Float32,
+                (1, 1, 1),
+                (64, D // 2),
+            )
+            # The warpgroup's own P tile goes straight from registers (RS); the other one
+            # comes through shared memory (SS, above).
+            tiled_mma_pv_rs = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype,
+                self.dtype,
+                warpgroup.OperandMajorMode.K,
+                warpgroup.OperandMajorMode.MN,
+                Float32,
+                (1, 1, 1),
+                (64, D // 2),
+                a_source=warpgroup.OperandSource.RMEM,
+            )
+            SharedStorage = self._shared_storage_split(sQ_layout, sKV_half_layout, sP_layout)
+            sK_layout, sV_layout = sKV_half_layout, sKV_tile_layout
+        else:
+            sK_layout = fu.smem_layout_rowmajor(self.dtype, self.tile_n, D, self.num_stages)
+            sV_layout = sK_layout
+            sP_layout = None
+            tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
+                tma_op, k3, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, D)
+            )
+            tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
+                tma_op, v3, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, D)
+            )
+            atoms = (self.tile_m // 64, 1, 1)
+            tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype,
+                self.dtype,
+                warpgroup.OperandMajorMode.K,
+                warpgroup.OperandMajorMode.K,
+                Float32,
+                atoms,
+                (64, self.tile_n),
+            )
+            tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype,
+                self.dtype,
+                warpgroup.OperandMajorMode.K,
+                warpgroup.OperandMajorMode.MN,
+                Float32,
+                atoms,
+                (64, D),
+                a_source=warpgroup.OperandSource.RMEM,
+            )
+            tiled_mma_pv_rs = None
+            SharedStorage = self._shared_storage_rows(sQ_layout, sK_layout, sV_layout)
+
+        # Dynamic shared memory of the launch (read by the interface's resource checks).
+        self.smem_bytes = SharedStorage.size_in_bytes()
+        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.k_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+
+        if const_expr(self.gather):
+            # One flat x dimension (up to 2^31 - 1 blocks): the head blocks of a token are
+            # neighbours, so the CTAs that read the same KV rows run at the same time.
+            num_heads = cute.size(mQ.shape[1])
+            grid = (cute.size(mQ.shape[0]) * cute.ceil_div(num_heads, self.tile_m), 1, 1)
+        else:
+            grid = (
+                cute.ceil_div(max_seqlen_q, self.tile_m),
+                cute.size(mQ.shape[1]),
+                cute.size(mCuSeqlensQ.shape[0]) - 1,
+            )
+        scale_log2 = softmax_scale * fu.LOG2_E
+        self.kernel(
+            tma_q,
+            tma_k,
+            tma_v,
+            k3,
+            o3,
+            lse2,
+            mSink,
+            mCuSeqlensQ,
+            mCuSeqlensK,
+            mIndices,
+            mLens,
+            tma_atom_q,
+            tma_atom_k,
+            tma_atom_v,
+            scale_log2,
+            window,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            sP_layout,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            tiled_mma_pv_rs,
+            SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    def _shared_storage_rows(self, sQ_layout, sK_layout, sV_layout):
+        stages = self.num_stages
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 1]
+            mbar_k_full: cute.struct.MemRange[cutlass.Int64, stages]
+            mbar_k_empty: cute.struct.MemRange[cutlass.Int64, stages]
+            mbar_v_full: cute.struct.MemRange[cutlass.Int64, stages]
+            mbar_v_empty: cute.struct.MemRange[cutlass.Int64, stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        return SharedStorage
+
+    def _shared_storage_split(self, sQ_layout, sKV_half_layout, sP_layout):
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 1]
+            mbar_kv_full: cute.struct.MemRange[cutlass.Int64, 4]
+            mbar_kv_empty: cute.struct.MemRange[cutlass.Int64, 4]
+            row_max: cute.struct.MemRange[Float32, 2 * 64]
+            row_sum: cute.struct.MemRange[Float32, 2 * 64]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sKV_half_layout)], 1024
+            ]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+
+        return SharedStorage
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor | None,
+        mV: cute.Tensor | None,
+        mKV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mSink: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mIndices: cute.Tensor | None,
+        mLens: cute.Tensor | None,
+        tma_atom_q: cute.CopyAtom,
+        tma_atom_k: cute.CopyAtom | None,
+        tma_atom_v: cute.CopyAtom | None,
+        scale_log2: Float32,
+        window: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout | None,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tiled_mma_pv_rs: cute.TiledMma | None,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, bidy, bidz = cute.arch.block_idx()
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_q)
+            if const_expr(tma_atom_k is not None):
+                cpasync.prefetch_descriptor(tma_atom_k)
+            if const_expr(tma_atom_v is not None):
+                cpasync.prefetch_descriptor(tma_atom_v)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        mbar_q = storage.mbar_q.data_ptr()
+        if const_expr(self.split_cols):
+            mbar_full = storage.mbar_kv_full.data_ptr()
+            mbar_empty = storage.mbar_kv_empty.data_ptr()
+            if warp_idx == 0:
+                fu.mbar_init(mbar_q, 1, 1)
+                # gather: every producer thread arrives through cp.async; TMA: one thread.
+                fu.mbar_init(mbar_full, 4, _THREADS_PER_WG if self.gather else 1)
+                # Each half is released by the 4 warps of the one warpgroup that reads it last.
+                fu.mbar_init(mbar_empty, 4, 4)
+        else:
+            mbar_k_full = storage.mbar_k_full.data_ptr()
+            mbar_k_empty = storage.mbar_k_empty.data_ptr()
+            mbar_v_full = storage.mbar_v_full.data_ptr()
+            mbar_v_empty = storage.mbar_v_empty.data_ptr()
+            if warp_idx == 0:
+                fu.mbar_init(mbar_q, 1, 1)
+                fu.mbar_init(mbar_k_full, self.num_stages, 1)
+                fu.mbar_init(mbar_v_full, self.num_stages, 1)
+                # Both compute warpgroups read every stage: 8 warps release it.
+                fu.mbar_init(mbar_k_empty, self.num_stages, 8)
+                fu.mbar_init(mbar_v_empty, self.num_stages, 8)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # ---- this CTA's tile and KV range (identical in every thread) ------------------------
+        if const_expr(self.gather):
+            head_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
+            token = bidx // head_blocks
+            head_block = bidx - token * head_blocks
+            row_limit = cute.size(mQ.shape[0]) - head_block * self.tile_m
+            num_keys = mLens[token]
+            q_row0 = head_block * self.tile_m
+            q_l = token
+            n_min = Int32(0)
+            n_max = cute.ceil_div(num_keys, self.tile_n)
+            seqlen_q = Int32(0)
+            seqlen_k = num_keys
+            offset_k = Int32(0)
+            head_kv = Int32(0)
+            tile_valid = Boolean(True)
+            m_block = head_block
+        else:
+            # Longest (causal) tiles first: reverse the m order.
+            m_block = cute.arch.grid_dim()[0] - 1 - bidx
+            head = bidy
+            batch = bidz
+            offset_q = mCuSeqlensQ[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            offset_k = mCuSeqlensK[batch]
+            seqlen_k = mCuSeqlensK[batch + 1] - offset_k
+            row_limit = seqlen_q - m_block * self.tile_m
+            tile_valid = row_limit > 0
+            q_row0 = offset_q + m_block * self.tile_m
+            q_l = head
+            head_kv = head // (cute.size(mO.shape[2]) // cute.size(mKV.shape[2]))
+            n_min, n_max = self._kv_block_range(m_block, seqlen_q, seqlen_k, window)
+
+        if tile_valid:
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.regs_producer)
+                if const_expr(self.split_cols):
+                    self._produce_split(
+                        mQ, mK, mKV, mIndices, mLens, tma_atom_q, tma_atom_k, sQ,
+                        storage, sK_layout, mbar_q, mbar_full, mbar_empty,
+                        q_row0, q_l, token if const_expr(self.gather) else offset_k,
+                        head_kv, n_min, n_max, warp_idx, tidx,
+                    )  # fmt: skip
+                else:
+                    self._produce_rows(
+                        mQ, mK, mV, tma_atom_q, tma_atom_k, tma_atom_v, sQ, storage,
+                        sK_layout, sV_layout, mbar_q, mbar_k_full, mbar_k_empty,
+                        mbar_v_full, mbar_v_empty, q_row0, q_l, offset_k, head_kv,
+                        n_min, n_max, warp_idx,
+                    )  # fmt: skip
+            else:
+                cute.arch.setmaxregister_increase(self.regs_mma)
+                ctidx = tidx - _THREADS_PER_WG
+                if const_expr(self.split_cols):
+                    self._consume_split(
+                        tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage, sK_layout,
+                        sV_layout, sP_layout, mbar_q, mbar_full, mbar_empty, mO, mLSE, mSink,
+                        mIndices, mLens, scale_log2, window, m_block, q_row0, q_l, row_limit,
+                        seqlen_q, seqlen_k, n_min, n_max, ctidx,
+                    )  # fmt: skip
+                else:
+                    self._consume_rows(
+                        tiled_mma_qk, tiled_mma_pv, sQ, storage, sK_layout, sV_layout,
+                        mbar_q, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty, mO,
+                        mLSE, mSink, scale_log2, window, m_block, q_row0, q_l, row_limit,
+                        seqlen_q, seqlen_k, n_min, n_max, ctidx,
+                    )  # fmt: skip
+
+    # ---- KV range and masks ------------------------------------------------------------------
+    @cute.jit
+    def _kv_block_range(self, m_block, seqlen_q, seqlen_k, window):
+        """``[n_min, n_max)`` KV tiles the query rows of ``m_block`` can see (may be empty)."""
+        n_max = cute.ceil_div(seqlen_k, self.tile_n)
+        n_min = Int32(0)
+        if const_expr(self.causal):
+            # Last key visible to the last row of the tile, exclusive.
+            last = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q
+            last = cutlass.min(last, seqlen_k)
+            n_max = cute.ceil_div(cutlass.max(last, 0), self.tile_n)
+        if const_expr(self.local):
+            first = m_block * self.tile_m + seqlen_k - seqlen_q - window + 1
+            n_min = cutlass.max(first, 0) // self.tile_n
+        return n_min, n_max
+
+    @cute.jit
+    def _block_needs_mask(self, m_block, n_block, seqlen_q, seqlen_k, window) -> Boolean:
+        """Whether KV tile ``n_block`` holds any key some row of ``m_block`` must not see."""
+        key_end = (n_block + 1) * self.tile_n
+        needs = key_end > seqlen_k
+        if const_expr(self.causal):
+            # The first row of the tile sees keys up to m_block*tile_m + off.
+            first_row_last_key = m_block * self.tile_m + seqlen_k - seqlen_q
+            needs = needs or (key_end - 1 > first_row_last_key)
+        if const_expr(self.local):
+            last_row_first_key = (m_block + 1) * self.tile_m - 1 + seqlen_k - seqlen_q - window + 1
+            needs = needs or (n_block * self.tile_n < last_row_first_key)
+        return needs
+
+    @cute.jit
+    def _apply_mask(self, acc_s, t_coord, row0, col0, seqlen_q, seqlen_k, window):
+        """Set masked scores to -inf. ``t_coord``: identity partition (row, col) in the tile;
+        ``row0``/``col0``: position of the tile's first query row / key in the sequence."""
+        acc_mn = fu.acc_as_mn(acc_s)
+        c_mn = fu.acc_as_mn(t_coord)
+        off = seqlen_k - seqlen_q
+        for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+            row = row0 + c_mn[r, 0][0]
+            col_end = seqlen_k
+            if const_expr(self.causal):
+                col_end = cutlass.min(col_end, row + off + 1)
+            col_begin = Int32(0)
+            if const_expr(self.local):
+                col_begin = row + off - window + 1
+            for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
+                col = col0 + c_mn[0, c][1]
+                if col >= col_end or col < col_begin:
+                    acc_mn[r, c] = -Float32.inf
+
+    # ---- producers ---------------------------------------------------------------------------
+    @cute.jit
+    def _load_q(self, mQ, tma_atom_q, sQ, mbar_q, q_row0, q_l):
+        gQ = cute.local_tile(
+            cute.domain_offset((q_row0, 0), mQ[None, None, q_l]),
+            (self.tile_m, self.head_dim),
+            (0, 0),
+        )
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+            cute.group_modes(gQ, 0, 2),
+        )  # fmt: skip
+        fu.mbar_expect_tx(mbar_q, 0, self.q_bytes)
+        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=mbar_q)
+
+    @cute.jit
+    def _produce_rows(
+        self, mQ, mK, mV, tma_atom_q, tma_atom_k, tma_atom_v, sQ, storage, sK_layout, sV_layout,
+        mbar_q, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty, q_row0, q_l, offset_k,
+        head_kv, n_min, n_max, warp_idx,
+    ):  # fmt: skip
+        """TMA producer of the row split: Q once, then K and V tiles from ``n_max - 1`` down."""
+        if warp_idx == 0:
+            self._load_q(mQ, tma_atom_q, sQ, mbar_q, q_row0, q_l)
+            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+            tile = (self.tile_n, self.head_dim)
+            gK = cute.local_tile(
+                cute.domain_offset((offset_k, 0), mK[None, None, head_kv]), tile, (None, 0)
+            )
+            gV = cute.local_tile(
+                cute.domain_offset((offset_k, 0), mV[None, None, head_kv]), tile, (None, 0)
+            )
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                cute.group_modes(gK, 0, 2),
+            )  # fmt: skip
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                cute.group_modes(gV, 0, 2),
+            )  # fmt: skip
+            for i in cutlass.range(n_max - n_min, unroll=1):
+                n_block = n_max - 1 - i
+                stage = i % self.num_stages
+                phase = (i // self.num_stages) & 1
+                fu.mbar_wait(mbar_k_empty, stage, phase ^ 1)
+                fu.mbar_expect_tx(mbar_k_full, stage, self.k_bytes)
+                cute.copy(
+                    tma_atom_k, tKgK[None, n_block], tKsK[None, stage],
+                    tma_bar_ptr=mbar_k_full + stage,
+                )  # fmt: skip
+                fu.mbar_wait(mbar_v_empty, stage, phase ^ 1)
+                fu.mbar_expect_tx(mbar_v_full, stage, self.k_bytes)
+                cute.copy(
+                    tma_atom_v, tVgV[None, n_block], tVsV[None, stage],
+                    tma_bar_ptr=mbar_v_full + stage,
+                )  # fmt: skip
+
+    # ---- row-split consumer --------------------------------------------------------------------
+    @cute.jit
+    def _consume_rows(
+        self, tiled_mma_qk, tiled_mma_pv, sQ, storage, sK_layout, sV_layout, mbar_q,
+        mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty, mO, mLSE, mSink, scale_log2,
+        window, m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min, n_max, ctidx,
+    ):  # fmt: skip
+        wg = cute.arch.make_warp_uniform(ctidx // _THREADS_PER_WG)  # which 64 rows of the tile
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sVt = fu.transpose_view(sV)
+        thr_mma_qk = tiled_mma_qk.get_slice(ctidx)
+        wg_mma_qk = tiled_mma_qk.get_slice(wg * _THREADS_PER_WG)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg * _THREADS_PER_WG)
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+        shape_s = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+        acc_o = cute.make_rmem_tensor(
+            wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32
+        )
+        t_coord = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        num_rows = cute.size(fu.acc_as_mn(acc_o).shape[0])
+        row_max = cute.make_rmem_tensor(num_rows, Float32)
+        row_sum = cute.make_rmem_tensor(num_rows, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        acc_o.fill(0.0)
+
+        num_blocks = n_max - n_min
+        # Always wait for Q: the epilogue reuses its buffer, and the producer always loads it.
+        fu.mbar_wait(mbar_q, 0, 0)
+        if num_blocks > 0:
+            args = (
+                tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_o, shape_s, t_coord, row_max,
+                row_sum, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty, scale_log2,
+                window, m_block, seqlen_q, seqlen_k, n_max, num_blocks, wg,
+            )  # fmt: skip
+            if const_expr(self.intra_wg_overlap):
+                self._mainloop_rows_overlap(*args)
+            else:
+                self._mainloop_rows_pingpong(*args)
+
+        # ---- epilogue: normalise, write LSE and O ---------------------------------------------
+        for r in cutlass.range_constexpr(num_rows):
+            row_sum[r] = fu.quad_sum(row_sum[r])
+        sink_log2 = cute.make_rmem_tensor(num_rows, Float32)
+        sink_log2.fill(mSink[q_l] * fu.LOG2_E)
+        lse = self._finalize(acc_o, row_max, row_sum, sink_log2, scale_log2)
+        self._store_lse(mLSE, lse, thr_mma_qk, q_row0, q_l, row_limit)
+        sO = sQ  # Q is dead once this warpgroup's last QK finished; rows do not overlap.
+        self._store_o(tiled_mma_pv, acc_o, sO, mO, q_row0, q_l, row_limit, ctidx, ctidx)
+
+    @cute.jit
+    def _mainloop_rows_pingpong(
+        self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_o, shape_s, t_coord, row_max,
+        row_sum, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty, scale_log2, window,
+        m_block, seqlen_q, seqlen_k, n_max, num_blocks, wg,
+    ):  # fmt: skip
+        """Tiles ``n_max - 1`` down to ``n_max - num_blocks``; warpgroups alternate strictly:
+        each issues [PV of tile i, QK of tile i + 1] while the other runs its softmax."""
+        row0 = m_block * self.tile_m
+        # Warpgroup 1 takes the first turn.
+        if wg == 0:
+            cute.arch.barrier_arrive(
+                barrier_id=_BAR_SCHED_WG1, number_of_threads=2 * _THREADS_PER_WG
+            )
+        self._sched_wait(wg)
+        self._rows_block(
+            tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_o, shape_s, t_coord,
+            row_max, row_sum, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty,
+            Int32(0), n_max - 1, True, scale_log2, window, m_block, row0, seqlen_q,
+            seqlen_k, wg, True,
+        )  # fmt: skip
+        for i in cutlass.range(1, num_blocks, unroll=1):
+            n_block = n_max - 1 - i
+            needs_mask = self._block_needs_mask(m_block, n_block, seqlen_q, seqlen_k, window)
+            self._rows_block(
+                tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_o, shape_s, t_coord,
+                row_max, row_sum, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty,
+                i, n_block, needs_mask, scale_log2, window, m_block, row0, seqlen_q,
+                seqlen_k, wg, False,
+            )  # fmt: skip
+        # Hand warpgroup 2 its turn for its last PV (warpgroup 1 always moves first).
+        if wg == 0:
+            self._sched_arrive_other(wg)
+
+    @cute.jit
+    def _mainloop_rows_overlap(
+        self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_o, shape_s, t_coord, row_max,
+        row_sum, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty, scale_log2, window,
+        m_block, seqlen_q, seqlen_k, n_max, num_blocks, wg,
+    ):  # fmt: skip
+        """Intra-warpgroup pipelining: S of tile i + 1 is computed while P_i V_i runs, so the
+        softmax of tile i + 1 overlaps this warpgroup's own PV. O starts at zero and always
+        accumulates; it is rescaled to the new row max once PV_i has completed."""
+        row0 = m_block * self.tile_m
+        # First tile: QK and softmax only; its PV is issued with the next tile's QK.
+        acc_s = cute.make_rmem_tensor(shape_s, Float32)
+        fu.mbar_wait(mbar_k_full, 0, 0)
+        fu.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, 0], True)
+        warpgroup.wait_group(0)
+        fu.mbar_arrive_one_per_warp(mbar_k_empty, 0)
+        self._apply_mask(acc_s, t_coord, row0, (n_max - 1) * self.tile_n, seqlen_q, seqlen_k,
+                         window)  # fmt: skip
+        self._online_softmax(acc_s, row_max, row_sum, scale_log2, True)
+        acc_p = fu.acc_as_operand_a(acc_s)
+        tOrP = cute.make_rmem_tensor(acc_p.layout.shape, self.dtype)
+        fu.convert_to_bf16(acc_p, tOrP)
+        if const_expr(self.use_sched_barrier):  # noqa: SIM102 - static outer, dynamic inner
+            if wg == 0:
+                cute.arch.barrier_arrive(
+                    barrier_id=_BAR_SCHED_WG1, number_of_threads=2 * _THREADS_PER_WG
+                )
+        for i in cutlass.range(1, num_blocks, unroll=1):
+            n_block = n_max - 1 - i
+            stage = i % self.num_stages
+            phase = (i // self.num_stages) & 1
+            prev = (i - 1) % self.num_stages
+            prev_phase = ((i - 1) // self.num_stages) & 1
+            fu.mbar_wait(mbar_k_full, stage, phase)
+            if const_expr(self.use_sched_barrier):
+                self._sched_wait(wg)
+            acc_next = cute.make_rmem_tensor(shape_s, Float32)
+            fu.wgmma(tiled_mma_qk, acc_next, tSrQ, tSrK[None, None, None, stage], True)
+            fu.mbar_wait(mbar_v_full, prev, prev_phase)
+            fu.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, prev], False)
+            if const_expr(self.use_sched_barrier):  # noqa: SIM102 - static outer, dynamic inner
+                # Warpgroup 2 skips its last hand-over: no turn follows it.
+                if wg == 0 or i < num_blocks - 1:
+                    self._sched_arrive_other(wg)
+            warpgroup.wait_group(1)
+            fu.mbar_arrive_one_per_warp(mbar_k_empty, stage)
+            needs_mask = self._block_needs_mask(m_block, n_block, seqlen_q, seqlen_k, window)
+            if needs_mask:
+                self._apply_mask(
+                    acc_next, t_coord, row0, n_block * self.tile_n, seqlen_q, seqlen_k, window
+                )
+            row_scale = self._online_softmax(acc_next, row_max, row_sum, scale_log2, False)
+            warpgroup.wait_group(0)
+            fu.mbar_arrive_one_per_warp(mbar_v_empty, prev)
+            fu.convert_to_bf16(fu.acc_as_operand_a(acc_next), tOrP)
+            self._rescale_rows(acc_o, row_scale)
+        # Last tile's PV.
+        last = (num_blocks - 1) % self.num_stages
+        last_phase = ((num_blocks - 1) // self.num_stages) & 1
+        fu.mbar_wait(mbar_v_full, last, last_phase)
+        fu.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, last], False)
+        warpgroup.wait_group(0)
+        fu.mbar_arrive_one_per_warp(mbar_v_empty, last)
+
+    @cute.jit
+    def _sched_wait(self, wg):
+        cute.arch.barrier(barrier_id=_BAR_SCHED_WG1 + wg, number_of_threads=2 * _THREADS_PER_WG)
+
+    @cute.jit
+    def _sched_arrive_other(self, wg):
+        cute.arch.barrier_arrive(
+            barrier_id=_BAR_SCHED_WG1 + (1 - wg), number_of_threads=2 * _THREADS_PER_WG
+        )
+
+    @cute.jit
+    def _rows_block(
+        self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_o, shape_s, t_coord, row_max,
+        row_sum, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty, i, n_block, needs_mask,
+        scale_log2, window, m_block, row0, seqlen_q, seqlen_k, wg,
+        is_first: cutlass.Constexpr[bool],
+    ):  # fmt: skip
+        """One KV tile of the row split: S = Q K^T, mask, online softmax, O += P V.
+
+        On entry this warpgroup holds the tensor-core turn (it waited on its scheduler
+        barrier); it hands the turn over after issuing QK and takes it back before PV.
+        """
+        stage = i % self.num_stages
+        phase = (i // self.num_stages) & 1
+        acc_s = cute.make_rmem_tensor(shape_s, Float32)
+        fu.mbar_wait(mbar_k_full, stage, phase)
+        fu.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True)
+        self._sched_arrive_other(wg)
+        warpgroup.wait_group(0)
+        fu.mbar_arrive_one_per_warp(mbar_k_empty, stage)
+        if needs_mask:
+            self._apply_mask(
+                acc_s, t_coord, row0, n_block * self.tile_n, seqlen_q, seqlen_k, window
+            )
+        row_scale = self._online_softmax(acc_s, row_max, row_sum, scale_log2, is_first)
+        # P in the A-operand register layout of the PV wgmma.
+        acc_p = fu.acc_as_operand_a(acc_s)
+        tOrP = cute.make_rmem_tensor(acc_p.layout.shape, self.dtype)
+        fu.convert_to_bf16(acc_p, tOrP)
+        if const_expr(not is_first):
+            self._rescale_rows(acc_o, row_scale)
+        fu.mbar_wait(mbar_v_full, stage, phase)
+        self._sched_wait(wg)
+        fu.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], is_first)
+        warpgroup.wait_group(0)
+        fu.mbar_arrive_one_per_warp(mbar_v_empty, stage)
+
+    @cute.jit
+    def _online_softmax(self, acc_s, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
+        """Update running max/sum with tile ``acc_s`` (scores -> probabilities in place).
+
+        Returns the per-row factor by which the old output must be rescaled. Row sums stay
+        per-thread partial (reduced across the quad once, in the epilogue).
+        """
+        acc_mn = fu.acc_as_mn(acc_s)
+        row_scale = cute.make_rmem_tensor(cute.size(row_max), Float32)
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            m_old = row_max[r]
+            m_new = fu.quad_max(fu.row_max(acc_mn[r, None].load(), m_old))
+            row_max[r] = m_new
+            # A row with no valid key so far keeps max -inf; use 0 so exp2 gives 0, not NaN.
+            m_safe = 0.0 if m_new == -Float32.inf else m_new
+            m_scaled = m_safe * scale_log2
+            p = cute.math.exp2(acc_mn[r, None].load() * scale_log2 - m_scaled, fastmath=True)
+            acc_mn[r, None].store(p)
+            s = p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+            if const_expr(is_first):
+                row_scale[r] = 1.0
+                row_sum[r] = s
+            else:
+                scale = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
+                row_scale[r] = scale
+                row_sum[r] = row_sum[r] * scale + s
+        return row_scale
+
+    @cute.jit
+    def _rescale_rows(self, acc, row_scale):
+        acc_mn = fu.acc_as_mn(acc)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+
+    @cute.jit
+    def _finalize(self, acc_o, row_max, row_sum, sink_log2, scale_log2):
+        """Normalise O in place with the sink; return the natural-log LSE per row (no sink).
+
+        ``row_sum`` must already hold the full row sum; ``sink_log2`` is ``sink * log2(e)`` per
+        row (``-inf`` for no sink, ``+inf`` zeroes the row).
+        """
+        num_rows = cute.size(row_max)
+        lse = cute.make_rmem_tensor(num_rows, Float32)
+        scale = cute.make_rmem_tensor(num_rows, Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            total = row_sum[r]
+            if total > 0.0:
+                m_scaled = row_max[r] * scale_log2
+                denom = total + cute.math.exp2(sink_log2[r] - m_scaled, fastmath=True)
+                scale[r] = cute.arch.rcp_approx(denom)
+                lse[r] = (m_scaled + cute.math.log2(total, fastmath=True)) * fu.LN_2
+            else:
+                scale[r] = 0.0
+                lse[r] = -Float32.inf
+        self._rescale_rows(acc_o, scale)
+        return lse
+
+    @cute.jit
+    def _store_lse(self, mLSE, lse, thr_mma, q_row0, q_l, row_limit):
+        """Write LSE for the valid rows; the thread holding column 0 of each row writes it."""
+        rows = self.tile_m if const_expr(not self.split_cols) else 64
+        t_coord = fu.acc_as_mn(thr_mma.partition_C(cute.make_identity_tensor((rows, self.tile_n))))
+        if t_coord[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = t_coord[r, 0][0]
+                if row < row_limit:
+                    mLSE[q_row0 + row, q_l] = lse[r]
+
+    @cute.jit
+    def _store_o(self, tiled_mma_pv, acc_o, sO, mO, q_row0, q_l, row_limit, ctidx, mma_tidx):
+        """Registers -> shared (stmatrix) -> global with 16-byte stores on valid rows only."""
+        r_o = cute.make_rmem_tensor(acc_o.layout.shape, self.dtype)
+        fu.convert_to_bf16(acc_o, r_o)
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
+        thr_copy = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(mma_tidx)
+        cute.copy(thr_copy, thr_copy.retile(r_o), thr_copy.partition_D(sO))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=2 * _THREADS_PER_WG)
+        self._copy_o_to_global(sO, mO, q_row0, q_l, row_limit, ctidx)
+
+    @cute.jit
+    def _copy_o_to_global(self, sO, mO, q_row0, q_l, row_limit, ctidx):
+        vec = 8  # bf16 per 16-byte store
+        threads_per_row = 64 // vec  # one 128-byte swizzle atom row
+        copy_atom = cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
+        )
+        thr_layout = cute.make_ordered_layout(
+            (2 * _THREADS_PER_WG // threads_per_row, threads_per_row), order=(1, 0)
+        )
+        tiled_copy = cute.make_tiled_copy_tv(copy_atom, thr_layout, cute.make_layout((1, vec)))
+        thr_copy = tiled_copy.get_slice(ctidx)
+        gO = cute.local_tile(
+            cute.domain_offset((q_row0, 0), mO[None, None, q_l]),
+            (self.tile_m, self.head_dim),
+            (0, 0),
+        )
+        tOsO = thr_copy.partition_S(sO)
+        tOgO = thr_copy.partition_D(gO)
+        t_coord = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        r_o = cute.make_rmem_tensor_like(tOsO, self.dtype)
+        cute.autovec_copy(tOsO, r_o)
+        for m in cutlass.range_constexpr(cute.size(tOsO.shape[1])):
+            if t_coord[0, m, 0][0] < row_limit:
+                cute.copy(tiled_copy, r_o[None, m, None], tOgO[None, m, None])
+
+    # ---- column split (head_dim 512) ---------------------------------------------------------
+    # KV halves in shared memory: 0 = tile a cols 0..255, 1 = a 256..511, 2 = b 0..255,
+    # 3 = b 256..511. Warpgroup w computes S for tile w and the output columns of half w.
+    # Readers: half 0 = wg0 (QK, PV), 1 = wg0 (QK) + wg1 (PV), 2 = wg1 (QK) + wg0 (PV),
+    # 3 = wg1 (QK, PV). The PV reader releases a half; its QK reader finished before the
+    # _BAR_MAX barrier that both passed before any PV. Producer order: the halves released
+    # first (0 after wg0's first PV, 3 after wg1's first PV) are refilled first.
+    _HALF_ORDER = ((0, 0, 0), (3, 1, 1), (1, 0, 1), (2, 1, 0))  # (half, tile of step, column half)
+
+    @cute.jit
+    def _produce_split(
+        self, mQ, mK, mKV, mIndices, mLens, tma_atom_q, tma_atom_k, sQ, storage,
+        sKV_half_layout, mbar_q, mbar_full, mbar_empty, q_row0, q_l, token_or_offset_k,
+        head_kv, n_min, n_max, warp_idx, tidx,
+    ):  # fmt: skip
+        sKVh = storage.sKV.get_tensor(sKV_half_layout.outer, swizzle=sKV_half_layout.inner)
+        num_steps = cute.ceil_div(n_max - n_min, 2)
+        if warp_idx == 0:
+            self._load_q(mQ, tma_atom_q, sQ, mbar_q, q_row0, q_l)
+        if const_expr(self.gather):
+            token = token_or_offset_k
+            num_keys = mLens[token]
+            for step in cutlass.range(num_steps, unroll=1):
+                phase = step & 1
+                for j in cutlass.range_constexpr(4):
+                    half, tile_in_step, col_half = self._HALF_ORDER[j]
+                    fu.mbar_wait(mbar_empty, half, phase ^ 1)
+                    self._gather_half(
+                        mKV, mIndices, token, num_keys, 2 * step + tile_in_step, col_half,
+                        sKVh[None, None, half], tidx,
+                    )  # fmt: skip
+                    cute.arch.cp_async_mbarrier_arrive_noinc(mbar_full + half)
+            # Do not retire with copies in flight (the consumers wait on them anyway).
+            cute.arch.cp_async_wait_group(0)
+        else:
+            if warp_idx == 0:
+                offset_k = token_or_offset_k
+                gK = cute.local_tile(
+                    cute.domain_offset((offset_k, 0), mK[None, None, head_kv]),
+                    (self.tile_n, self.head_dim // 2),
+                    (None, None),
+                )
+                tKsK, tKgK = cpasync.tma_partition(
+                    tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sKVh, 0, 2),
+                    cute.group_modes(gK, 0, 2),
+                )  # fmt: skip
+                for step in cutlass.range(num_steps, unroll=1):
+                    phase = step & 1
+                    for j in cutlass.range_constexpr(4):
+                        half, tile_in_step, col_half = self._HALF_ORDER[j]
+                        # A tile past the end (odd count) reads zeros or other keys; masked.
+                        tile = n_min + 2 * step + tile_in_step
+                        fu.mbar_wait(mbar_empty, half, phase ^ 1)
+                        fu.mbar_expect_tx(mbar_full, half, self.k_bytes)
+                        cute.copy(
+                            tma_atom_k, tKgK[None, tile, col_half], tKsK[None, half],
+                            tma_bar_ptr=mbar_full + half,
+                        )  # fmt: skip
+
+    @cute.jit
+    def _gather_half(self, mKV, mIndices, token, num_keys, tile, col_half, sHalf, tidx):
+        """cp.async rows ``kv[indices[token, 64*tile + r]]``, columns of ``col_half``, r < 64.
+
+        128 threads: 32 consecutive 16-byte chunks (512 B of one row) per warp, 4 rows per pass.
+        Entries past ``num_keys`` or equal to -1 load row 0 instead (finite data; the consumers
+        mask those columns), so P = 0 never meets uninitialised shared memory.
+        """
+        vec = 8
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+            self.dtype,
+            num_bits_per_copy=128,
+        )
+        thr_layout = cute.make_ordered_layout((4, 32), order=(1, 0))
+        tiled_copy = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, vec)))
+        thr_copy = tiled_copy.get_slice(tidx)
+        tXsX = thr_copy.partition_D(sHalf)  # (CPY, 16 rows, 1)
+        col = col_half * (self.head_dim // 2) + (tidx % 32) * vec
+        for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+            entry = tile * self.tile_n + tidx // 32 + 4 * m
+            row = Int32(0)
+            if entry < num_keys:
+                row = mIndices[token, entry]
+            row = cutlass.max(row, 0)
+            # Rows and chunk offsets are 16-byte aligned (checked on the host).
+            addr = (mKV.iterator + cute.crd2idx((row, col), mKV.layout)).toint()
+            src_ptr = cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
+            src = cute.make_tensor(src_ptr, tXsX[None, m, 0].layout)
+            cute.copy(tiled_copy, src, tXsX[None, m, 0])
+
+    @cute.jit
+    def _consume_split(
+        self, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage, sKV_half_layout,
+        sKV_tile_layout, sP_layout, mbar_q, mbar_full, mbar_empty, mO, mLSE, mSink, mIndices,
+        mLens, scale_log2, window, m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min,
+        n_max, ctidx,
+    ):  # fmt: skip
+        wg = cute.arch.make_warp_uniform(ctidx // _THREADS_PER_WG)
+        wtidx = ctidx % _THREADS_PER_WG
+        lane = cute.arch.lane_idx()
+        rows = 64
+        sKVt = storage.sKV.get_tensor(sKV_tile_layout.outer, swizzle=sKV_tile_layout.inner)
+        sKVh = storage.sKV.get_tensor(sKV_half_layout.outer, swizzle=sKV_half_layout.inner)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        s_max = storage.row_max.get_tensor(cute.make_layout((rows, 2)))
+        s_sum = storage.row_sum.get_tensor(cute.make_layout((rows, 2)))
+        thr_mma_qk = tiled_mma_qk.get_slice(wtidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(wtidx)
+        tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
+        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sKVt))
+        tOrP = thr_mma_pv.make_fragment_A(thr_mma_pv.partition_A(sP))
+        sVt = fu.transpose_view(sKVh)
+        tOrV = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
+        thr_mma_pv_rs = tiled_mma_pv_rs.get_slice(wtidx)
+        tOrV_rs = thr_mma_pv_rs.make_fragment_B(thr_mma_pv_rs.partition_B(sVt))
+        acc_o = cute.make_rmem_tensor(
+            thr_mma_pv.partition_shape_C((rows, self.head_dim // 2)), Float32
+        )
+        shape_s = thr_mma_qk.partition_shape_C((rows, self.tile_n))
+        t_coord = thr_mma_qk.partition_C(cute.make_identity_tensor((rows, self.tile_n)))
+        c_mn = fu.acc_as_mn(t_coord)
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
+        thr_copy_p = cute.make_tiled_copy_C(st_atom, tiled_mma_qk).get_slice(wtidx)
+        tPsP = thr_copy_p.partition_D(sP)  # (CPY, M, N, 2 tiles)
+        num_rows = cute.size(fu.acc_as_mn(acc_o).shape[0])
+        row_max = cute.make_rmem_tensor(num_rows, Float32)
+        row_sum = cute.make_rmem_tensor(num_rows, Float32)
+        m_loc = cute.make_rmem_tensor(num_rows, Float32)
+        row_scale = cute.make_rmem_tensor(num_rows, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        acc_o.fill(0.0)
+        row0 = m_block * rows
+        # PV halves of warpgroup w: its own tile's half w first, then the other tile's half w.
+        half_first = 3 * wg
+        half_second = 2 * (1 - wg) + wg
+
+        fu.mbar_wait(mbar_q, 0, 0)
+        num_steps = cute.ceil_div(n_max - n_min, 2)
+        for step in cutlass.range(num_steps, unroll=1):
+            phase = step & 1
+            tile = n_min + 2 * step + wg
+            # Validity of this tile's 64 gathered entries, one bit per column (2 words).
+            valid_lo = Int32(0)
+            valid_hi = Int32(0)
+            if const_expr(self.gather):
+                valid_lo, valid_hi = self._gather_valid_bits(mIndices, q_l, seqlen_k, tile, lane)
+            acc_s = cute.make_rmem_tensor(shape_s, Float32)
+            k_half = self.head_dim // 32  # k-blocks (of 16) per 256 columns
+            if wg == 0:
+                fu.mbar_wait(mbar_full, 0, phase)
+                fu.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, 0], True, 0, k_half)
+                fu.mbar_wait(mbar_full, 1, phase)
+                fu.wgmma(
+                    tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, 0], False, k_half,
+                    2 * k_half,
+                )  # fmt: skip
+            else:
+                fu.mbar_wait(mbar_full, 3, phase)
+                fu.wgmma(
+                    tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, 1], True, k_half,
+                    2 * k_half,
+                )  # fmt: skip
+                fu.mbar_wait(mbar_full, 2, phase)
+                fu.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, 1], False, 0, k_half)
+            warpgroup.wait_group(0)
+
+            acc_mn = fu.acc_as_mn(acc_s)
+            if const_expr(self.gather):
+                for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
+                    col = c_mn[0, c][1]
+                    bits = valid_lo if col < 32 else valid_hi
+                    if ((bits >> (col % 32)) & 1) == 0:
+                        for r in cutlass.range_constexpr(num_rows):
+                            acc_mn[r, c] = -Float32.inf
+            else:
+                self._apply_mask(
+                    acc_s, t_coord, row0, tile * self.tile_n, seqlen_q, seqlen_k, window
+                )
+
+            # Publish this tile's row max; agree on the new running max.
+            for r in cutlass.range_constexpr(num_rows):
+                m_loc[r] = fu.quad_max(fu.row_max(acc_mn[r, None].load(), -Float32.inf))
+                if lane % 4 == 0:
+                    s_max[c_mn[r, 0][0], wg] = m_loc[r]
+            cute.arch.barrier(barrier_id=_BAR_MAX, number_of_threads=2 * _THREADS_PER_WG)
+            for r in cutlass.range_constexpr(num_rows):
+                m_other = s_max[c_mn[r, 0][0], 1 - wg]
+                m_old = row_max[r]
+                m_new = cute.arch.fmax(cute.arch.fmax(m_old, m_loc[r]), m_other)
+                row_max[r] = m_new
+                m_safe = 0.0 if m_new == -Float32.inf else m_new
+                m_scaled = m_safe * scale_log2
+                p = cute.math.exp2(acc_mn[r, None].load() * scale_log2 - m_scaled, fastmath=True)
+                acc_mn[r, None].store(p)
+                scale = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
+                row_scale[r] = scale
+                row_sum[r] = row_sum[r] * scale + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+            self._rescale_rows(acc_o, row_scale)
+
+            # Own P tile: bf16 in registers, multiplied at once with this warpgroup's half of
+            # its own V tile (RS); the same registers (accumulator order) go to shared memory
+            # for the other warpgroup (SMEM-P).
+            r_p = cute.make_rmem_tensor(shape_s, self.dtype)
+            fu.convert_to_bf16(acc_s, r_p)
+            fu.mbar_wait(mbar_full, half_first, phase)
+            fu.wgmma(
+                tiled_mma_pv_rs, acc_o, fu.acc_as_operand_a(r_p),
+                tOrV_rs[None, None, None, half_first], False,
+            )  # fmt: skip
+            cute.copy(thr_copy_p, thr_copy_p.retile(r_p), tPsP[None, None, None, wg])
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=_BAR_P, number_of_threads=2 * _THREADS_PER_WG)
+            fu.mbar_wait(mbar_full, half_second, phase)
+            fu.wgmma(
+                tiled_mma_pv, acc_o, tOrP[None, None, None, 1 - wg],
+                tOrV[None, None, None, half_second], False,
+            )  # fmt: skip
+            warpgroup.wait_group(1)
+            fu.mbar_arrive_one_per_warp(mbar_empty, half_first)
+            warpgroup.wait_group(0)
+            fu.mbar_arrive_one_per_warp(mbar_empty, half_second)
+
+        # ---- epilogue: combine the two warpgroups' row sums, normalise, store ------------------
+        for r in cutlass.range_constexpr(num_rows):
+            row_sum[r] = fu.quad_sum(row_sum[r])
+            if lane % 4 == 0:
+                s_sum[c_mn[r, 0][0], wg] = row_sum[r]
+        cute.arch.barrier(barrier_id=_BAR_SUM, number_of_threads=2 * _THREADS_PER_WG)
+        sink_log2 = cute.make_rmem_tensor(num_rows, Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            row = c_mn[r, 0][0]
+            row_sum[r] = s_sum[row, 0] + s_sum[row, 1]
+            if const_expr(self.gather):
+                # Rows are heads; padding rows past H must not read the sink.
+                sink_log2[r] = -Float32.inf
+                if row < row_limit:
+                    sink_log2[r] = mSink[q_row0 + row] * fu.LOG2_E
+            else:
+                sink_log2[r] = mSink[q_l] * fu.LOG2_E
+        lse = self._finalize(acc_o, row_max, row_sum, sink_log2, scale_log2)
+        if wg == 0:
+            self._store_lse(mLSE, lse, thr_mma_qk, q_row0, q_l, row_limit)
+        # O halves -> shared (the Q buffer: every QK finished before the last _BAR_MAX).
+        sO = sQ
+        sO_half = cute.local_tile(sO, (rows, self.head_dim // 2), (0, wg))
+        r_o = cute.make_rmem_tensor(acc_o.layout.shape, self.dtype)
+        fu.convert_to_bf16(acc_o, r_o)
+        thr_copy_o = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(wtidx)
+        cute.copy(thr_copy_o, thr_copy_o.retile(r_o), thr_copy_o.partition_D(sO_half))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=2 * _THREADS_PER_WG)
+        self._copy_o_to_global(sO, mO, q_row0, q_l, row_limit, ctidx)
+
+    @cute.jit
+    def _gather_valid_bits(self, mIndices, token, num_keys, tile, lane):
+        """Bit c of (lo, hi) = entry ``64*tile + c`` (lo: c < 32, hi: c - 32) is a valid key."""
+        e0 = tile * self.tile_n + lane
+        e1 = e0 + 32
+        v0 = Boolean(False)
+        v1 = Boolean(False)
+        if e0 < num_keys:
+            v0 = mIndices[token, e0] >= 0
+        if e1 < num_keys:
+            v1 = mIndices[token, e1] >= 0
+        return cute.arch.vote_ballot_sync(v0), cute.arch.vote_ballot_sync(v1)

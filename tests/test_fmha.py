@@ -1,0 +1,244 @@
+"""The CuTeDSL FMHA kernel (``dsv4_attn.kernels.fmha``).
+
+CPU (CI): every variant the ops layer can launch compiles for sm_90a without a GPU, with no
+register spills and shared memory within Hopper's 227 KB; the cubin reader agrees with
+``cuobjdump`` where that tool exists; the support checks give reasons.
+
+GPU (``pytest -m gpu`` on a Hopper machine): the kernel, called directly with outputs poisoned
+with NaN, matches the float64 references on random shapes: every head dim, masks none / causal /
+causal + window 128, Sq = 1, Sq != Sk both ways, odd and empty sequences, H in {8, 64, 128},
+sinks including +-inf; sparse prefill with holes, ragged lengths and K up to 2048. When
+``FMHA_GPU_RESULTS`` names a directory, each case's errors are written there as JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+
+import pytest
+import torch
+
+from dsv4_attn import reference
+from dsv4_attn.kernels import fmha
+from dsv4_attn.kernels.fmha_cubin import read_resources
+from dsv4_attn.prefill_cases import make_dense_case, make_random_sparse_case, make_v4_sparse_case
+
+try:
+    import cutlass  # noqa: F401
+
+    HAVE_DSL = True
+except ImportError:  # pragma: no cover - depends on the install
+    HAVE_DSL = False
+
+needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not installed")
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: compile every variant, check resources
+# ----------------------------------------------------------------------------------------------
+@needs_dsl
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", fmha.all_variants(), ids=lambda v: v.label)
+def test_variant_compiles_for_sm90a_without_spills(variant):
+    res = fmha.resources(variant)
+    assert len(res.kernels) == 1
+    kernel = res.kernels[0]
+    assert not res.spills, f"local memory in use: {kernel}"
+    # Launch count for 384 threads; the compute warpgroups raise theirs with setmaxnreg.
+    assert 0 < kernel.registers <= 168
+    assert 0 < res.smem_bytes <= fmha.SMEM_LIMIT
+
+
+@needs_dsl
+def test_cubin_reader_agrees_with_cuobjdump():
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        try:
+            import triton
+
+            candidate = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
+            tool = shutil.which("cuobjdump", path=candidate)
+        except ImportError:
+            tool = None
+    if tool is None:
+        pytest.skip("cuobjdump is not installed")
+    variant = fmha.FmhaVariant(head_dim=64)
+    with tempfile.TemporaryDirectory() as tmp:
+        fn, _ = fmha._compile(variant, f"--keep-cubin --dump-dir {tmp}")
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(fn.artifacts.CUBIN)
+        text = subprocess.run(
+            [tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True
+        ).stdout
+    (mine,) = read_resources(fn.artifacts.CUBIN)
+    assert f"Function {mine.name}:" in text
+    assert f"REG:{mine.registers} " in text
+    assert f"STACK:{mine.stack_bytes} " in text
+    assert f"LOCAL:{mine.frame_bytes} " in text
+
+
+def test_support_checks_give_reasons_on_cpu():
+    q = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
+    assert "cpu" in fmha.dense_unsupported_reason(q, q, q, True, None)
+    assert "bfloat16" in fmha.dense_unsupported_reason(q.float(), q.float(), q.float(), False, None)
+    assert "head_dim 96" in fmha.dense_unsupported_reason(
+        q[..., :96], q[..., :96], q[..., :96], 0, None
+    )
+    k = torch.zeros(4, 2, 512, dtype=torch.bfloat16)
+    assert "same tensor" in fmha.dense_unsupported_reason(k, k, k.clone(), False, None)
+    strided = torch.zeros(4, 2, 256, dtype=torch.bfloat16)[..., ::2]
+    assert "contiguous" in fmha.dense_unsupported_reason(strided, strided, strided, False, None)
+    kv = torch.zeros(10, 512, dtype=torch.bfloat16)
+    idx = torch.zeros(4, 3, dtype=torch.int32)
+    assert "head_dim 512" in fmha.sparse_unsupported_reason(q, kv[:, :128], idx)
+    assert "cpu" in fmha.sparse_unsupported_reason(k, kv, idx)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: kernel vs float64 references, poisoned outputs
+# ----------------------------------------------------------------------------------------------
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+gpu = pytest.mark.gpu
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+OUT_TOL = 1e-2  # max |out - ref| / max |ref|
+LSE_TOL = 1e-2  # |lse - ref| / max(1, |ref|)
+
+
+def _record(name: str, **fields) -> None:
+    folder = os.environ.get("FMHA_GPU_RESULTS")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "fmha_gpu_cases.jsonl"), "a") as f:
+            f.write(json.dumps({"case": name, **fields}) + "\n")
+
+
+def _check(name, out, lse, ref_out, ref_lse, seconds):
+    ref_out = ref_out.double()
+    ref_lse = ref_lse.double()
+    scale = ref_out.abs().max().item() if ref_out.numel() else 0.0
+    err = (out.double() - ref_out).abs().max().item() if ref_out.numel() else 0.0
+    out_rel = err / scale if scale > 0 else err
+    same_inf = torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    lse_rel = (
+        ((lse.double()[finite] - ref_lse[finite]).abs() / ref_lse[finite].abs().clamp(min=1.0))
+        .max()
+        .item()
+        if finite.any()
+        else 0.0
+    )
+    ok = bool(out_rel <= OUT_TOL and lse_rel <= LSE_TOL and same_inf)
+    _record(name, out_rel_err=out_rel, lse_rel_err=lse_rel, neg_inf_match=same_inf, ok=ok,
+            kernel_s=seconds)  # fmt: skip
+    assert same_inf, "lse = -inf where the reference has keys (or the reverse)"
+    assert out_rel <= OUT_TOL, f"out rel err {out_rel:.3g}"
+    assert lse_rel <= LSE_TOL, f"lse rel err {lse_rel:.3g}"
+
+
+DENSE_SHAPES = {
+    # name: (seqlens, H, Hk, packed)
+    "A": ([(257, 257)] * 2, 8, 8, False),  # odd length, several tiles
+    "B": ([(1, 300)], 64, 8, False),  # Sq = 1, GQA 8:1
+    "C": ([(1, 1), (130, 391), (300, 129), (0, 17), (64, 0)], 8, 1, True),  # ragged, MQA
+    "D": ([(200, 200)], 128, 128, False),  # H = 128
+}
+MASKS = {"none": (False, None), "causal": (True, None), "window": (True, 128)}
+SINKS = {"A": "random", "B": None, "C": "inf", "D": "random"}
+
+
+def _dense_params():
+    for d in fmha.HEAD_DIMS:
+        for mask in MASKS:
+            for shape in DENSE_SHAPES:
+                # Both row-split mainloops (head_dim <= 256); the column split has one.
+                for overlap in (True, False) if d <= 256 else (False,):
+                    name = f"dense-d{d}-{mask}-{shape}-ov{int(overlap)}"
+                    yield pytest.param(d, mask, shape, overlap, id=name)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("d, mask, shape, overlap", list(_dense_params()))
+def test_gpu_dense_kernel_matches_reference(d, mask, shape, overlap):
+    seqlens, h, hk, packed = DENSE_SHAPES[shape]
+    causal, window = MASKS[mask]
+    case = make_dense_case(
+        seqlens, h, hk, d, causal, window, SINKS[shape], packed=packed, kv_shared=(d == 512),
+        device="cuda", seed=d + h,
+    )  # fmt: skip
+    if packed:
+        q, k, v = case.q, case.k, case.v
+        cu_q, cu_k, max_q = case.cu_seqlens_q, case.cu_seqlens_k, case.max_seqlen_q
+    else:
+        b, sq, _, _ = case.q.shape
+        sk = case.k.shape[1]
+        q = case.q.reshape(b * sq, h, d)
+        k = case.k.reshape(b * sk, hk, d)
+        v = k if case.v is case.k else case.v.reshape(b * sk, hk, d)
+        cu_q = torch.arange(b + 1, device="cuda", dtype=torch.int32) * sq
+        cu_k = torch.arange(b + 1, device="cuda", dtype=torch.int32) * sk
+        max_q = sq
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device="cuda")
+    start = time.perf_counter()
+    fmha.run_dense(
+        q, k, v, cu_q, cu_k, max_q, causal, window, case.sink, case.scale, out=out, lse=lse,
+        intra_wg_overlap=overlap,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    ref_out, ref_lse = reference.dense_attention(
+        q, k, v, causal, window, case.sink, case.scale, cu_q, cu_k
+    )
+    _check(f"dense-d{d}-{mask}-{shape}-ov{int(overlap)}", out, lse, ref_out, ref_lse, seconds)
+
+
+SPARSE_SHAPES = {
+    # name: (T, N, K, lens, sink)
+    "tiny": (1, 1, 1, "full", None),
+    "ragged": (33, 5000, 640, "random", "random"),
+    "wide": (17, 20000, 2048, "random", "inf"),
+    "empty": (5, 100, 70, "zero", "random"),
+}
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("heads", [8, 64, 128])
+@pytest.mark.parametrize("shape", list(SPARSE_SHAPES))
+def test_gpu_sparse_kernel_matches_reference(heads, shape):
+    tokens, rows, width, lens, sink = SPARSE_SHAPES[shape]
+    case = make_random_sparse_case(
+        tokens, heads, rows, width, lens=lens, sink=sink, device="cuda", seed=heads + width
+    )
+    _run_sparse_and_check(f"sparse-h{heads}-{shape}", case)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("heads, topk", [(64, 512), (128, 1024)])
+def test_gpu_sparse_kernel_v4_layout(heads, topk):
+    case = make_v4_sparse_case(300, heads, topk, device="cuda", seed=topk)
+    _run_sparse_and_check(f"sparse-v4-h{heads}-k{topk}", case)
+
+
+def _run_sparse_and_check(name, case):
+    out = torch.full_like(case.q, float("nan"))
+    lse = torch.full(case.q.shape[:2], float("nan"), device="cuda")
+    start = time.perf_counter()
+    fmha.run_sparse(
+        case.q, case.kv, case.indices, case.lens, case.sink, case.scale, out=out, lse=lse
+    )
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    ref_out, ref_lse = reference.sparse_attention(*case.args())
+    _check(name, out, lse, ref_out, ref_lse, seconds)
