@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -25,12 +26,27 @@ from dsv4_attn import fallback, kv_cache, reference
 from dsv4_attn.fmha_ops import fmha, sparse_prefill
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 
-__all__ = ["BACKENDS", "fmha", "sparse_attention", "sparse_prefill"]
+__all__ = ["BACKENDS", "Dispatch", "fmha", "last_dispatch", "sparse_attention", "sparse_prefill"]
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "cutedsl", "sdpa", "reference")
 _logged_fallback_reasons: set[str] = set()
+
+
+class Dispatch(NamedTuple):
+    """What the latest :func:`sparse_attention` call in this process ran, and why."""
+
+    backend: str  # "cutedsl", "sdpa" or "reference"
+    fallback_reason: str | None  # why "auto" did not run the kernel; None otherwise
+
+
+_last_dispatch: Dispatch | None = None
+
+
+def last_dispatch() -> Dispatch | None:
+    """The backend the latest :func:`sparse_attention` call ran (None before the first call)."""
+    return _last_dispatch
 
 
 def _check_block_size(name: str, block_size: object) -> int:
@@ -256,15 +272,20 @@ def sparse_attention(
         extra_indices,
         extra_lens,
     )
+    global _last_dispatch
     if backend == "reference":
+        _last_dispatch = Dispatch("reference", None)
         return _reference_on_cache(*args)
+    reason = None
     if backend in ("auto", "cutedsl"):
         reason = _cutedsl_unsupported_reason(args)
         if reason is None:
             from dsv4_attn.kernels import sparse_decode
 
+            _last_dispatch = Dispatch("cutedsl", None)
             return sparse_decode.sparse_attention(*args)
         if backend == "cutedsl":
             raise ValueError(f"backend='cutedsl' cannot run this case: {reason}")
         _log_fallback_once(reason)
+    _last_dispatch = Dispatch("sdpa", reason)
     return fallback.sparse_attention(*args)

@@ -99,3 +99,14 @@ def test_check_values_false_skips_value_checks_only():
         ops.sparse_attention(**_replace(case, indices=case.indices[:2]), check_values=False)
     out, _ = ops.sparse_attention(*case.args(), check_values=False)
     assert out.shape == (3, 8, 512)
+
+
+def test_last_dispatch_reports_what_ran():
+    case = small_case()
+    ops.sparse_attention(*case.args(), backend="reference")
+    assert ops.last_dispatch() == ops.Dispatch("reference", None)
+    ops.sparse_attention(*case.args(), backend="sdpa")
+    assert ops.last_dispatch() == ops.Dispatch("sdpa", None)
+    ops.sparse_attention(*case.args())  # auto on CPU: the fallback, with its reason
+    backend, reason = ops.last_dispatch()
+    assert backend == "sdpa" and "cuda" in reason.lower()

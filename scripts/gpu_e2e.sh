@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One-shot GPU run of the end-to-end check (issue 6) on a Hopper machine, from the repo root:
+#   1. pytest -m gpu tests/test_e2e.py: the tiny HF DeepSeek-V4 greedy/teacher-forced against
+#      transformers' eager attention, H = 64 and H = 8, every KV format; fp8_ds_mla and nvfp4
+#      must run on the CuTeDSL kernel (bf16 has none and uses the fallback). Each case writes
+#      its measurements to $OUT/e2e_gpu_h{64,8}.json, pass or fail.
+#   2. the demo on cuda (H = 64, all formats), table + $OUT/demo_gpu.json.
+# Logs land under $OUT (default ./bench_out). Needs torch with CUDA, transformers >= 5.10.1,
+# nvidia-cutlass-dsl 4.8.0 and apache-tvm-ffi. Set DSV4_ATTN_KERNEL_CACHE_DIR to a folder of
+# precompiled kernels (python -m dsv4_attn.kernels.precompile) to skip compiling here.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export DSV4_ATTN_RESULTS_DIR="$OUT"
+PY=${PYTHON:-python3}
+TEST_TIMEOUT=${TEST_TIMEOUT:-480}
+DEMO_TIMEOUT=${DEMO_TIMEOUT:-240}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu_e2e_env.txt"
+$PY -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', \
+torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu_e2e_env.txt"
+
+timeout "$TEST_TIMEOUT" $PY -m pytest -m gpu tests/test_e2e.py -q -s -p no:cacheprovider -rA \
+  2>&1 | tee "$OUT/pytest_gpu_e2e.log"
+echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_gpu_e2e.log"
+
+timeout "$DEMO_TIMEOUT" $PY -m dsv4_attn demo --device cuda --no-save \
+  --json "$OUT/demo_gpu.json" 2>&1 | grep -v "Warning" | tee "$OUT/demo_gpu.log"
+echo "demo exit: ${PIPESTATUS[0]}"
+grep -E "passed|failed|error" "$OUT/pytest_gpu_e2e.log" | tail -3
