@@ -1,0 +1,105 @@
+"""Register-level dequantization of one 16-value slice of a KV row to bf16 (inside CuTeDSL kernels).
+
+Both cache formats (``dsv4_attn.kv_cache``) decode exactly to bf16, so these helpers are exact:
+
+* FP8 (``fp8_ds_mla``): value = e4m3 * 2^(e - 127), one UE8M0 byte ``e`` per 64 values.
+  An e4m3 byte ``s eeee mmm`` is moved bit for bit into a bf16 ``s 0000eeee mmm0000``, which is
+  the value times 2^-120 (subnormals included: exponent field 0 stays a bf16 subnormal); one
+  bf16 multiply by 2^120 restores it and a second by 2^(e - 127) applies the block scale. Both
+  products are exact (powers of two; in range for every scale the writer produces).
+* NVFP4: value = e2m1 * s_b * 2^(u - 127), ``s_b`` e4m3 per 16 values, ``u`` UE8M0 per token.
+  A nibble ``s eem`` becomes the bf16 ``s 0000000 eem000000``, i.e. the value times 2^-126;
+  a multiply by 2^126 restores it and one by s_b * 2^(u - 127) (exact in bf16: a 4-bit
+  significand) scales it. The e2m1 x scale product has at most 6 significant bits: exact.
+
+Cost per 16 values (one lane): FP8 ~32 integer ops + 16 bf16x2 multiplies; NVFP4 ~26 integer ops
++ 16 multiplies. Plain Python functions: they are traced inline into the calling kernel.
+"""
+
+from __future__ import annotations
+
+from cutlass import Float32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from dsv4_attn.kernels.ptx_ops import bits_to_f32, cvt_bf16x2_f32, mul_bf16x2, prmt
+
+BF16X2_2POW120 = 0x7B807B80  # bf16 2^120 in both halves
+BF16X2_2POW126 = 0x7E807E80  # bf16 2^126 in both halves
+
+
+def fp8_block_scale_bf16x2(e: Uint32) -> Uint32:
+    """UE8M0 byte ``e`` -> packed bf16 pair 2^(e-127) (for 1 <= e <= 254)."""
+    return (e << 7) | (e << 23)
+
+
+def _fp8x2_to_bf16x2_scaled_down(w: Uint32) -> Uint32:
+    """``w`` holds two e4m3 bytes in bits 8-15 and 24-31: bf16 pair (value * 2^-120)."""
+    return (w & 0x80008000) | ((w >> 4) & 0x07F007F0)
+
+
+def dequant_fp8_16(words: tuple, scale2: Uint32) -> list:
+    """16 e4m3 values (4 little-endian u32 words) -> 8 packed bf16 pairs, times ``scale2``."""
+    out = []
+    zero = Uint32(0)
+    for x in words:
+        for selector in (0x1404, 0x3424):  # bytes (0, 1) and (2, 3) into the high byte of halves
+            v = _fp8x2_to_bf16x2_scaled_down(prmt(x, zero, selector))
+            v = mul_bf16x2(v, Uint32(BF16X2_2POW120))
+            out.append(mul_bf16x2(v, scale2))
+    return out
+
+
+@dsl_user_op
+def _e4m3x2_to_f16x2(x: Uint32, *, loc=None, ip=None) -> Uint32:
+    return Uint32(
+        llvm.inline_asm(
+            T.i32(),
+            [Uint32(x).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .b16 lo;\n\tcvt.u16.u32 lo, $1;\n\tcvt.rn.f16x2.e4m3x2 $0, lo;\n\t}",
+            "=r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def _f16_lo_to_f32(x: Uint32, *, loc=None, ip=None) -> Float32:
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Uint32(x).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .b16 lo;\n\tcvt.u16.u32 lo, $1;\n\tcvt.f32.f16 $0, lo;\n\t}",
+            "=f,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+def nvfp4_scale_bf16x2(block_scale: Uint32, token_scale: Uint32) -> Uint32:
+    """e4m3 byte ``s_b`` and UE8M0 byte ``u`` -> packed bf16 pair s_b * 2^(u - 127) (u >= 1)."""
+    sb = _f16_lo_to_f32(_e4m3x2_to_f16x2(block_scale))  # exact, subnormals included
+    g = bits_to_f32(token_scale << 23)
+    s = sb * g
+    return cvt_bf16x2_f32(s, s)
+
+
+def dequant_nvfp4_16(words: tuple, scale2: Uint32) -> list:
+    """16 e2m1 values (2 u32 words, value 2j in the low nibble) -> 8 packed bf16 pairs."""
+    out = []
+    for x in words:
+        xs = x >> 4
+        for k in range(4):
+            # Low half takes byte k of x (nibble 2k at bits 0-3); high half byte k of x >> 4
+            # (nibble 2k+1 at bits 16-19).
+            w = prmt(x, xs, k | (k << 4) | ((4 + k) << 8) | ((4 + k) << 12))
+            v = ((w & 0x00070007) << 6) | ((w & 0x00080008) << 12)
+            v = mul_bf16x2(v, Uint32(BF16X2_2POW126))
+            out.append(mul_bf16x2(v, scale2))
+    return out

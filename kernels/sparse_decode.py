@@ -1,0 +1,305 @@
+"""Interface of the Hopper sparse-decode kernel behind ``dsv4_attn.ops.sparse_attention``.
+
+:func:`unsupported_reason` says, in one line, why the kernel cannot run a case (or None);
+:func:`sparse_attention` runs it: it picks the split-KV factor from the shapes alone (no host
+sync, so a call can be captured in a CUDA graph with static shapes), compiles the variant once
+per process (compile cache keyed on every compile-time parameter), launches the decode kernel on
+the current stream and, with more than one split, the combine kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+
+__all__ = [
+    "SUPPORTED_HEAD_COUNTS",
+    "plan_splits",
+    "resolve_splits",
+    "sparse_attention",
+    "unsupported_reason",
+    "workspace_shape",
+]
+
+SUPPORTED_HEAD_COUNTS = (8, 16, 32, 64, 128)
+BLOCK_H = 64
+BLOCK_N = 64
+# A split should read at least this many key tiles: each split also writes and the combine
+# reads back a 64 x 512 fp32 partial per head block (128 KB), about 3.5 tiles of FP8 rows.
+MIN_TILES_PER_SPLIT = 2
+_MAX_PACKED_SLOTS = 1 << 30  # the kernel packs (slot, scope) into one int32
+_FORMATS = {KVFormat.FP8_DS_MLA: "fp8_ds_mla", KVFormat.NVFP4: "nvfp4"}
+_INDEX_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Support check
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _kernel_stack_error() -> str | None:
+    try:
+        import cutlass
+        import cutlass.cute  # noqa: F401
+        import tvm_ffi  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken CUDA/DSL install
+        return (
+            f"nvidia-cutlass-dsl / apache-tvm-ffi cannot be imported ({type(exc).__name__}: {exc})"
+        )
+    return None
+
+
+def _cache_reason(name: str, cache: torch.Tensor, block_size: int) -> str | None:
+    if cache.stride(1) != 1 or cache.stride(0) % 16 or cache.data_ptr() % 16:
+        return f"{name} pages must be 16-byte aligned with contiguous bytes"
+    if cache.shape[0] * block_size >= _MAX_PACKED_SLOTS:
+        return f"{name} holds {cache.shape[0] * block_size} slots; the kernel handles < 2^30"
+    return None
+
+
+def unsupported_reason(
+    q, cache, fmt, block_size, indices, lens, sink, scale,
+    extra_cache, extra_block_size, extra_indices, extra_lens,
+) -> str | None:  # fmt: skip
+    """None if the kernel runs this (already validated) case, else a one-line reason."""
+    if not q.is_cuda:
+        return "q is not on a CUDA device"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if (major, minor) != (9, 0):
+        return f"the kernel targets sm_90a (H100/H200); this GPU is sm_{major}{minor}"
+    if fmt not in _FORMATS:
+        return f"KV-cache format {KVFormat(fmt).value} has no kernel (fp8_ds_mla and nvfp4 do)"
+    if q.dtype != torch.bfloat16:
+        return f"q must be bfloat16 for the kernel, got {q.dtype}"
+    if not q.is_contiguous() or q.data_ptr() % 16:
+        return "q must be contiguous and 16-byte aligned for the kernel"
+    if q.shape[1] not in SUPPORTED_HEAD_COUNTS:
+        return f"{q.shape[1]} query heads; the kernel supports {SUPPORTED_HEAD_COUNTS}"
+    for name, c, bs in (
+        ("cache", cache, block_size),
+        ("extra_cache", extra_cache, extra_block_size),
+    ):
+        if c is not None and (reason := _cache_reason(name, c, bs)):
+            return reason
+    idx_dtypes = {t.dtype for t in (indices, extra_indices) if t is not None}
+    len_dtypes = {t.dtype for t in (lens, extra_lens) if t is not None}
+    if len(idx_dtypes) != 1 or len(len_dtypes) != 1:
+        return "indices and extra_indices (and lens and extra_lens) must share one dtype"
+    for name, t in (("indices", indices), ("extra_indices", extra_indices)):
+        if t is not None and t.shape[1] > 0 and t.stride(1) != 1:
+            return f"{name} rows must be contiguous"
+    for name, t in (("lens", lens), ("extra_lens", extra_lens)):
+        if t is not None and t.shape[0] > 1 and t.stride(0) != 1:
+            return f"{name} must be contiguous"
+    if sink is not None and (sink.dtype != torch.float32 or not sink.is_contiguous()):
+        return f"sink must be a contiguous float32 tensor for the kernel, got {sink.dtype}"
+    return _kernel_stack_error()
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch planning
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def plan_splits(
+    num_tokens: int, num_heads: int, key_capacity: int, num_sms: int
+) -> tuple[int, int]:
+    """``(num_splits, tiles_per_split)`` for the split-KV decode, from shapes only.
+
+    ``key_capacity`` is the widest key list a token can have (``indices.shape[1]`` plus
+    ``extra_indices.shape[1]``). Without splitting there is one CTA per (token, 64-head block);
+    when those fill less than ~80% of the SMs, each token's key tiles are split so the grid covers
+    about one wave, but never below :data:`MIN_TILES_PER_SPLIT` tiles per split.
+    """
+    tiles = max(1, math.ceil(key_capacity / BLOCK_N))
+    ctas = num_tokens * math.ceil(num_heads / BLOCK_H)
+    if ctas >= 0.8 * num_sms or tiles < 2 * MIN_TILES_PER_SPLIT:
+        return 1, tiles
+    want = min(math.ceil(num_sms / ctas), tiles // MIN_TILES_PER_SPLIT)
+    tiles_per_split = math.ceil(tiles / max(1, want))
+    return math.ceil(tiles / tiles_per_split), tiles_per_split
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile cache
+# ----------------------------------------------------------------------------------------------
+
+
+def _cute_int_type(name: str):
+    from cutlass import Int32, Int64
+
+    return {"int32": Int32, "int64": Int64}[name]
+
+
+def build_decode_kernel(config):
+    """Compile one :class:`SparseDecodeConfig` variant against fake tensors (no GPU needed)."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, Uint8
+
+    from dsv4_attn.kernels.compile_cache import compile_tvm_ffi
+    from dsv4_attn.kernels.sparse_decode_sm90 import SparseDecodeSm90
+
+    def fake(dtype, shape, stride, align=16):
+        return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
+
+    sym, sym64 = cute.sym_int, cute.sym_int64
+    idx_t = _cute_int_type(config.index_dtype)
+    len_t = _cute_int_type(config.lens_dtype)
+    idx_align, len_align = idx_t.width // 8, len_t.width // 8
+
+    def cache():
+        return fake(Uint8, (sym(), sym()), (sym64(divisibility=16), 1))
+
+    def scope():
+        return (
+            cache(),
+            fake(idx_t, (sym(), sym()), (sym64(), 1), idx_align),
+            fake(len_t, (sym(),), (1,), len_align),
+        )
+
+    q = fake(BFloat16, (sym(), sym(), HEAD_DIM), (sym64(divisibility=HEAD_DIM), HEAD_DIM, 1))
+    window = scope()
+    extra = scope() if config.has_extra else (None, None, None)
+    sink = fake(Float32, (sym(),), (1,), 4) if config.has_sink else None
+    if config.write_partial:
+        strides = (sym64(divisibility=HEAD_DIM), sym64(divisibility=HEAD_DIM), HEAD_DIM, 1)
+        out = fake(Float32, (sym(), sym(), sym(), HEAD_DIM), strides)
+        lse = fake(Float32, (sym(), sym(), sym()), (sym64(), sym64(), 1), 4)
+    else:
+        out = fake(BFloat16, (sym(), sym(), HEAD_DIM), (sym64(divisibility=HEAD_DIM), HEAD_DIM, 1))
+        lse = fake(Float32, (sym(), sym()), (sym64(), 1), 4)
+    return compile_tvm_ffi(
+        SparseDecodeSm90(config), q, *window, *extra, sink, out, lse,
+        Float32(1.0), Int32(1), Int32(1),
+    )  # fmt: skip
+
+
+def build_combine_kernel(config):
+    """Compile one :class:`CombineConfig` variant against fake tensors."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32
+
+    from dsv4_attn.kernels.combine import SplitCombine
+    from dsv4_attn.kernels.compile_cache import compile_tvm_ffi
+
+    def fake(dtype, shape, stride, align=16):
+        return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
+
+    sym, sym64 = cute.sym_int, cute.sym_int64
+    strides = (sym64(divisibility=HEAD_DIM), sym64(divisibility=HEAD_DIM), HEAD_DIM, 1)
+    opart = fake(Float32, (sym(), sym(), sym(), HEAD_DIM), strides)
+    lse_part = fake(Float32, (sym(), sym(), sym()), (sym64(), sym64(), 1), 4)
+    sink = fake(Float32, (sym(),), (1,), 4) if config.has_sink else None
+    out = fake(BFloat16, (sym(), sym(), HEAD_DIM), (sym64(divisibility=HEAD_DIM), HEAD_DIM, 1))
+    lse = fake(Float32, (sym(), sym()), (sym64(), 1), 4)
+    return compile_tvm_ffi(SplitCombine(config), opart, lse_part, sink, out, lse)
+
+
+@functools.cache
+def _caches():
+    from dsv4_attn.kernels.compile_cache import CompileCache
+
+    return CompileCache("sparse_decode_sm90"), CompileCache("split_combine")
+
+
+def decode_config(fmt, block_size, indices, lens, sink, extra_block_size, extra_indices,
+                  write_partial):  # fmt: skip
+    from dsv4_attn.kernels.sparse_decode_sm90 import SparseDecodeConfig
+
+    return SparseDecodeConfig(
+        fmt=_FORMATS[fmt],
+        block_size=block_size,
+        extra_block_size=extra_block_size if extra_indices is not None else 0,
+        index_dtype=_INDEX_DTYPES[indices.dtype],
+        lens_dtype=_INDEX_DTYPES[lens.dtype],
+        has_sink=sink is not None,
+        write_partial=write_partial,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def workspace_shape(num_splits: int, num_tokens: int, num_heads: int) -> tuple[tuple, tuple]:
+    """Shapes of the split-KV workspace: fp32 partial outputs and their lse."""
+    return (num_splits, num_tokens, num_heads, HEAD_DIM), (num_splits, num_tokens, num_heads)
+
+
+def resolve_splits(q, indices, extra_indices, num_splits: int | None = None) -> tuple[int, int]:
+    """``(num_splits, tiles_per_split)`` for a call (``num_splits`` overrides the plan)."""
+    T, H, _ = q.shape
+    capacity = indices.shape[1] + (extra_indices.shape[1] if extra_indices is not None else 0)
+    tiles = max(1, math.ceil(capacity / BLOCK_N))
+    if num_splits is None:
+        return plan_splits(T, H, capacity, _num_sms(q.device.index or 0))
+    num_splits = max(1, min(int(num_splits), tiles))
+    tiles_per_split = math.ceil(tiles / num_splits)
+    return math.ceil(tiles / tiles_per_split), tiles_per_split
+
+
+def sparse_attention(
+    q, cache, fmt, block_size, indices, lens, sink, scale,
+    extra_cache=None, extra_block_size=None, extra_indices=None, extra_lens=None,
+    *,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Same contract as :func:`dsv4_attn.ops.sparse_attention` (validated, supported inputs).
+
+    Keyword-only extras: ``num_splits`` overrides the split-KV factor (by default
+    :func:`plan_splits` picks it from the shapes); ``out`` (bf16 ``[T, H, 512]``) and ``lse``
+    (fp32 ``[T, H]``) are written in place when given; ``workspace`` is a pair of fp32 tensors
+    of :func:`workspace_shape` for the split-KV partials (allocated per call when omitted).
+    Returns ``(out, lse)``.
+    """
+    from dsv4_attn.kernels.combine import CombineConfig
+
+    fmt = KVFormat(fmt)
+    T, H, _ = q.shape
+    if out is None:
+        out = torch.empty(T, H, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
+    if lse is None:
+        lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+    num_splits, tiles_per_split = resolve_splits(q, indices, extra_indices, num_splits)
+    decode_cache, combine_cache = _caches()
+    config = decode_config(fmt, block_size, indices, lens, sink, extra_block_size or 0,
+                           extra_indices, num_splits > 1)  # fmt: skip
+    decode = decode_cache.get(config, lambda: build_decode_kernel(config))
+    scale_log2 = float(scale) * math.log2(math.e)
+    if num_splits == 1:
+        decode(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink, out, lse,
+               scale_log2, 1, tiles_per_split)  # fmt: skip
+        return out, lse
+    o_shape, lse_shape = workspace_shape(num_splits, T, H)
+    if workspace is None:
+        o_part = torch.empty(o_shape, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    else:
+        o_part, lse_part = (w[:num_splits] for w in workspace)
+        if tuple(o_part.shape) != o_shape or tuple(lse_part.shape) != lse_shape:
+            raise ValueError(
+                f"workspace must hold {o_shape} and {lse_shape} fp32 tensors, got "
+                f"{tuple(o_part.shape)} and {tuple(lse_part.shape)}"
+            )
+    decode(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink, o_part, lse_part,
+           scale_log2, num_splits, tiles_per_split)  # fmt: skip
+    combine_config = CombineConfig(has_sink=sink is not None)
+    combine = combine_cache.get(combine_config, lambda: build_combine_kernel(combine_config))
+    combine(o_part, lse_part, sink, out, lse)
+    return out, lse

@@ -1,0 +1,874 @@
+"""Hopper (sm_90a) CuTeDSL kernel: DeepSeek-V4 sparse MQA decode over a paged, quantized KV cache.
+
+One CTA computes, for one decode token ``t``, one block of 64 query heads and one split of the
+token's key list, the softmax-weighted sum of the KV rows it gathers. The key list of a token is
+its ``lens[t]`` window slots followed by its ``extra_lens[t]`` compressed slots (one softmax over
+both, no de-duplication); ``-1`` slots are skipped. Grid: ``(head_blocks, num_splits, T)``.
+
+Math per CTA (heads are the M dimension of every MMA, as in MQA all heads share each KV row):
+    S = Q K^T            Q: 64 x 512 bf16 (SMEM), K: 64 keys x 512 bf16 (SMEM), wgmma SS
+    P = exp2(S * scale * log2(e) - m)   online softmax in registers (running max m, sum l)
+    O += P V             V = K (the same rows), 512 wide: two 256-wide tiles, one per warpgroup
+
+Warp roles (384 threads, ``setmaxnreg`` per warpgroup):
+    WG0 (threads 0..127,   208 regs): S = QK^T, mask, online softmax, P -> registers and SMEM,
+                                      O[:, 0:256] += P V[:, 0:256] (RS wgmma, P from registers)
+    WG1 (threads 128..255, 168 regs): O[:, 256:512] += P V[:, 256:512] (SS wgmma, P from SMEM:
+                                      "SMEM-P"), rescaling by the row factor WG0 publishes
+    WG2 (threads 256..383, 128 regs): producer: streams each key's data and scale rows from the
+                                      paged cache into a per-warp SMEM ring by cp.async (slot ids
+                                      loaded two tiles ahead, rows prefetched into L2 one tile
+                                      ahead), dequantizes the nope values to bf16 and stores the
+                                      row, RoPE included, swizzled into the K/V stage
+    208 + 168 + 128 = 504 = 3 x 168, the registers the CTA launches with (64 K / 384 threads).
+    Register use per thread: WG0 holds O_L (64x256 fp32 / 128 = 128), S (32), P (16 bf16 pairs);
+    WG1 holds O_R (128).
+
+Shared memory (bytes): Q 65,536 | K/V 2 stages x 65,536 | P 8,192 | producer ring 18,944 (FP8:
+    4 warps x 8 slots x 592) or 24,576 (NVFP4: 4 x 16 x 384) | key bias, row factors, row stats,
+    mbarriers ~1.3 K  =  225,280 (FP8) / 231,424 (NVFP4) of the 232,448 a CTA may use. The
+    producer fills stage i % 2 while both MMA warpgroups read the other.
+
+Synchronisation: mbarrier ``full[s]`` (128 producer arrivals) / ``empty[s]`` (256 MMA arrivals) per
+K/V stage; named barriers between WG0 and WG1 for P and the row factors (``P_FULL``,
+``P_EMPTY``), one for Q, one for the final row statistics; cp.async groups per key in the ring.
+
+Outputs: with one split, ``out`` bf16 ``[T, H, 512]`` (sink applied) and ``lse`` fp32 ``[T, H]``;
+with several, fp32 partials ``[S, T, H, 512]`` normalized per split plus their natural-log lse
+``[S, T, H]`` (-inf for an empty split), merged by :mod:`dsv4_attn.kernels.combine`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, warp, warpgroup
+
+from dsv4_attn.kernels import ptx_ops
+from dsv4_attn.kernels.dequant import (
+    dequant_fp8_16,
+    dequant_nvfp4_16,
+    fp8_block_scale_bf16x2,
+    nvfp4_scale_bf16x2,
+)
+
+__all__ = ["BLOCK_H", "BLOCK_N", "HEAD_DIM", "SparseDecodeConfig", "SparseDecodeSm90"]
+
+HEAD_DIM = 512
+NOPE_DIM = 448
+BLOCK_H = 64  # query heads per CTA (wgmma M)
+BLOCK_N = 64  # keys per tile
+NUM_STAGES = 2
+KEYS_PER_PRODUCER_WARP = BLOCK_N // 4
+NUM_P_BUFFERS = 1  # P / row-factor buffers between WG0 and WG1
+KEYS_PER_STEP = 2  # keys the producer dequantizes between two ring waits
+
+# Per-format row geometry (bytes), as documented in dsv4_attn.kv_cache.
+FP8_DATA_ROW = 576
+FP8_SCALE_ROW = 8
+NVFP4_DATA_ROW = 352
+NVFP4_SCALE_ROW = 32
+NVFP4_NOPE_BYTES = 224
+
+# Named barrier ids (0 is __syncthreads).
+BAR_Q = 1
+BAR_P_FULL = 2  # + buffer (2, 3)
+BAR_P_EMPTY = 4  # + buffer (4, 5)
+BAR_STATS = 6
+MMA_THREADS = 256
+
+WG0_REGS, WG1_REGS, PRODUCER_REGS = 208, 168, 128
+# Registers each thread starts with: 64 K / 384 threads, rounded down to a multiple of 8. The
+# CTA's register pool is what it launched with (3 x 128 x 168), so the three counts may sum to at
+# most 3 x 168 = 504 (more and setmaxnreg.inc waits forever); setmaxnreg.dec may only lower and
+# setmaxnreg.inc only raise a warpgroup's count.
+LAUNCH_REGS = (65536 // 384) // 8 * 8
+assert WG0_REGS + WG1_REGS + PRODUCER_REGS <= 3 * LAUNCH_REGS
+assert PRODUCER_REGS <= LAUNCH_REGS <= WG0_REGS
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class SparseDecodeConfig:
+    """Every compile-time parameter of one kernel variant (the compile-cache key)."""
+
+    fmt: str  # "fp8_ds_mla" or "nvfp4"
+    block_size: int  # tokens per page of the window cache
+    extra_block_size: int  # tokens per page of the extra cache; 0 = no extra scope
+    index_dtype: str  # "int32" or "int64" (indices and extra_indices)
+    lens_dtype: str  # "int32" or "int64" (lens and extra_lens)
+    has_sink: bool
+    write_partial: bool  # True: fp32 partials for the combine kernel; False: final bf16 output
+
+    @property
+    def has_extra(self) -> bool:
+        return self.extra_block_size > 0
+
+
+def _swizzled_offset(row, col):
+    """Byte offset of bf16 element (row, col) in a 64 x 512 K-major 128B-swizzled tile.
+
+    The tile is the CuTe layout ``tile_to_shape(K_SW128 atom (8 x 64), (64, 512))``: 1 KB atoms
+    of 8 rows x 128 B, stacked down the rows first, then across the columns (64 columns per atom
+    column); inside an atom the 16-byte chunk index is XORed with the row index (Swizzle<3,4,3>).
+    ``col`` must be a multiple of 8 (one 16-byte chunk).
+    """
+    r0 = row & 7
+    chunk = (col >> 3) & 7
+    return ((row >> 3) << 10) + ((col >> 6) << 13) + (r0 << 7) + ((chunk ^ r0) << 4)
+
+
+def _smem_layout_k_major(rows: int, cols: int, stages: int | None = None):
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_helpers.get_smem_layout_atom(
+            cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, BFloat16, cols
+        ),
+        BFloat16,
+    )
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+class SparseDecodeSm90:
+    """The split-KV sparse decode kernel for one :class:`SparseDecodeConfig`."""
+
+    def __init__(self, config: SparseDecodeConfig):
+        if config.fmt not in ("fp8_ds_mla", "nvfp4"):
+            raise ValueError(f"fmt must be 'fp8_ds_mla' or 'nvfp4', got {config.fmt!r}")
+        self.cfg = config
+        self.is_fp8 = config.fmt == "fp8_ds_mla"
+        self.data_row = FP8_DATA_ROW if self.is_fp8 else NVFP4_DATA_ROW
+        self.scale_row = FP8_SCALE_ROW if self.is_fp8 else NVFP4_SCALE_ROW
+        # Producer ring: keys in flight per warp, and bytes per slot (data + scale row, rounded
+        # up to 16 B). 4 warps x 8 x 592 B (FP8) or 4 x 16 x 384 B (NVFP4) of shared memory.
+        self.ring_slots = 8 if self.is_fp8 else 16
+        self.ring_slot_bytes = -(-(self.data_row + self.scale_row) // 16) * 16
+
+    # ------------------------------------------------------------------------------------------
+    # Host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [T, H, 512] bf16
+        mCache: cute.Tensor,  # [num_blocks, page_bytes] uint8
+        mIdx: cute.Tensor,  # [T, K] int
+        mLens: cute.Tensor,  # [T] int
+        mECache: cute.Tensor | None,
+        mEIdx: cute.Tensor | None,
+        mELens: cute.Tensor | None,
+        mSink: cute.Tensor | None,  # [H] fp32
+        mO: cute.Tensor,  # final: [T, H, 512] bf16; partial: [S, T, H, 512] fp32
+        mLse: cute.Tensor,  # final: [T, H] fp32; partial: [S, T, H] fp32
+        scale_log2: Float32,  # softmax scale * log2(e)
+        num_splits: Int32,
+        tiles_per_split: Int32,
+        stream: cuda.CUstream,
+    ):
+        sQ_layout = _smem_layout_k_major(BLOCK_H, HEAD_DIM)
+        sK_layout = _smem_layout_k_major(BLOCK_N, HEAD_DIM, NUM_STAGES)
+        sP_layout = _smem_layout_k_major(BLOCK_H, BLOCK_N, NUM_P_BUFFERS)
+        mma_qk = sm90_helpers.make_trivial_tiled_mma(
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            (1, 1, 1), (BLOCK_H, BLOCK_N),
+        )  # fmt: skip
+        mma_pv_rs = sm90_helpers.make_trivial_tiled_mma(
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            (1, 1, 1), (BLOCK_H, HEAD_DIM // 2), a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+        mma_pv_ss = sm90_helpers.make_trivial_tiled_mma(
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            (1, 1, 1), (BLOCK_H, HEAD_DIM // 2),
+        )  # fmt: skip
+
+        @cute.struct
+        class SharedStorage:
+            full_bar: cute.struct.MemRange[Int64, NUM_STAGES]
+            empty_bar: cute.struct.MemRange[Int64, NUM_STAGES]
+            key_bias: cute.struct.MemRange[Float32, BLOCK_N * NUM_STAGES]
+            row_factor: cute.struct.MemRange[Float32, BLOCK_H * NUM_P_BUFFERS]
+            row_sum: cute.struct.MemRange[Float32, BLOCK_H]
+            row_max: cute.struct.MemRange[Float32, BLOCK_H]
+            ring: cute.struct.Align[
+                cute.struct.MemRange[Uint8, 4 * self.ring_slots * self.ring_slot_bytes], 16
+            ]
+            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
+
+        # 227 KB: the most dynamic shared memory a Hopper CTA may use.
+        assert SharedStorage.size_in_bytes() <= 232448, SharedStorage.size_in_bytes()
+        num_heads = mQ.shape[1]
+        grid = ((num_heads + BLOCK_H - 1) // BLOCK_H, num_splits, mQ.shape[0])
+        self.kernel(
+            mQ, mCache, mIdx, mLens, mECache, mEIdx, mELens, mSink, mO, mLse,
+            scale_log2, tiles_per_split,
+            sQ_layout, sK_layout, sP_layout, mma_qk, mma_pv_rs, mma_pv_ss, SharedStorage,
+        ).launch(grid=grid, block=(384, 1, 1), stream=stream, min_blocks_per_mp=1)  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mCache: cute.Tensor,
+        mIdx: cute.Tensor,
+        mLens: cute.Tensor,
+        mECache: cute.Tensor | None,
+        mEIdx: cute.Tensor | None,
+        mELens: cute.Tensor | None,
+        mSink: cute.Tensor | None,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        scale_log2: Float32,
+        tiles_per_split: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+        mma_qk: cute.TiledMma,
+        mma_pv_rs: cute.TiledMma,
+        mma_pv_ss: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        head_block, split, token = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        full_bar = storage.full_bar.data_ptr()
+        empty_bar = storage.empty_bar.data_ptr()
+        if tidx == 0:
+            for s in cutlass.range_constexpr(NUM_STAGES):
+                cute.arch.mbarrier_init(full_bar + s, 128)
+                cute.arch.mbarrier_init(empty_bar + s, MMA_THREADS)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        key_bias = storage.key_bias.get_tensor(cute.make_layout((BLOCK_N, NUM_STAGES)))
+        row_factor = storage.row_factor.get_tensor(cute.make_layout((BLOCK_H, NUM_P_BUFFERS)))
+        row_sum_smem = storage.row_sum.get_tensor(cute.make_layout(BLOCK_H))
+        row_max_smem = storage.row_max.get_tensor(cute.make_layout(BLOCK_H))
+
+        # Each role computes its own values after its register reconfiguration, so nothing stays
+        # live across the three roles' different register budgets.
+        if wg == 2:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            n_window, key_begin, key_end, n_tiles = self.key_range(
+                mLens, mELens, token, split, tiles_per_split
+            )
+            self.producer(
+                mCache, mIdx, mECache, mEIdx, sK, storage.ring.data_ptr().toint(), key_bias,
+                full_bar, empty_bar,
+                token, n_window, key_begin, key_end, n_tiles, tidx - 256,
+            )  # fmt: skip
+        elif wg == 0:
+            cute.arch.setmaxregister_increase(WG0_REGS)
+            _, _, _, n_tiles = self.key_range(mLens, mELens, token, split, tiles_per_split)
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+            self.load_q(mQ, sQ, token, head_block, tidx)
+            self.consumer_softmax(
+                mO, mLse, mSink, sQ, sK, sP, key_bias, row_factor, row_sum_smem, row_max_smem,
+                full_bar, empty_bar, mma_qk, mma_pv_rs, scale_log2,
+                token, head_block, split, n_tiles, tidx,
+            )  # fmt: skip
+        else:
+            if const_expr(WG1_REGS > LAUNCH_REGS):
+                cute.arch.setmaxregister_increase(WG1_REGS)
+            else:
+                cute.arch.setmaxregister_decrease(WG1_REGS)
+            _, _, _, n_tiles = self.key_range(mLens, mELens, token, split, tiles_per_split)
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+            self.load_q(mQ, sQ, token, head_block, tidx)
+            self.consumer_right(
+                mO, mSink, sK, sP, row_factor, row_sum_smem, row_max_smem, full_bar, empty_bar,
+                mma_pv_ss, token, head_block, split, n_tiles, tidx - 128,
+            )  # fmt: skip
+
+    @cute.jit
+    def key_range(self, mLens, mELens, token, split, tiles_per_split):
+        """This CTA's share of the token's key list: (n_window, begin, end, number of tiles)."""
+        n_window = Int32(mLens[token])
+        n_total = n_window
+        if const_expr(self.cfg.has_extra):
+            n_total = n_window + Int32(mELens[token])
+        key_begin = split * tiles_per_split * BLOCK_N
+        key_end = cutlass.min(n_total, key_begin + tiles_per_split * BLOCK_N)
+        n_tiles = Int32(0)
+        if key_end > key_begin:
+            n_tiles = (key_end - key_begin + BLOCK_N - 1) // BLOCK_N
+        return n_window, key_begin, key_end, n_tiles
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, token: Int32, head_block: Int32, tidx):
+        """Both MMA warpgroups copy this CTA's 64 query rows to SMEM (rows >= H read as 0)."""
+        num_heads = mQ.shape[1]
+        q_base = mQ.iterator.toint()
+        s_base = sQ.iterator.toint()
+        for i in cutlass.range_constexpr(BLOCK_H * HEAD_DIM // 8 // MMA_THREADS):
+            chunk_id = tidx + i * MMA_THREADS
+            row = chunk_id >> 6
+            col = (chunk_id & 63) << 3
+            head = head_block * BLOCK_H + row
+            # Rows past the last head copy 0 bytes: cp.async zero-fills them.
+            in_range = head < num_heads
+            safe_head = cutlass.min(head, num_heads - 1)
+            offset = (Int64(token) * num_heads + safe_head) * HEAD_DIM + col
+            ptx_ops.cp_async_16(
+                s_base + _swizzled_offset(row, col),
+                q_base + offset * 2,
+                Int32(cutlass.select_(in_range, Int32(16), Int32(0))),
+            )
+        ptx_ops.cp_async_wait_all()
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=BAR_Q, number_of_threads=MMA_THREADS)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def producer(
+        self,
+        mCache: cute.Tensor,
+        mIdx: cute.Tensor,
+        mECache: cute.Tensor | None,
+        mEIdx: cute.Tensor | None,
+        sK: cute.Tensor,
+        ring_base: Int32,
+        key_bias: cute.Tensor,
+        full_bar,
+        empty_bar,
+        token: Int32,
+        n_window: Int32,
+        key_begin: Int32,
+        key_end: Int32,
+        n_tiles: Int32,
+        ptid: Int32,
+    ):
+        """Gather, dequantize and stage one 64-key tile per iteration.
+
+        Warp w stages keys 16w..16w+15 of a tile, one key per step: the key's rows arrive in a
+        ring slot by cp.async; lane l < 28 turns nope values 16l..16l+15 into bf16, lanes 28..31
+        copy 16 RoPE values each, so every lane writes the 32 bytes of bf16 columns
+        16l..16l+15 of the key's SMEM row.
+        """
+        pwarp = cute.arch.make_warp_uniform(ptid // 32)
+        lane = ptid & 31
+        sK_base = sK.iterator.toint()
+        cache_base = mCache.iterator.toint()
+        page_stride = Int64(mCache.stride[0])
+        ecache_base = cache_base
+        epage_stride = page_stride
+        if const_expr(self.cfg.has_extra):
+            ecache_base = mECache.iterator.toint()
+            epage_stride = Int64(mECache.stride[0])
+
+        # Slot ids are loaded two tiles ahead and rows prefetched into L2 one tile ahead; the rows
+        # themselves stream through a per-warp ring of RING slots by cp.async (no registers
+        # held), RING keys ahead of the key being dequantized.
+        ring_slots, slot_bytes = self.ring_slots, self.ring_slot_bytes
+        ring = ring_base + pwarp * (ring_slots * slot_bytes)
+        key0 = key_begin + pwarp * KEYS_PER_PRODUCER_WARP + lane
+        packed = self.load_slot(mIdx, mEIdx, token, n_window, key0, key_end, lane)
+        packed_next = self.load_slot(mIdx, mEIdx, token, n_window, key0 + BLOCK_N, key_end, lane)
+        self.prefetch_rows(packed, lane, cache_base, page_stride, ecache_base, epage_stride)
+        for j in cutlass.range_constexpr(ring_slots):
+            self.fetch_row(cute.arch.shuffle_sync(packed, j), ring + j * slot_bytes, lane,
+                           cache_base, page_stride, ecache_base, epage_stride)  # fmt: skip
+            cute.arch.cp_async_commit_group()
+        for tile in cutlass.range(n_tiles, unroll=1):
+            stage = tile % NUM_STAGES
+            packed_next2 = self.load_slot(
+                mIdx, mEIdx, token, n_window, key0 + (tile + 2) * BLOCK_N, key_end, lane
+            )
+            self.prefetch_rows(packed_next, lane, cache_base, page_stride, ecache_base,
+                               epage_stride)  # fmt: skip
+            if tile >= NUM_STAGES:
+                cute.arch.mbarrier_wait(empty_bar + stage, ((tile // NUM_STAGES) + 1) % 2)
+            stage_base = sK_base + stage * (BLOCK_N * HEAD_DIM * 2)
+            # Two keys per step (more independent work between the waits), a rolled loop (the
+            # unrolled tile body would not fit the instruction cache next to the MMA code).
+            for step in cutlass.range(KEYS_PER_PRODUCER_WARP // KEYS_PER_STEP, unroll=1):
+                j0 = step * KEYS_PER_STEP
+                cute.arch.cp_async_wait_group(ring_slots - KEYS_PER_STEP)
+                cute.arch.sync_warp()  # every lane's copies of these rows have landed
+                for u in cutlass.range_constexpr(KEYS_PER_STEP):
+                    j = j0 + u
+                    slot = ring + (j & (ring_slots - 1)) * slot_bytes
+                    valid = cute.arch.shuffle_sync(packed, j) >= 0
+                    row = pwarp * KEYS_PER_PRODUCER_WARP + j
+                    self.store_row(self.read_row(slot, lane), valid, row, stage, lane,
+                                   stage_base, key_bias)  # fmt: skip
+                cute.arch.sync_warp()  # every lane has read the slots: refill them
+                for u in cutlass.range_constexpr(KEYS_PER_STEP):
+                    j = j0 + u
+                    slot = ring + (j & (ring_slots - 1)) * slot_bytes
+                    # the key ring_slots ahead: later in this tile, or in the next one
+                    ahead_here = cute.arch.shuffle_sync(packed, (j + ring_slots) & 15)
+                    ahead_next = cute.arch.shuffle_sync(packed_next, (j + ring_slots) & 15)
+                    ahead = Int32(
+                        cutlass.select_(
+                            j + ring_slots < KEYS_PER_PRODUCER_WARP, ahead_here, ahead_next
+                        )
+                    )
+                    self.fetch_row(ahead, slot, lane, cache_base, page_stride, ecache_base,
+                                   epage_stride)  # fmt: skip
+                    cute.arch.cp_async_commit_group()
+            cute.arch.fence_view_async_shared()
+            cute.arch.mbarrier_arrive(full_bar + stage)
+            packed = packed_next
+            packed_next = packed_next2
+        ptx_ops.cp_async_wait_all()
+
+    @cute.jit
+    def prefetch_rows(self, packed, lane, cache_base, page_stride, ecache_base, epage_stride):
+        """Prefetch into L2 the rows of the 16 keys whose slot ids lanes 0..15 hold.
+
+        Lane l takes key l % 16; lanes 0..15 prefetch the first 128-byte lines of its data row,
+        lanes 16..31 the remaining lines and its scale row (one ``prefetch`` per line).
+        """
+        own = cute.arch.shuffle_sync(packed, lane & 15)
+        if own >= 0:
+            data_addr, scale_addr = self.row_addresses(
+                own, cache_base, page_stride, ecache_base, epage_stride
+            )
+            # Line starts covering [row, row + data_row): every 128 B, plus the last byte.
+            offsets = [*range(0, self.data_row, 128), self.data_row - 1]
+            first = offsets[: len(offsets) // 2]
+            second = offsets[len(offsets) // 2 :]
+            if lane < 16:
+                for off in first:
+                    ptx_ops.prefetch_l2(data_addr + off)
+            else:
+                for off in second:
+                    ptx_ops.prefetch_l2(data_addr + off)
+                ptx_ops.prefetch_l2(scale_addr)
+
+    @cute.jit
+    def load_slot(self, mIdx, mEIdx, token, n_window, key, key_end, lane) -> Int32:
+        """Lane l < 16: ``slot * 2 + is_extra`` of key ``key`` of the token, or -1 if none."""
+        packed = Int32(-1)
+        if lane < 16:  # noqa: SIM102 (DSL branches: no `and` on traced values)
+            if key < key_end:
+                if key < n_window:
+                    slot = Int32(mIdx[token, key])
+                    if slot >= 0:
+                        packed = slot * 2
+                else:
+                    if const_expr(self.cfg.has_extra):
+                        slot = Int32(mEIdx[token, key - n_window])
+                        if slot >= 0:
+                            packed = slot * 2 + 1
+        return packed
+
+    @cute.jit
+    def row_addresses(self, packed, cache_base, page_stride, ecache_base, epage_stride):
+        """(data row address, scale row address) of a packed slot (>= 0)."""
+        slot = packed >> 1
+        bs, ebs = self.cfg.block_size, self.cfg.extra_block_size
+        data_addr = Int64(0)
+        scale_addr = Int64(0)
+        if const_expr(not self.cfg.has_extra):
+            page = slot // bs
+            pos = slot - page * bs
+            page_base = cache_base + Int64(page) * page_stride
+            data_addr = page_base + pos * self.data_row
+            scale_addr = page_base + (bs * self.data_row) + pos * self.scale_row
+        elif const_expr(bs & (bs - 1) == 0 and ebs & (ebs - 1) == 0):
+            # Both page sizes powers of two: select per scope, no branch.
+            is_extra = (packed & 1) == 1
+            shift = Int32(cutlass.select_(is_extra, Int32(ebs.bit_length() - 1),
+                                          Int32(bs.bit_length() - 1)))  # fmt: skip
+            mask = Int32(cutlass.select_(is_extra, Int32(ebs - 1), Int32(bs - 1)))
+            base = Int64(cutlass.select_(is_extra, ecache_base, cache_base))
+            stride = Int64(cutlass.select_(is_extra, epage_stride, page_stride))
+            scales_at = Int32(cutlass.select_(is_extra, Int32(ebs * self.data_row),
+                                              Int32(bs * self.data_row)))  # fmt: skip
+            pos = slot & mask
+            page_base = base + Int64(slot >> shift) * stride
+            data_addr = page_base + pos * self.data_row
+            scale_addr = page_base + scales_at + pos * self.scale_row
+        else:
+            if (packed & 1) == 0:
+                page = slot // bs
+                pos = slot - page * bs
+                page_base = cache_base + Int64(page) * page_stride
+                data_addr = page_base + pos * self.data_row
+                scale_addr = page_base + (bs * self.data_row) + pos * self.scale_row
+            else:
+                page = slot // ebs
+                pos = slot - page * ebs
+                page_base = ecache_base + Int64(page) * epage_stride
+                data_addr = page_base + pos * self.data_row
+                scale_addr = page_base + (ebs * self.data_row) + pos * self.scale_row
+        return data_addr, scale_addr
+
+    @cute.jit
+    def fetch_row(self, packed, slot, lane, cache_base, page_stride, ecache_base, epage_stride):
+        """cp.async one key's data row and scale row into a ring slot (zeros if ``packed`` < 0).
+
+        FP8 slot (592 B): data row [0, 576) in 36 chunks of 16 B, scale row [576, 584).
+        NVFP4 slot (384 B): data row [0, 352) in 22 chunks, scale row [352, 384) in 2 chunks.
+        An invalid key copies 0 source bytes, so its slot reads back as zeros (a zero row).
+        """
+        valid = packed >= 0
+        data_addr, scale_addr = self.row_addresses(
+            cutlass.max(packed, 0), cache_base, page_stride, ecache_base, epage_stride
+        )
+        size16 = Int32(cutlass.select_(valid, Int32(16), Int32(0)))
+        if const_expr(self.is_fp8):
+            ptx_ops.cp_async_16(slot + lane * 16, data_addr + lane * 16, size16)
+            if lane < 4:
+                ptx_ops.cp_async_16(slot + 512 + lane * 16, data_addr + 512 + lane * 16, size16)
+            elif lane == 4:
+                size8 = Int32(cutlass.select_(valid, Int32(8), Int32(0)))
+                ptx_ops.cp_async_8(slot + FP8_DATA_ROW, scale_addr, size8)
+        else:
+            if lane < 24:
+                src = Int64(
+                    cutlass.select_(lane < 22, data_addr + lane * 16, scale_addr + (lane - 22) * 16)
+                )
+                ptx_ops.cp_async_16(slot + lane * 16, src, size16)
+
+    @cute.jit
+    def read_row(self, slot, lane):
+        """Lane l's share of a ring slot: ``(a, b, s0, s1)``.
+
+        ``a`` (16 B): FP8 nope bytes 16l..16l+15, NVFP4 nope bytes 16(l//2)..+15 (two lanes read
+        the same 16 bytes), RoPE lanes (l >= 28) their first 16 RoPE bytes; ``b``: the other 16
+        RoPE bytes (read by every lane, used by l >= 28); ``s0``/``s1``: the scale bytes.
+        """
+        nope_lane = cutlass.min(lane, 27)
+        rope_lane = cutlass.max(lane, 28) - 28
+        if const_expr(self.is_fp8):
+            rope = slot + NOPE_DIM + rope_lane * 32
+            nope = slot + nope_lane * 16
+            s0 = ptx_ops.ld_shared_u8(slot + FP8_DATA_ROW + (nope_lane >> 2))
+            s1 = Uint32(0)
+        else:
+            rope = slot + NVFP4_NOPE_BYTES + rope_lane * 32
+            nope = slot + (nope_lane >> 1) * 16
+            s0 = ptx_ops.ld_shared_u8(slot + NVFP4_DATA_ROW + nope_lane)
+            s1 = ptx_ops.ld_shared_u8(slot + NVFP4_DATA_ROW + 28)
+        a = ptx_ops.ld_shared_v4(Int32(cutlass.select_(lane < 28, nope, rope)))
+        b = ptx_ops.ld_shared_v4(rope + 16)
+        return a, b, s0, s1
+
+    @cute.jit
+    def store_row(self, loaded, valid, row, stage, lane, stage_base, key_bias):
+        """Dequantize one key (nope lanes) or copy its RoPE (lanes 28..31) into SMEM row ``row``."""
+        a, b, s0, s1 = loaded
+        if const_expr(self.is_fp8):
+            deq = dequant_fp8_16(a, fp8_block_scale_bf16x2(s0))
+        else:
+            odd = (lane & 1) == 1
+            w0 = Uint32(cutlass.select_(odd, a[2], a[0]))
+            w1 = Uint32(cutlass.select_(odd, a[3], a[1]))
+            deq = dequant_nvfp4_16((w0, w1), nvfp4_scale_bf16x2(s0, s1))
+        is_nope = lane < 28
+        raw = (a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3])
+        out = [Uint32(cutlass.select_(is_nope, deq[i], raw[i])) for i in range(8)]
+        # (2-way bank conflicts between lanes 4k..4k+3 and 4k+4..4k+7: cheaper than the selects
+        # that would reorder the halves.)
+        ptx_ops.st_shared_v4(stage_base + _swizzled_offset(row, lane * 16), *out[:4])
+        ptx_ops.st_shared_v4(stage_base + _swizzled_offset(row, lane * 16 + 8), *out[4:])
+        if lane == 0:
+            key_bias[row, stage] = Float32(cutlass.select_(valid, Float32(0.0), Float32(-math.inf)))
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def consumer_softmax(
+        self,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mSink: cute.Tensor | None,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sP: cute.Tensor,
+        key_bias: cute.Tensor,
+        row_factor: cute.Tensor,
+        row_sum_smem: cute.Tensor,
+        row_max_smem: cute.Tensor,
+        full_bar,
+        empty_bar,
+        mma_qk: cute.TiledMma,
+        mma_pv_rs: cute.TiledMma,
+        scale_log2: Float32,
+        token: Int32,
+        head_block: Int32,
+        split: Int32,
+        n_tiles: Int32,
+        tidx: Int32,
+    ):
+        """WG0: S = QK^T, online softmax, P to SMEM for WG1, O[:, :256] += P V[:, :256]."""
+        thr_qk = mma_qk.get_slice(tidx)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((BLOCK_H, BLOCK_N)), Float32)
+        t_cs = thr_qk.partition_C(cute.make_identity_tensor((BLOCK_H, BLOCK_N)))
+
+        thr_pv = mma_pv_rs.get_slice(tidx)
+        sVt = cute.composition(
+            sK, cute.make_ordered_layout((HEAD_DIM, BLOCK_N, NUM_STAGES), order=(1, 0, 2))
+        )
+        sV_left = cute.local_tile(sVt, (HEAD_DIM // 2, BLOCK_N, NUM_STAGES), (0, 0, 0))
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV_left))
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((BLOCK_H, BLOCK_N)))
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK_H, HEAD_DIM // 2)), Float32)
+        acc_o.fill(0.0)
+
+        p_store = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16),
+            mma_qk,
+        ).get_slice(tidx)
+        tPsP = p_store.partition_D(sP)
+        tPrP = p_store.retile(tOrP)
+
+        row_m = cute.make_rmem_tensor((2,), Float32)
+        row_l = cute.make_rmem_tensor((2,), Float32)
+        for i in cutlass.range_constexpr(2):
+            row_m[i] = -math.inf
+            row_l[i] = 0.0
+        lane = tidx & 31
+        row0 = (tidx >> 5) * 16 + (lane >> 2)
+
+        for tile in cutlass.range(n_tiles, unroll=1):
+            stage = tile % NUM_STAGES
+            pbuf = tile % NUM_P_BUFFERS
+            cute.arch.mbarrier_wait(full_bar + stage, (tile // NUM_STAGES) % 2)
+            # ---- S = Q K^T (fresh atoms per tile: their ACCUMULATE field is rewritten below)
+            atom_qk = cute.make_mma_atom(mma_qk.op)
+            atom_pv = cute.make_mma_atom(mma_pv_rs.op)
+            warpgroup.fence()
+            atom_qk.set(warpgroup.Field.ACCUMULATE, False)
+            for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
+                cute.gemm(atom_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_s)
+                atom_qk.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            # ---- online softmax (log2 domain); invalid keys carry a -inf bias
+            tile_max = cute.make_rmem_tensor((2,), Float32)
+            tile_max[0] = -math.inf
+            tile_max[1] = -math.inf
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                x = acc_s[i] * scale_log2 + key_bias[t_cs[i][1], stage]
+                acc_s[i] = x
+                half = (i // 2) % 2
+                tile_max[half] = cute.arch.fmax(tile_max[half], x)
+            scale_row = cute.make_rmem_tensor((2,), Float32)
+            m_use = cute.make_rmem_tensor((2,), Float32)
+            for h in cutlass.range_constexpr(2):
+                mx = tile_max[h]
+                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+                m_new = cute.arch.fmax(row_m[h], mx)
+                m_safe = Float32(cutlass.select_(m_new == -math.inf, Float32(0.0), m_new))
+                m_use[h] = m_safe
+                scale_row[h] = ptx_ops.exp2_approx(row_m[h] - m_safe)
+                row_m[h] = m_new
+            tile_sum = cute.make_rmem_tensor((2,), Float32)
+            tile_sum[0] = 0.0
+            tile_sum[1] = 0.0
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                half = (i // 2) % 2
+                p = ptx_ops.exp2_approx(acc_s[i] - m_use[half])
+                acc_s[i] = p
+                tile_sum[half] = tile_sum[half] + p
+            for h in cutlass.range_constexpr(2):
+                row_l[h] = row_l[h] * scale_row[h] + tile_sum[h]
+            # ---- P as bf16 (registers for PV-left, SMEM for WG1)
+            tOrP_u32 = cute.recast_tensor(tOrP, Uint32)
+            for i in cutlass.range_constexpr(cute.size(tOrP_u32)):
+                tOrP_u32[i] = ptx_ops.cvt_bf16x2_f32(acc_s[2 * i], acc_s[2 * i + 1])
+            if tile >= NUM_P_BUFFERS:
+                cute.arch.barrier(barrier_id=BAR_P_EMPTY + pbuf, number_of_threads=MMA_THREADS)
+            cute.copy(p_store, tPrP, tPsP[None, None, None, pbuf])
+            if (lane & 3) == 0:
+                row_factor[row0, pbuf] = scale_row[0]
+                row_factor[row0 + 8, pbuf] = scale_row[1]
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=BAR_P_FULL + pbuf, number_of_threads=MMA_THREADS)
+            # ---- O_left = O_left * scale + P V_left
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] * scale_row[(i // 2) % 2]
+            warpgroup.fence()
+            atom_pv.set(warpgroup.Field.ACCUMULATE, True)
+            for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+                cute.gemm(atom_pv, acc_o, tOrP[None, None, k], tOrV[None, None, k, stage], acc_o)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.mbarrier_arrive(empty_bar + stage)
+
+        # ---- final row statistics, shared with WG1
+        for h in cutlass.range_constexpr(2):
+            s = row_l[h]
+            s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
+            s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
+            row_l[h] = s
+        if (lane & 3) == 0:
+            row_sum_smem[row0] = row_l[0]
+            row_sum_smem[row0 + 8] = row_l[1]
+            row_max_smem[row0] = row_m[0]
+            row_max_smem[row0 + 8] = row_m[1]
+        cute.arch.barrier_arrive(barrier_id=BAR_STATS, number_of_threads=MMA_THREADS)
+        self.epilogue(mO, mLse, mSink, acc_o, mma_pv_rs, tidx, 0, row_l, row_m,
+                      token, head_block, split, True)  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def consumer_right(
+        self,
+        mO: cute.Tensor,
+        mSink: cute.Tensor | None,
+        sK: cute.Tensor,
+        sP: cute.Tensor,
+        row_factor: cute.Tensor,
+        row_sum_smem: cute.Tensor,
+        row_max_smem: cute.Tensor,
+        full_bar,
+        empty_bar,
+        mma_pv_ss: cute.TiledMma,
+        token: Int32,
+        head_block: Int32,
+        split: Int32,
+        n_tiles: Int32,
+        tidx: Int32,
+    ):
+        """WG1: O[:, 256:] = O * factor + P V[:, 256:], with P and the factors from WG0."""
+        thr_pv = mma_pv_ss.get_slice(tidx)
+        sVt = cute.composition(
+            sK, cute.make_ordered_layout((HEAD_DIM, BLOCK_N, NUM_STAGES), order=(1, 0, 2))
+        )
+        sV_right = cute.local_tile(sVt, (HEAD_DIM // 2, BLOCK_N, NUM_STAGES), (1, 0, 0))
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV_right))
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK_H, HEAD_DIM // 2)), Float32)
+        acc_o.fill(0.0)
+        lane = tidx & 31
+        row0 = (tidx >> 5) * 16 + (lane >> 2)
+
+        for tile in cutlass.range(n_tiles, unroll=1):
+            stage = tile % NUM_STAGES
+            pbuf = tile % NUM_P_BUFFERS
+            cute.arch.mbarrier_wait(full_bar + stage, (tile // NUM_STAGES) % 2)
+            cute.arch.barrier(barrier_id=BAR_P_FULL + pbuf, number_of_threads=MMA_THREADS)
+            f0 = row_factor[row0, pbuf]
+            f1 = row_factor[row0 + 8, pbuf]
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] * (f0 if (i // 2) % 2 == 0 else f1)
+            atom_pv = cute.make_mma_atom(mma_pv_ss.op)
+            warpgroup.fence()
+            atom_pv.set(warpgroup.Field.ACCUMULATE, True)
+            for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+                cute.gemm(atom_pv, acc_o, tOrP[None, None, k, pbuf], tOrV[None, None, k, stage],
+                          acc_o)  # fmt: skip
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.mbarrier_arrive(empty_bar + stage)
+            if tile + NUM_P_BUFFERS < n_tiles:
+                cute.arch.barrier_arrive(
+                    barrier_id=BAR_P_EMPTY + pbuf, number_of_threads=MMA_THREADS
+                )
+
+        cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=MMA_THREADS)
+        row_l = cute.make_rmem_tensor((2,), Float32)
+        row_m = cute.make_rmem_tensor((2,), Float32)
+        row_l[0] = row_sum_smem[row0]
+        row_l[1] = row_sum_smem[row0 + 8]
+        row_m[0] = row_max_smem[row0]
+        row_m[1] = row_max_smem[row0 + 8]
+        self.epilogue(mO, None, mSink, acc_o, mma_pv_ss, tidx, HEAD_DIM // 2, row_l, row_m,
+                      token, head_block, split, False)  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def epilogue(
+        self,
+        mO: cute.Tensor,
+        mLse: cute.Tensor | None,
+        mSink: cute.Tensor | None,
+        acc_o: cute.Tensor,
+        mma: cute.TiledMma,
+        tidx: Int32,
+        col_offset: cutlass.Constexpr[int],
+        row_l: cute.Tensor,
+        row_m: cute.Tensor,
+        token: Int32,
+        head_block: Int32,
+        split: Int32,
+        write_lse: cutlass.Constexpr[bool],
+    ):
+        """Normalize this warpgroup's 256 output columns and store them (and the lse)."""
+        lane = tidx & 31
+        row0 = (tidx >> 5) * 16 + (lane >> 2)
+        if const_expr(self.cfg.write_partial):
+            num_tokens = mO.shape[1]
+            num_heads = mO.shape[2]
+        else:
+            num_tokens = mO.shape[0]
+            num_heads = mO.shape[1]
+        out_base = mO.iterator.toint()
+        lse_base = Int64(0)
+        if const_expr(write_lse):
+            lse_base = mLse.iterator.toint()
+        factor = cute.make_rmem_tensor((2,), Float32)
+        lse_nat = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            l_val = row_l[h]
+            has_keys = l_val > 0.0
+            lse2 = row_m[h] + ptx_ops.log2_approx(l_val)
+            lse2 = Float32(cutlass.select_(has_keys, lse2, Float32(-math.inf)))
+            lse_nat[h] = lse2 * LN2
+            f = Float32(cutlass.select_(has_keys, ptx_ops.rcp_approx(l_val), Float32(0.0)))
+            if const_expr(self.cfg.has_sink and not self.cfg.write_partial):
+                head = head_block * BLOCK_H + row0 + 8 * h
+                sink = Float32(mSink[cutlass.min(head, num_heads - 1)])
+                # out = o_real * sigmoid(lse - sink); exp2(+inf) = inf gives 0 for sink = +inf.
+                f = f * ptx_ops.rcp_approx(1.0 + ptx_ops.exp2_approx(sink * LOG2E - lse2))
+                f = Float32(cutlass.select_(has_keys, f, Float32(0.0)))
+            factor[h] = f
+        for h in cutlass.range_constexpr(2):
+            head = head_block * BLOCK_H + row0 + 8 * h
+            if head < num_heads:
+                if const_expr(self.cfg.write_partial):
+                    row_index = (Int64(split) * num_tokens + token) * num_heads + head
+                else:
+                    row_index = Int64(token) * num_heads + head
+                if const_expr(write_lse):  # noqa: SIM102
+                    if (lane & 3) == 0:
+                        ptx_ops.st_global_f32(lse_base + row_index * 4, lse_nat[h])
+                # wgmma accumulator layout: register 4j + 2h + v holds row (row0 + 8h), column
+                # 8j + 2 (lane % 4) + v of this warpgroup's 256 columns.
+                col0 = col_offset + 2 * (lane & 3)
+                if const_expr(self.cfg.write_partial):
+                    row_addr = out_base + (row_index * HEAD_DIM + col0) * 4
+                else:
+                    row_addr = out_base + (row_index * HEAD_DIM + col0) * 2
+                if const_expr(self.cfg.write_partial):
+                    # A row without keys leaves its partial unwritten: the combine gives it
+                    # weight 0 from lse = -inf and never reads it.
+                    if row_l[h] > 0.0:
+                        for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
+                            idx = j * 4 + h * 2
+                            v0 = acc_o[idx] * factor[h]
+                            v1 = acc_o[idx + 1] * factor[h]
+                            ptx_ops.st_global_v2_f32(row_addr + j * 32, v0, v1)
+                else:
+                    for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
+                        idx = j * 4 + h * 2
+                        v0 = acc_o[idx] * factor[h]
+                        v1 = acc_o[idx + 1] * factor[h]
+                        ptx_ops.st_global_b32(row_addr + j * 16, ptx_ops.cvt_bf16x2_f32(v0, v1))

@@ -1,0 +1,258 @@
+"""Tests of the Hopper sparse-decode kernel interface (``dsv4_attn.kernels.sparse_decode``).
+
+CPU (CI): split planning and the support check. GPU (``pytest -m gpu``, an sm_90 device): the
+kernel against the float64 reference on the dequantized rows, on fresh random inputs, with
+poisoned outputs, across head counts, both cache formats, lengths from 0 to full, -1 holes,
+the four kinds of sink, extra-scope widths 0..8192 and token counts 1..256.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from dsv4_attn import kv_cache, reference
+from dsv4_attn.kernels import sparse_decode
+from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+
+# ----------------------------------------------------------------------------------------------
+# CPU tests
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8, 64, 128, 256, 4096])
+@pytest.mark.parametrize("heads", [8, 64, 128])
+@pytest.mark.parametrize("capacity", [1, 64, 640, 1152, 8320])
+def test_plan_splits_covers_every_tile_once(tokens, heads, capacity):
+    splits, per_split = sparse_decode.plan_splits(tokens, heads, capacity, num_sms=132)
+    tiles = math.ceil(capacity / 64)
+    assert splits >= 1 and per_split >= 1
+    assert (splits - 1) * per_split < tiles <= splits * per_split  # no empty trailing split
+    ctas = tokens * math.ceil(heads / 64)
+    if splits > 1:
+        assert per_split >= sparse_decode.MIN_TILES_PER_SPLIT
+        assert ctas * splits <= 2 * 132  # about one wave, not many
+    if ctas >= 0.8 * 132:
+        assert splits == 1
+
+
+def test_plan_splits_fills_small_batches():
+    # V4-Flash at one token: 10 tiles of keys, one 64-head block -> 5 splits of 2 tiles.
+    assert sparse_decode.plan_splits(1, 64, 640, num_sms=132) == (5, 2)
+    # HCA at 1M context, one token: 130 tiles -> 65 splits.
+    assert sparse_decode.plan_splits(1, 64, 8320, num_sms=132) == (65, 2)
+    assert sparse_decode.plan_splits(256, 64, 640, num_sms=132) == (1, 10)
+
+
+def test_unsupported_reason_on_cpu_tensors():
+    q = torch.zeros(1, 64, HEAD_DIM, dtype=torch.bfloat16)
+    cache = kv_cache.allocate(1, 64, KVFormat.FP8_DS_MLA)
+    idx = torch.zeros(1, 4, dtype=torch.int32)
+    lens = torch.ones(1, dtype=torch.int32)
+    reason = sparse_decode.unsupported_reason(
+        q, cache, KVFormat.FP8_DS_MLA, 64, idx, lens, None, 0.1, None, None, None, None
+    )
+    assert reason is not None and "CUDA" in reason
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU tests
+# ----------------------------------------------------------------------------------------------
+
+_SINKS = ("none", "finite", "-inf", "+inf")
+_EXTRA = (0, 1, 512, 1024, 8192)  # 0: no extra scope at all
+
+
+def _needs_hopper():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+
+
+def _random_cache(fmt, block_size, num_slots, device, gen):
+    """A cache whose every slot holds a random row (values of varied magnitude)."""
+    num_blocks = math.ceil(num_slots / block_size)
+    cache = kv_cache.allocate(num_blocks, block_size, fmt, device=device)
+    n = num_blocks * block_size
+    rows = torch.randn(n, HEAD_DIM, generator=gen, device=device)
+    rows = rows * torch.exp(torch.randn(n, 1, generator=gen, device=device))  # per-row magnitude
+    slots = torch.arange(n, device=device)
+    kv_cache.write(cache, slots, rows.to(torch.bfloat16), fmt, block_size)
+    return cache
+
+
+def _random_scope(T, K, num_slots, device, gen, full_rows=True):
+    """indices [T, K] with ~10% -1 holes, lens in [0, K] including 0 and K."""
+    idx = torch.randint(0, num_slots, (T, K), generator=gen, device=device, dtype=torch.int32)
+    holes = torch.rand(T, K, generator=gen, device=device) < 0.1
+    idx = torch.where(holes, torch.full_like(idx, -1), idx)
+    lens = torch.randint(0, K + 1, (T,), generator=gen, device=device, dtype=torch.int32)
+    if T >= 2:
+        lens[0] = 0
+        lens[-1] = K
+    elif full_rows:
+        lens[0] = K
+    return idx, lens
+
+
+def _sink(kind, H, device, gen):
+    if kind == "none":
+        return None
+    if kind == "finite":
+        return torch.randn(H, generator=gen, device=device) * 2
+    return torch.full((H,), float(kind), device=device)
+
+
+def _reference(q, cache, fmt, bs, idx, lens, sink, scale, ecache, ebs, eidx, elens):
+    """float64 reference on the dequantized rows the indices touch."""
+
+    def rows_and_ids(c, b, i, n):
+        counted = torch.arange(i.shape[1], device=i.device)[None, :] < n[:, None]
+        slots = torch.where(counted, i, torch.full_like(i, -1))
+        unique, local = torch.unique(slots, return_inverse=True)
+        rows = kv_cache.read_unchecked(c, unique, fmt, b)
+        return rows, torch.where(slots >= 0, local, torch.full_like(local, -1)), n
+
+    kv, local, n = rows_and_ids(cache, bs, idx, lens)
+    extra = (None, None, None) if ecache is None else rows_and_ids(ecache, ebs, eidx, elens)
+    return reference.sparse_attention(q, kv, local, n, sink, scale, *extra)
+
+
+def _check(out, lse, ref_out, ref_lse, tol=1e-2):
+    assert not torch.isnan(out).any(), "NaN in the output (poison not overwritten?)"
+    assert not torch.isnan(lse).any(), "NaN in the lse (poison not overwritten?)"
+    ref_norm = ref_out.norm()
+    err = (out.double() - ref_out).norm()
+    if ref_norm > 0:
+        assert err / ref_norm <= tol, f"relative error {float(err / ref_norm):.3g}"
+    else:
+        assert err == 0
+    # Rows whose reference is zero (no key, or sink = +inf) must be exactly zero.
+    zero_rows = ref_out.abs().amax(dim=-1) == 0
+    assert (out[zero_rows] == 0).all()
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[~finite] == ref_lse[~finite].float()).all()  # both -inf
+    if finite.any():
+        assert (lse[finite].double() - ref_lse[finite]).abs().max() <= 1e-2
+
+
+def _run_case(fmt, H, T, extra_width, sink_kind, seed, num_splits=None):
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    window_bs, extra_bs = 64, 16
+    cache = _random_cache(fmt, window_bs, 4096, device, gen)
+    idx, lens = _random_scope(T, 128, 4096, device, gen)
+    ecache = eidx = elens = None
+    if extra_width:
+        ecache = _random_cache(fmt, extra_bs, max(2 * extra_width, 64), device, gen)
+        eidx, elens = _random_scope(T, extra_width, max(2 * extra_width, 64), device, gen)
+    q = (torch.randn(T, H, HEAD_DIM, generator=gen, device=device) * 2).to(torch.bfloat16)
+    sink = _sink(sink_kind, H, device, gen)
+    scale = HEAD_DIM**-0.5
+    args = (q, cache, fmt, window_bs, idx, lens, sink, scale,
+            ecache, extra_bs if extra_width else None, eidx, elens)  # fmt: skip
+    assert sparse_decode.unsupported_reason(*args) is None
+    out = torch.full((T, H, HEAD_DIM), float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=device)
+    splits, _ = sparse_decode.resolve_splits(q, idx, eidx, num_splits)
+    o_shape, l_shape = sparse_decode.workspace_shape(splits, T, H)
+    workspace = (
+        torch.full(o_shape, float("nan"), device=device),
+        torch.full(l_shape, float("nan"), device=device),
+    )
+    sparse_decode.sparse_attention(*args, num_splits=num_splits, out=out, lse=lse,
+                                   workspace=workspace)  # fmt: skip
+    torch.cuda.synchronize()
+    ref_out, ref_lse = _reference(*args)
+    _check(out, lse, ref_out, ref_lse)
+
+
+_GPU_CASES = [
+    (fmt, H, T, _EXTRA[i % 5], _SINKS[(i + i // 5) % 4])
+    for i, (fmt, H, T) in enumerate(
+        (fmt, H, T)
+        for fmt in (KVFormat.FP8_DS_MLA, KVFormat.NVFP4)
+        for H in (8, 64, 128)
+        for T in (1, 3, 64, 256)
+    )
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("fmt", "H", "T", "extra", "sink"), _GPU_CASES)
+def test_kernel_matches_reference(fmt, H, T, extra, sink):
+    _needs_hopper()
+    _run_case(
+        fmt, H, T, extra, sink, seed=zlib.crc32(repr((fmt.value, H, T, extra, sink)).encode())
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
+@pytest.mark.parametrize("extra", _EXTRA)
+@pytest.mark.parametrize("sink", _SINKS)
+def test_every_extra_width_and_sink(fmt, extra, sink):
+    _needs_hopper()
+    _run_case(fmt, 64, 3, extra, sink, seed=zlib.crc32(repr((fmt.value, extra, sink, 7)).encode()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 200])
+def test_forced_split_counts(fmt, num_splits):
+    _needs_hopper()
+    _run_case(fmt, 128, 5, 1024, "finite", seed=num_splits * 13 + 1, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
+def test_single_key_returns_the_dequantized_row_exactly(fmt):
+    """With one valid key and no sink the output is that row: checks dequantization bit for bit."""
+    _needs_hopper()
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(5)
+    T, H = 300, 8
+    cache = _random_cache(fmt, 64, 4096, device, gen)
+    idx = torch.randint(0, 4096, (T, 1), generator=gen, device=device, dtype=torch.int32)
+    lens = torch.ones(T, dtype=torch.int32, device=device)
+    q = torch.randn(T, H, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
+    out, lse = sparse_decode.sparse_attention(q, cache, fmt, 64, idx, lens, None, HEAD_DIM**-0.5)
+    rows = kv_cache.read(cache, idx[:, 0], fmt, 64)
+    assert torch.equal(out, rows[:, None, :].expand(T, H, HEAD_DIM))
+    scores = (q.double() * rows[:, None, :].double()).sum(-1) * HEAD_DIM**-0.5
+    assert torch.allclose(lse.double(), scores, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_replays_correctly():
+    _needs_hopper()
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(11)
+    fmt, T, H = KVFormat.NVFP4, 4, 64
+    cache = _random_cache(fmt, 64, 4096, device, gen)
+    idx, lens = _random_scope(T, 128, 4096, device, gen)
+    ecache = _random_cache(fmt, 16, 2048, device, gen)
+    eidx, elens = _random_scope(T, 512, 2048, device, gen)
+    q = torch.randn(T, H, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
+    sink = torch.randn(H, generator=gen, device=device)
+    args = (q, cache, fmt, 64, idx, lens, sink, HEAD_DIM**-0.5, ecache, 16, eidx, elens)
+    sparse_decode.sparse_attention(*args)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out, lse = sparse_decode.sparse_attention(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    # New inputs in the same buffers, then replay.
+    q.copy_(torch.randn(T, H, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16))
+    lens.copy_(torch.randint(0, 129, (T,), generator=gen, device=device, dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, ref_lse = _reference(*args)
+    _check(out, lse, ref_out, ref_lse)
