@@ -25,6 +25,7 @@ import math
 import torch
 
 from dsv4_attn import reference
+from dsv4_attn.dispatch_log import log_fallback_once
 
 __all__ = ["BACKENDS", "fmha", "sparse_prefill"]
 
@@ -32,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "cutedsl", "sdpa", "reference")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_logged_fallback_reasons: set[str] = set()
 # Bound on float32 score elements per fallback chunk (32 M elements = 128 MB).
 _CHUNK_ELEMS = 1 << 25
 
@@ -66,13 +66,6 @@ def _check_sink(sink: object, heads: int, device: torch.device) -> None:
 def _check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-
-
-def _log_fallback_once(what: str, reason: str) -> None:
-    key = f"{what}: {reason}"
-    if key not in _logged_fallback_reasons:
-        _logged_fallback_reasons.add(key)
-        logger.info("dsv4_attn: %s uses the torch fallback: %s", what, reason)
 
 
 def _check_cu_seqlens(name: str, cu: object, total: int, device: torch.device, check_values: bool):
@@ -291,7 +284,7 @@ def fmha(
         elif backend == "cutedsl":
             raise ValueError(f"backend='cutedsl' cannot run this case: {reason}")
         else:
-            _log_fallback_once("fmha", reason)
+            log_fallback_once(logger, "fmha", reason)
     if out is None:
         out, lse = _dense_torch(qp, kp, vp, cu_q, cu_k, causal, window, sink, scale)
     if not packed:
@@ -425,7 +418,7 @@ def sparse_prefill(
             )
         if backend == "cutedsl":
             raise ValueError(f"backend='cutedsl' cannot run this case: {reason}")
-        _log_fallback_once("sparse_prefill", reason)
+        log_fallback_once(logger, "sparse_prefill", reason)
     return _sparse_torch(q, kv, indices, lens, sink, scale)
 
 

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from dsv4_attn import fallback, kv_cache, reference
+from dsv4_attn.dispatch_log import log_fallback_once
 from dsv4_attn.fmha_ops import fmha, sparse_prefill
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 
@@ -31,7 +32,6 @@ __all__ = ["BACKENDS", "Dispatch", "fmha", "last_dispatch", "sparse_attention", 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "cutedsl", "sdpa", "reference")
-_logged_fallback_reasons: set[str] = set()
 
 
 class Dispatch(NamedTuple):
@@ -163,12 +163,6 @@ def _cutedsl_unsupported_reason(args: tuple) -> str | None:
     return sparse_decode.unsupported_reason(*args)
 
 
-def _log_fallback_once(reason: str) -> None:
-    if reason not in _logged_fallback_reasons:
-        _logged_fallback_reasons.add(reason)
-        logger.info("dsv4_attn: sparse_attention uses the SDPA fallback: %s", reason)
-
-
 def _reference_on_cache(
     q,
     cache,
@@ -243,21 +237,6 @@ def sparse_attention(
     fmt = KVFormat.parse(fmt)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    _validate(
-        q,
-        cache,
-        fmt,
-        block_size,
-        indices,
-        lens,
-        sink,
-        scale,
-        extra_cache,
-        extra_block_size,
-        extra_indices,
-        extra_lens,
-        check_values,
-    )
     args = (
         q,
         cache,
@@ -272,6 +251,7 @@ def sparse_attention(
         extra_indices,
         extra_lens,
     )
+    _validate(*args, check_values)
     global _last_dispatch
     if backend == "reference":
         _last_dispatch = Dispatch("reference", None)
@@ -286,6 +266,6 @@ def sparse_attention(
             return sparse_decode.sparse_attention(*args)
         if backend == "cutedsl":
             raise ValueError(f"backend='cutedsl' cannot run this case: {reason}")
-        _log_fallback_once(reason)
+        log_fallback_once(logger, "sparse_attention", reason)
     _last_dispatch = Dispatch("sdpa", reason)
     return fallback.sparse_attention(*args)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import pytest
 import torch
 
-from dsv4_attn import fmha_ops, reference
+from dsv4_attn import dispatch_log, fmha_ops, reference
+from dsv4_attn.kernels.fmha import SPARSE_KERNEL_ENV
 from dsv4_attn.prefill_cases import make_dense_case, make_random_sparse_case
 
 
@@ -101,13 +103,13 @@ def test_reference_backends_return_reference_values():
 
 
 def test_auto_on_cpu_falls_back_and_logs_each_reason_once(caplog):
-    fmha_ops._logged_fallback_reasons.clear()
+    dispatch_log.logged_reasons.clear()
     case = make_dense_case([(3, 3)], 2, 2, 64, seed=1)
     with caplog.at_level(logging.INFO, logger="dsv4_attn.fmha_ops"):
         for _ in range(3):
             fmha_ops.fmha(case.q, case.k, case.v, **case.kwargs())
     messages = [
-        r.getMessage() for r in caplog.records if "fmha uses the torch fallback" in r.message
+        r.getMessage() for r in caplog.records if "fmha uses the SDPA fallback" in r.message
     ]
     assert len(messages) == 1 and "cpu" in messages[0]
 
@@ -231,6 +233,11 @@ def _hopper() -> bool:
 
 gpu = pytest.mark.gpu
 needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+# The gathered kernel hung on its first H100 run (2026-11-22): opt in to run it.
+sparse_kernel_enabled = pytest.mark.skipif(
+    os.environ.get(SPARSE_KERNEL_ENV) != "1",
+    reason=f"sparse-prefill kernel disabled after a hang on H100; set {SPARSE_KERNEL_ENV}=1",
+)
 
 
 @gpu
@@ -256,6 +263,7 @@ def test_gpu_fmha_auto_uses_kernel(seqlens, h, hk, d, causal, window, packed):
     assert_lse_close(lse, ref_lse, 1e-2)
 
 
+@sparse_kernel_enabled
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("heads", [8, 64, 128])

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from dsv4_attn import ops
+from dsv4_attn import dispatch_log, ops
 from dsv4_attn.testing import make_decode_case
 from tests.test_fallback import assert_matches_reference, reference_on_rows
 
@@ -31,7 +31,7 @@ def test_cutedsl_backend_refuses_cpu_with_reason():
 
 
 def test_auto_logs_each_fallback_reason_once(caplog, monkeypatch):
-    monkeypatch.setattr(ops, "_logged_fallback_reasons", set())
+    monkeypatch.setattr(dispatch_log, "logged_reasons", set())
     case = small_case()
     with caplog.at_level(logging.INFO, logger="dsv4_attn.ops"):
         for _ in range(3):
