@@ -22,8 +22,8 @@ from dsv4_attn.benchmarking import (
     decode_traffic,
     format_table,
     measure_ceilings,
+    report,
     time_cuda_us,
-    write_json,
 )
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.testing import DecodeCase
@@ -162,10 +162,4 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("the decode benchmark times CUDA kernels: no CUDA device found")
     rows, ceilings = run(args.shapes, args.tokens, args.formats, args.reps, args.fallback_reps)
-    write_json(args.json, "decode", ceilings, rows)
-    print(
-        f"device: {ceilings.device}; ceilings: copy {ceilings.copy_gbps:.0f} GB/s, "
-        f"bf16 matmul {ceilings.bf16_tflops:.0f} TFLOP/s; L2 flushed before each call"
-    )
-    print(format_table(rows, COLUMNS))
-    print(f"json: {args.json}")
+    report(args.json, "decode", ceilings, rows, COLUMNS, "L2 flushed before each call")

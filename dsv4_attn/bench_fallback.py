@@ -16,10 +16,9 @@ import torch
 from dsv4_attn import fallback
 from dsv4_attn.benchmarking import (
     decode_traffic,
-    format_table,
     measure_ceilings,
+    report,
     time_cuda_us,
-    write_json,
 )
 from dsv4_attn.testing import make_decode_case
 
@@ -79,10 +78,4 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("the fallback benchmark times CUDA kernels: no CUDA device found")
     rows, ceilings = run(args.batches, args.heads, args.extras, args.formats, args.reps)
-    write_json(args.json, "fallback", ceilings, rows)
-    print(
-        f"device: {ceilings.device}; ceilings: copy {ceilings.copy_gbps:.0f} GB/s, "
-        f"bf16 matmul {ceilings.bf16_tflops:.0f} TFLOP/s; window 128"
-    )
-    print(format_table(rows, COLUMNS))
-    print(f"json: {args.json}")
+    report(args.json, "fallback", ceilings, rows, COLUMNS, "window 128")

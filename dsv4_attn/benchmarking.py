@@ -26,6 +26,7 @@ __all__ = [
     "decode_traffic",
     "format_table",
     "measure_ceilings",
+    "report",
     "time_cuda_us",
     "write_json",
 ]
@@ -112,3 +113,21 @@ def write_json(path: str, kind: str, ceilings: Ceilings | None, rows: list[dict]
     }
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
+
+
+def report(
+    json_path: str,
+    kind: str,
+    ceilings: Ceilings,
+    rows: list[dict],
+    columns: list[tuple[str, str, str]],
+    note: str,
+) -> None:
+    """Write the JSON record, then print the ceilings line and the table (last, for logs)."""
+    write_json(json_path, kind, ceilings, rows)
+    print(
+        f"device: {ceilings.device}; ceilings: copy {ceilings.copy_gbps:.0f} GB/s, "
+        f"bf16 matmul {ceilings.bf16_tflops:.0f} TFLOP/s; {note}"
+    )
+    print(format_table(rows, columns))
+    print(f"json: {json_path}")
