@@ -48,6 +48,8 @@ _BAR_SUM = 6  # column split: both warpgroups published their row sums
 
 _THREADS_PER_WG = 128
 _GATHER_ROWS = 64  # rows per gathered KV tile (one warpgroup's S tile)
+# Registers per thread at launch: 64K / 384 threads, rounded down to ptxas's granule of 8.
+_LAUNCH_REGS = 168
 
 
 class FmhaSm90:
@@ -120,12 +122,22 @@ class FmhaSm90:
         )
         self.dtype = cutlass.BFloat16
         self.num_threads = 3 * _THREADS_PER_WG
-        # Register split between the producer and the two compute warpgroups; 128 * (2 * mma +
-        # producer) must not exceed 64K registers.
+        # Register split between the producer and the two compute warpgroups. setmaxnreg moves
+        # registers within the CTA's pool, which holds what the launch allotted (384 threads x
+        # 168, ptxas's count at one CTA per SM), not the SM's 64K: mma + mma + producer must
+        # not exceed 3 x 168 = 504. Past that, setmaxnreg.inc waits forever for registers no
+        # warp releases (the gathered variant once asked for 2 x 224 + 64 = 512 and hung).
         if self.split_cols:
-            self.regs_mma, self.regs_producer = (224, 64) if gather else (232, 40)
+            # The cp.async gather needs more producer registers than TMA does.
+            self.regs_mma, self.regs_producer = (224, 56) if gather else (232, 40)
         else:
             self.regs_mma, self.regs_producer = 240, 24
+        pool = (self.num_threads // _THREADS_PER_WG) * _LAUNCH_REGS
+        if 2 * self.regs_mma + self.regs_producer > pool:
+            raise ValueError(
+                f"setmaxnreg split 2 x {self.regs_mma} + {self.regs_producer} exceeds the "
+                f"{pool} (3 warpgroups x {_LAUNCH_REGS} registers at launch)"
+            )
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -916,6 +928,7 @@ class FmhaSm90:
                     )  # fmt: skip
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar_full + half)
             # Do not retire with copies in flight (the consumers wait on them anyway).
+            cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
         else:
             if warp_idx == 0:
@@ -1035,20 +1048,20 @@ class FmhaSm90:
             acc_s = cute.make_rmem_tensor(shape_s, Float32)
             k_half = self.head_dim // 32  # k-blocks (of 16) per 256 columns
             if wg == 0:
-                fu.mbar_wait(mbar_full, 0, phase)
+                self._wait_kv_half(mbar_full, 0, phase)
                 fu.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, 0], True, 0, k_half)
-                fu.mbar_wait(mbar_full, 1, phase)
+                self._wait_kv_half(mbar_full, 1, phase)
                 fu.wgmma(
                     tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, 0], False, k_half,
                     2 * k_half,
                 )  # fmt: skip
             else:
-                fu.mbar_wait(mbar_full, 3, phase)
+                self._wait_kv_half(mbar_full, 3, phase)
                 fu.wgmma(
                     tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, 1], True, k_half,
                     2 * k_half,
                 )  # fmt: skip
-                fu.mbar_wait(mbar_full, 2, phase)
+                self._wait_kv_half(mbar_full, 2, phase)
                 fu.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, 1], False, 0, k_half)
             warpgroup.wait_group(0)
 
@@ -1090,7 +1103,7 @@ class FmhaSm90:
             # for the other warpgroup (SMEM-P).
             r_p = cute.make_rmem_tensor(shape_s, self.dtype)
             fu.convert_to_bf16(acc_s, r_p)
-            fu.mbar_wait(mbar_full, half_first, phase)
+            fu.mbar_wait(mbar_full, half_first, phase)  # waited and fenced for QK already
             fu.wgmma(
                 tiled_mma_pv_rs, acc_o, fu.acc_as_operand_a(r_p),
                 tOrV_rs[None, None, None, half_first], False,
@@ -1098,7 +1111,7 @@ class FmhaSm90:
             cute.copy(thr_copy_p, thr_copy_p.retile(r_p), tPsP[None, None, None, wg])
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=_BAR_P, number_of_threads=2 * _THREADS_PER_WG)
-            fu.mbar_wait(mbar_full, half_second, phase)
+            self._wait_kv_half(mbar_full, half_second, phase)
             fu.wgmma(
                 tiled_mma_pv, acc_o, tOrP[None, None, None, 1 - wg],
                 tOrV[None, None, None, half_second], False,
@@ -1138,6 +1151,18 @@ class FmhaSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=2 * _THREADS_PER_WG)
         self._copy_o_to_global(sO, mO, q_row0, q_l, row_limit, ctidx)
+
+    @cute.jit
+    def _wait_kv_half(self, mbar_full, half, phase):
+        """Wait until KV half ``half`` is loaded for ``phase``.
+
+        Gathered rows arrive through ``cp.async``, which writes shared memory in the generic
+        proxy, while wgmma reads it through the async proxy: each reader fences the proxies
+        once it has seen the data land (TMA writes are async-proxy already; no fence).
+        """
+        fu.mbar_wait(mbar_full, half, phase)
+        if const_expr(self.gather):
+            cute.arch.fence_view_async_shared()
 
     @cute.jit
     def _gather_valid_bits(self, mIndices, token, num_keys, tile, lane):

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import pytest
 import torch
 
 from dsv4_attn import dispatch_log, fmha_ops, reference
-from dsv4_attn.kernels.fmha import SPARSE_KERNEL_ENV
 from dsv4_attn.prefill_cases import make_dense_case, make_random_sparse_case
 
 
@@ -233,11 +231,6 @@ def _hopper() -> bool:
 
 gpu = pytest.mark.gpu
 needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-# The gathered kernel hung on its first H100 run (2026-11-22): opt in to run it.
-sparse_kernel_enabled = pytest.mark.skipif(
-    os.environ.get(SPARSE_KERNEL_ENV) != "1",
-    reason=f"sparse-prefill kernel disabled after a hang on H100; set {SPARSE_KERNEL_ENV}=1",
-)
 
 
 @gpu
@@ -263,7 +256,6 @@ def test_gpu_fmha_auto_uses_kernel(seqlens, h, hk, d, causal, window, packed):
     assert_lse_close(lse, ref_lse, 1e-2)
 
 
-@sparse_kernel_enabled
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("heads", [8, 64, 128])
