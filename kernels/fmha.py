@@ -24,10 +24,11 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-import threading
 from dataclasses import dataclass
 
 import torch
+
+from dsv4_attn.kernels.compile_cache import CompileCache, compile_tvm_ffi
 
 __all__ = [
     "FmhaVariant",
@@ -129,10 +130,7 @@ def all_variants() -> list[FmhaVariant]:
 # ----------------------------------------------------------------------------------------------
 # Compilation
 # ----------------------------------------------------------------------------------------------
-# Hopper only; naming the arch also lets a machine without a GPU compile (it defaults to sm_100a).
-COMPILE_OPTIONS = "--enable-tvm-ffi --gpu-arch sm_90a"
-_compile_lock = threading.Lock()
-_compiled: dict[FmhaVariant, object] = {}
+_compiled = CompileCache("fmha")  # FmhaVariant -> TVM-FFI function (plus the optional disk cache)
 
 
 def _fake_args(variant: FmhaVariant) -> tuple:
@@ -176,31 +174,22 @@ def _fake_args(variant: FmhaVariant) -> tuple:
 def _compile(variant: FmhaVariant, extra_options: str = ""):
     """``(TVM-FFI function, traced kernel object)`` for ``variant``."""
     import cutlass
-    import cutlass.cute as cute
 
     kernel = variant.make_kernel()
-    fn = cute.compile(
+    fn = compile_tvm_ffi(
         kernel,
         *_fake_args(variant),
         cutlass.Float32(1.0),  # softmax scale
         cutlass.Int32(0),  # window
         cutlass.Int32(1),  # max_seqlen_q
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-        options=f"{COMPILE_OPTIONS} {extra_options}",
+        options=extra_options,
     )
     return fn, kernel
 
 
 def compile_variant(variant: FmhaVariant):
     """The TVM-FFI function of ``variant`` for sm_90a, compiled once per process (no GPU needed)."""
-    fn = _compiled.get(variant)
-    if fn is None:
-        with _compile_lock:
-            fn = _compiled.get(variant)
-            if fn is None:
-                fn, _ = _compile(variant)
-                _compiled[variant] = fn
-    return fn
+    return _compiled.get(variant, lambda: _compile(variant)[0])
 
 
 @dataclass(frozen=True)
@@ -218,7 +207,7 @@ class VariantResources:
 
 def resources(variant: FmhaVariant) -> VariantResources:
     """Compile ``variant`` afresh with its cubin kept and read its resource usage."""
-    from dsv4_attn.kernels.fmha_cubin import read_resources
+    from dsv4_attn.kernels.resource_usage import read_resources
 
     with tempfile.TemporaryDirectory(prefix="fmha_cubin_") as tmp:
         fn, kernel = _compile(variant, f"--keep-cubin --dump-dir {tmp}")

@@ -13,7 +13,7 @@ pytest.importorskip("tvm_ffi")
 
 from dsv4_attn.kernels import compile_cache, sparse_decode
 from dsv4_attn.kernels.precompile import combine_variants
-from dsv4_attn.kernels.resource_usage import cubin_resources
+from dsv4_attn.kernels.resource_usage import read_resources
 
 
 @pytest.mark.parametrize("config", combine_variants(), ids=repr)
@@ -28,6 +28,6 @@ def test_combine_compiles_without_spills(config, tmp_path):
     if isinstance(cubin, str):
         with open(cubin, "rb") as f:
             cubin = f.read()
-    (kernel,) = cubin_resources(cubin)
+    (kernel,) = read_resources(cubin)
     assert kernel.frame_bytes == 0
     assert 0 < kernel.registers <= 64

@@ -25,7 +25,7 @@ import torch
 
 from dsv4_attn import reference
 from dsv4_attn.kernels import fmha
-from dsv4_attn.kernels.fmha_cubin import read_resources
+from dsv4_attn.kernels.resource_usage import read_resources
 from dsv4_attn.prefill_cases import make_dense_case, make_random_sparse_case, make_v4_sparse_case
 
 try:

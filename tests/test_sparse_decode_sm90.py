@@ -16,7 +16,7 @@ import cutlass.cute as cute
 
 from dsv4_attn.kernels import compile_cache, sparse_decode
 from dsv4_attn.kernels.precompile import decode_variants
-from dsv4_attn.kernels.resource_usage import cubin_resources
+from dsv4_attn.kernels.resource_usage import read_resources
 from dsv4_attn.kernels.sparse_decode_sm90 import (
     LAUNCH_REGS,
     PRODUCER_REGS,
@@ -54,9 +54,9 @@ def _compile_with_cubin(config, tmp_path):
 
 @pytest.mark.parametrize("config", VARIANTS, ids=repr)
 def test_variant_compiles_for_sm90a_without_spills(config, tmp_path):
-    (kernel,) = cubin_resources(_compile_with_cubin(config, tmp_path))
+    (kernel,) = read_resources(_compile_with_cubin(config, tmp_path))
     assert kernel.frame_bytes == 0, f"ptxas spilled: {kernel.frame_bytes} B stack frame"
-    assert kernel.max_stack_bytes == 0
+    assert kernel.stack_bytes == 0
     # 384 threads and one CTA per SM: the launch budget is 168 registers a thread.
     assert 0 < kernel.registers <= LAUNCH_REGS
 
