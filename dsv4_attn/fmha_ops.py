@@ -26,6 +26,7 @@ import torch
 
 from dsv4_attn import reference
 from dsv4_attn.dispatch_log import log_fallback_once
+from dsv4_attn.index_checks import check_index_lists, check_index_values
 
 __all__ = ["BACKENDS", "fmha", "sparse_prefill"]
 
@@ -318,33 +319,14 @@ def _validate_sparse(q, kv, indices, lens, sink, scale, check_values) -> float:
         raise ValueError(f"kv must be [N, D={dim}], got {_shape(kv)}")
     if kv.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"kv must be bfloat16, float16 or float32, got {kv.dtype}")
-    if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
-        got = indices.dtype if isinstance(indices, torch.Tensor) else type(indices).__name__
-        raise ValueError(f"indices must be an int32/int64 tensor, got {got}")
-    if indices.dim() != 2 or indices.shape[0] != tokens:
-        raise ValueError(f"indices must be [T={tokens}, K], got {tuple(indices.shape)}")
-    if not isinstance(lens, torch.Tensor) or lens.dtype not in (torch.int32, torch.int64):
-        got = lens.dtype if isinstance(lens, torch.Tensor) else type(lens).__name__
-        raise ValueError(f"lens must be an int32/int64 tensor, got {got}")
-    if lens.shape != (tokens,):
-        raise ValueError(f"lens must be [T={tokens}], got {tuple(lens.shape)}")
-    for name, t in (("kv", kv), ("indices", indices), ("lens", lens)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if kv.device != q.device:
+        raise ValueError(f"kv is on {kv.device} but q is on {q.device}")
+    check_index_lists("", indices, lens, tokens, q.device)
     _check_sink(sink, heads, q.device)
     scale = _check_scale(scale, dim)
-    if check_values and tokens:
-        width = indices.shape[1]
-        lo, hi = int(lens.min()), int(lens.max())
-        if lo < 0 or hi > width:
-            raise ValueError(f"lens must lie in [0, K={width}], got values from {lo} to {hi}")
-        counted = torch.arange(width, device=q.device)[None, :] < lens[:, None]
-        bad = indices[counted & ((indices < -1) | (indices >= kv.shape[0]))]
-        if bad.numel():
-            raise ValueError(
-                f"indices hold row {int(bad[0])}: rows must lie in [-1, N={kv.shape[0]}), "
-                "-1 meaning skip"
-            )
+    if check_values:
+        rows = kv.shape[0]
+        check_index_values("", indices, lens, rows, "row", f"N={rows}")
     return scale
 
 

@@ -25,6 +25,7 @@ import torch
 from dsv4_attn import fallback, kv_cache, reference
 from dsv4_attn.dispatch_log import log_fallback_once
 from dsv4_attn.fmha_ops import fmha, sparse_prefill
+from dsv4_attn.index_checks import check_index_lists, check_index_values
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 
 __all__ = ["BACKENDS", "Dispatch", "fmha", "last_dispatch", "sparse_attention", "sparse_prefill"]
@@ -70,35 +71,11 @@ def _check_scope(
     kv_cache._check_cache(cache, layout)
     if cache.device != device:
         raise ValueError(f"{prefix}cache is on {cache.device} but q is on {device}")
-    if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
-        got = indices.dtype if isinstance(indices, torch.Tensor) else type(indices).__name__
-        raise ValueError(f"{prefix}indices must be an int32/int64 tensor, got {got}")
-    if indices.dim() != 2 or indices.shape[0] != T:
-        raise ValueError(f"{prefix}indices must be [T={T}, K], got shape {tuple(indices.shape)}")
-    if not isinstance(lens, torch.Tensor) or lens.dtype not in (torch.int32, torch.int64):
-        got = lens.dtype if isinstance(lens, torch.Tensor) else type(lens).__name__
-        raise ValueError(f"{prefix}lens must be an int32/int64 tensor, got {got}")
-    if lens.shape != (T,):
-        raise ValueError(f"{prefix}lens must be [T={T}], got shape {tuple(lens.shape)}")
-    if indices.device != device or lens.device != device:
-        raise ValueError(
-            f"{prefix}indices ({indices.device}) and {prefix}lens ({lens.device}) must be on "
-            f"q's device {device}"
-        )
-    if not check_values or T == 0:
-        return
-    K = indices.shape[1]
-    lo, hi = int(lens.min()), int(lens.max())
-    if lo < 0 or hi > K:
-        raise ValueError(f"{prefix}lens must lie in [0, K={K}], got values from {lo} to {hi}")
-    num_slots = cache.shape[0] * block_size
-    counted = torch.arange(K, device=device)[None, :] < lens[:, None]
-    bad = indices[counted & ((indices < -1) | (indices >= num_slots))]
-    if bad.numel():
-        raise ValueError(
-            f"{prefix}indices hold slot {int(bad[0])}: slots must lie in [-1, {num_slots}) "
-            f"(num_blocks * block_size), -1 meaning skip"
-        )
+    check_index_lists(prefix, indices, lens, T, device)
+    if check_values:
+        num_slots = cache.shape[0] * block_size
+        note = " (num_blocks * block_size)"
+        check_index_values(prefix, indices, lens, num_slots, "slot", str(num_slots), note)
 
 
 def _validate(
@@ -115,8 +92,8 @@ def _validate(
     extra_indices,
     extra_lens,
     check_values,
-) -> bool:
-    """Raise ValueError naming the first bad argument; return whether an extra scope is given."""
+) -> None:
+    """Raise ValueError naming the first bad argument."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != HEAD_DIM:
         got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
         raise ValueError(f"q must be [T, H, {HEAD_DIM}], got {got}")
@@ -151,7 +128,6 @@ def _validate(
             raise ValueError(f"sink is on {sink.device} but q is on {q.device}")
     if not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
         raise ValueError(f"scale must be a positive finite float, got {scale!r}")
-    return all(given)
 
 
 def _cutedsl_unsupported_reason(args: tuple) -> str | None:

@@ -1,0 +1,61 @@
+"""Validation of per-token index lists (``indices [T, K]`` with ``lens [T]``), shared by the
+sparse-attention entry points. Every failure is a ValueError naming the value and the range."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_index_lists", "check_index_values"]
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _dtype_name(t: object) -> str:
+    return str(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def check_index_lists(
+    prefix: str, indices: object, lens: object, tokens: int, device: torch.device
+) -> None:
+    """Dtypes, shapes and device of ``indices [T, K]`` and ``lens [T]`` (no host sync)."""
+    for name, t in (("indices", indices), ("lens", lens)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in _INDEX_DTYPES:
+            raise ValueError(f"{prefix}{name} must be an int32/int64 tensor, got {_dtype_name(t)}")
+    if indices.dim() != 2 or indices.shape[0] != tokens:
+        raise ValueError(
+            f"{prefix}indices must be [T={tokens}, K], got shape {tuple(indices.shape)}"
+        )
+    if lens.shape != (tokens,):
+        raise ValueError(f"{prefix}lens must be [T={tokens}], got shape {tuple(lens.shape)}")
+    for name, t in (("indices", indices), ("lens", lens)):
+        if t.device != device:
+            raise ValueError(f"{prefix}{name} is on {t.device} but q is on {device}")
+
+
+def check_index_values(
+    prefix: str,
+    indices: torch.Tensor,
+    lens: torch.Tensor,
+    limit: int,
+    what: str,
+    shown_limit: str,
+    note: str = "",
+) -> None:
+    """``lens`` in ``[0, K]`` and, within them, ``indices`` in ``[-1, limit)`` (a host sync).
+
+    ``what`` names an id ("slot", "row"); the message spells the range ``[-1, shown_limit)``
+    followed by ``note``.
+    """
+    if indices.shape[0] == 0:
+        return
+    width = indices.shape[1]
+    lo, hi = int(lens.min()), int(lens.max())
+    if lo < 0 or hi > width:
+        raise ValueError(f"{prefix}lens must lie in [0, K={width}], got values from {lo} to {hi}")
+    counted = torch.arange(width, device=indices.device)[None, :] < lens[:, None]
+    bad = indices[counted & ((indices < -1) | (indices >= limit))]
+    if bad.numel():
+        raise ValueError(
+            f"{prefix}indices hold {what} {int(bad[0])}: {what}s must lie in "
+            f"[-1, {shown_limit}){note}, -1 meaning skip"
+        )
