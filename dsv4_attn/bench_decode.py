@@ -19,7 +19,7 @@ import torch
 
 from dsv4_attn import fallback, kv_cache
 from dsv4_attn.benchmarking import (
-    decode_traffic,
+    decode_roofline,
     format_table,
     measure_ceilings,
     report,
@@ -122,9 +122,7 @@ def run(shapes, tokens, formats, reps: int, fallback_reps: int):
                 kernel = time_cuda_us(lambda a=args: sparse_decode.sparse_attention(*a), reps=reps)
                 slow = time_cuda_us(lambda a=args: fallback.sparse_attention(*a),
                                     reps=fallback_reps, warmup=1)  # fmt: skip
-                bytes_moved, flops = decode_traffic(case)
                 t = kernel["median_us"]
-                floor = ceilings.floor_us(bytes_moved, flops)
                 rows.append(
                     {
                         "fmt": fmt.value,
@@ -135,12 +133,7 @@ def run(shapes, tokens, formats, reps: int, fallback_reps: int):
                         "extra": extra,
                         "splits": splits,
                         **kernel,
-                        "bytes": bytes_moved,
-                        "flops": flops,
-                        "gbps": bytes_moved / (t * 1e3),
-                        "tflops": flops / (t * 1e6),
-                        "floor_us": floor,
-                        "of_floor": floor / t,
+                        **decode_roofline(case, t, ceilings),
                         "fallback_us": slow["median_us"],
                         "speedup": slow["median_us"] / t,
                     }

@@ -15,7 +15,7 @@ import torch
 
 from dsv4_attn import fallback
 from dsv4_attn.benchmarking import (
-    decode_traffic,
+    decode_roofline,
     measure_ceilings,
     report,
     time_cuda_us,
@@ -42,9 +42,6 @@ def run(batches, heads, extras, formats, reps: int) -> tuple[list[dict], object]
         case = make_decode_case(B, H, fmt, 128, extra, seed=B * H + extra, device="cuda")
         args = case.args()
         timing = time_cuda_us(lambda args=args: fallback.sparse_attention(*args), reps=reps)
-        bytes_moved, flops = decode_traffic(case)
-        t = timing["median_us"]
-        floor = ceilings.floor_us(bytes_moved, flops)
         rows.append(
             {
                 "fmt": case.fmt.value,
@@ -53,12 +50,7 @@ def run(batches, heads, extras, formats, reps: int) -> tuple[list[dict], object]
                 "window": 128,
                 "extra": extra,
                 **timing,
-                "bytes": bytes_moved,
-                "flops": flops,
-                "gbps": bytes_moved / (t * 1e3),
-                "tflops": flops / (t * 1e6),
-                "floor_us": floor,
-                "of_floor": floor / t,
+                **decode_roofline(case, timing["median_us"], ceilings),
             }
         )
         del case, args

@@ -23,6 +23,7 @@ from dsv4_attn.testing import DecodeCase
 
 __all__ = [
     "Ceilings",
+    "decode_roofline",
     "decode_traffic",
     "format_table",
     "measure_ceilings",
@@ -89,6 +90,20 @@ def decode_traffic(case: DecodeCase) -> tuple[float, float]:
     keys = case.num_keys
     bytes_moved = keys * kv_cache.bytes_per_token(case.fmt) + 2 * (T * H * D * 2)
     return float(bytes_moved), float(4 * H * D * keys)
+
+
+def decode_roofline(case: DecodeCase, median_us: float, ceilings: Ceilings) -> dict[str, float]:
+    """Bytes, FLOPs, achieved GB/s and TFLOP/s, and the floor of one timed decode call."""
+    bytes_moved, flops = decode_traffic(case)
+    floor = ceilings.floor_us(bytes_moved, flops)
+    return {
+        "bytes": bytes_moved,
+        "flops": flops,
+        "gbps": bytes_moved / (median_us * 1e3),
+        "tflops": flops / (median_us * 1e6),
+        "floor_us": floor,
+        "of_floor": floor / median_us,
+    }
 
 
 def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
