@@ -44,10 +44,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("directory")
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--extra-block-size", type=int, default=16)
+    parser.add_argument("--index-dtype", choices=("int32", "int64"), default="int32")
     args = parser.parse_args(argv)
     os.environ[CACHE_DIR_ENV] = args.directory
     decode_cache, combine_cache = sparse_decode._caches()
-    for config in decode_variants(args.block_size, args.extra_block_size):
+    for config in decode_variants(args.block_size, args.extra_block_size, args.index_dtype):
         start = time.perf_counter()
         decode_cache.get(config, lambda c=config: sparse_decode.build_decode_kernel(c))
         print(f"{time.perf_counter() - start:6.1f} s  {config}", flush=True)

@@ -4,7 +4,9 @@
 #      transformers' eager attention, H = 64 and H = 8, every KV format; fp8_ds_mla and nvfp4
 #      must run on the CuTeDSL kernel (bf16 has none and uses the fallback). Each case writes
 #      its measurements to $OUT/e2e_gpu_h{64,8}.json, pass or fail.
-#   2. the demo on cuda (H = 64, all formats), table + $OUT/demo_gpu.json.
+#   2. the demo on cuda (H = 64, all formats, seeds $SEEDS, default 0..5), table + per-format
+#      summary over the seeds + $OUT/demo_gpu.json.
+# `bash scripts/gpu_e2e.sh pytest` or `... demo` runs one part only (each fits a 10-minute call).
 # Logs land under $OUT (default ./bench_out). Needs torch with CUDA, transformers >= 5.10.1,
 # nvidia-cutlass-dsl 4.8.0 and apache-tvm-ffi. Set DSV4_ATTN_KERNEL_CACHE_DIR to a folder of
 # precompiled kernels (python -m dsv4_attn.kernels.precompile) to skip compiling here.
@@ -16,17 +18,24 @@ export PYTHONUNBUFFERED=1
 export DSV4_ATTN_RESULTS_DIR="$OUT"
 PY=${PYTHON:-python3}
 TEST_TIMEOUT=${TEST_TIMEOUT:-480}
-DEMO_TIMEOUT=${DEMO_TIMEOUT:-240}
+DEMO_TIMEOUT=${DEMO_TIMEOUT:-540}
+SEEDS=${SEEDS:-0,1,2,3,4,5}
+PART=${1:-all}
+case "$PART" in all|pytest|demo) ;; *) echo "usage: $0 [all|pytest|demo], got $PART" >&2; exit 2;; esac
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu_e2e_env.txt"
 $PY -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', \
 torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu_e2e_env.txt"
 
-timeout "$TEST_TIMEOUT" $PY -m pytest -m gpu tests/test_e2e.py -q -s -p no:cacheprovider -rA \
-  2>&1 | tee "$OUT/pytest_gpu_e2e.log"
-echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_gpu_e2e.log"
+if [[ $PART != demo ]]; then
+  timeout "$TEST_TIMEOUT" $PY -m pytest -m gpu tests/test_e2e.py -q -s -p no:cacheprovider -rA \
+    2>&1 | tee "$OUT/pytest_gpu_e2e.log"
+  echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_gpu_e2e.log"
+  grep -E "passed|failed|error" "$OUT/pytest_gpu_e2e.log" | tail -3
+fi
 
-timeout "$DEMO_TIMEOUT" $PY -m dsv4_attn demo --device cuda --no-save \
-  --json "$OUT/demo_gpu.json" 2>&1 | grep -v "Warning" | tee "$OUT/demo_gpu.log"
-echo "demo exit: ${PIPESTATUS[0]}"
-grep -E "passed|failed|error" "$OUT/pytest_gpu_e2e.log" | tail -3
+if [[ $PART != pytest ]]; then
+  timeout "$DEMO_TIMEOUT" $PY -m dsv4_attn demo --device cuda --no-save --seeds "$SEEDS" \
+    --json "$OUT/demo_gpu.json" 2>&1 | grep -v "Warning" | tee "$OUT/demo_gpu.log"
+  echo "demo exit: ${PIPESTATUS[0]}"
+fi

@@ -135,6 +135,9 @@ def _report_json(report: harness.FormatReport) -> dict:
         "teacher_forced_vs_oracle": agreement(report.tf_vs_oracle),
         "teacher_forced_vs_storage_matched_oracle": agreement(report.tf_vs_sim),
         "storage_matched_oracle_vs_oracle": agreement(report.tf_sim_vs_oracle),
+        "storage_matched_teacher_forcing_reproduces_greedy": (
+            report.sim_teacher_forcing_reproduces_greedy
+        ),
         "backend_calls": {f"{p}/{b}": n for (p, b), n in report.stats.calls.items()},
         "fallback_reasons": dict(report.stats.fallback_reasons),
         "released_window_pages": report.stats.released_pages,
@@ -143,19 +146,20 @@ def _report_json(report: harness.FormatReport) -> dict:
 
 
 _FORMAT_ORDER = (KVFormat.BF16, KVFormat.FP8_DS_MLA, KVFormat.NVFP4)
-_ROW = "  {:<11} {:<32} {:<25} {:<26} {:>6}"
+_ROW = "  {:<11} {:<32} {:<25} {:<42} {:>6}"
 
 
 def _seed_header(out) -> None:
     out(_ROW.format("run", "greedy tokens vs oracle", "teacher-forced vs oracle",
-                    "vs storage-matched oracle", "tok/s"))  # fmt: skip
+                    "vs storage-matched oracle: greedy; steps", "tok/s"))  # fmt: skip
 
 
 def _format_row(report: harness.FormatReport) -> str:
     matched = "-"
     if report.vs_sim is not None and report.tf_vs_sim is not None:
         greedy = report.vs_sim.describe().split(" (")[0]
-        matched = f"{greedy}, max {report.tf_vs_sim.max_error:.4f}"
+        tf = report.tf_vs_sim
+        matched = f"{greedy}; {tf.matching_steps}/{tf.positions}, max {tf.max_error:.4f}"
     return _ROW.format(
         report.fmt.value,
         report.vs_oracle.describe(),
@@ -163,6 +167,32 @@ def _format_row(report: harness.FormatReport) -> str:
         matched,
         f"{report.ours.tokens_per_s:.1f}",
     )
+
+
+def _summary(reports_by_seed: dict[int, list[harness.FormatReport]], out) -> None:
+    """Across seeds, per format: how often the greedy runs are identical to the storage-matched
+    oracle, how many teacher-forced steps pick its token, and the worst errors."""
+    out(f"\nsummary over seeds {', '.join(str(s) for s in reports_by_seed)}:")
+    by_format: dict[KVFormat, list[harness.FormatReport]] = {}
+    for reports in reports_by_seed.values():
+        for report in reports:
+            by_format.setdefault(report.fmt, []).append(report)
+    for fmt, reports in by_format.items():
+        line = f"  {fmt.value:<11} teacher-forced vs oracle: worst top-1 " + (
+            f"{100 * min(r.tf_vs_oracle.top1 for r in reports):.1f}%, worst max "
+            f"{max(r.tf_vs_oracle.max_error for r in reports):.4f}"
+        )
+        matched = [r for r in reports if r.vs_sim is not None and r.tf_vs_sim is not None]
+        if matched:
+            identical = sum(r.vs_sim.identical for r in matched)
+            steps = sum(r.tf_vs_sim.matching_steps for r in matched)
+            total = sum(r.tf_vs_sim.positions for r in matched)
+            worst = max(r.tf_vs_sim.max_error for r in matched)
+            line += (
+                f"; vs storage-matched: greedy identical {identical}/{len(matched)} runs, "
+                f"steps {steps}/{total}, worst max {worst:.4f}"
+            )
+        out(line)
 
 
 def run(args: argparse.Namespace, out=print) -> dict:
@@ -197,6 +227,8 @@ def run(args: argparse.Namespace, out=print) -> dict:
     out("    logit there. teacher-forced: our path fed the oracle's tokens; top-1 agreement and")
     out("    max |logit difference| (logit std ~0.3); an error <= max can flip a step only if")
     out("    m < 2 x max, so near-ties (tiny m) split correct runs of a random-weight model.")
+    out("  steps: our path fed the storage-matched oracle's own greedy tokens; the steps at which")
+    out("    it picks that oracle's token (a near-tie costs one step, not the rest of the run).")
     results: dict = {
         "device": str(device),
         "device_name": device_name,
@@ -208,6 +240,7 @@ def run(args: argparse.Namespace, out=print) -> dict:
         "backend": args.backend,
         "seeds": {},
     }
+    reports_by_seed: dict[int, list[harness.FormatReport]] = {}
     for seed in seeds:
         spec = TinySpec(seed=seed, num_heads=heads)
         path = None
@@ -255,9 +288,13 @@ def run(args: argparse.Namespace, out=print) -> dict:
         tokens = " ".join(str(t) for t in reports[0].ours.tokens.tolist())
         out(f"  tokens ({reports[0].fmt.value} path): {tokens}")
         results["seeds"][str(seed)] = seed_results
+        reports_by_seed[seed] = reports
+        if args.json:  # after every seed, so an interrupted run keeps what it measured
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    if len(seeds) > 1:
+        _summary(reports_by_seed, out)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
         out(f"\nresults written to {args.json}")
     return results
 

@@ -12,6 +12,12 @@ anywhere in the loop moves logits by ~4e-3 (measured). Free-running greedy token
 at such near-ties even when both runs are correct. If the teacher-forced logits differ by at most
 ``E`` everywhere, greedy tokens can only differ where the reference's top-2 margin is below
 ``2 E``; :meth:`GreedyAgreement.consistent_with` checks exactly that.
+
+Token identity is therefore measured per step as well: teacher-forced over a reference run's own
+greedy tokens, our path sees that run's history at every step, and
+:attr:`LogitAgreement.matching_steps` counts the steps at which it picks the same token: a
+near-tie then costs one step instead of the rest of the run. (With every logit within ``E`` such
+a step necessarily has a reference margin below ``2 E``: the logit bound carries the assertion.)
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ __all__ = [
     "run_format",
     "run_oracle",
     "teacher_forced",
+    "top2_margin",
 ]
 
 #: the model/prompt seed of the demo and the CPU/GPU tests: a run that is not degenerate (9
@@ -163,8 +170,7 @@ def compare_greedy(candidate: Generation, reference: Generation) -> GreedyAgreem
     error = (candidate.logits[:upto] - reference.logits[:upto]).abs().max()
     margin = None
     if first is not None:
-        top2 = reference.logits[first].topk(2).values
-        margin = float(top2[0] - top2[1])
+        margin = float(top2_margin(reference.logits[first : first + 1])[0])
     return GreedyAgreement(
         identical=first is None,
         matching=int((candidate.tokens == reference.tokens).sum()),
@@ -177,31 +183,60 @@ def compare_greedy(candidate: Generation, reference: Generation) -> GreedyAgreem
 
 @dataclass(frozen=True)
 class LogitAgreement:
-    """Teacher-forced comparison of two logit sequences ``[n, vocab]`` over the same tokens."""
+    """Teacher-forced comparison of two logit sequences ``[n, vocab]`` over the same tokens.
+
+    Both runs see the same history at every step, so ``top1`` is the fraction of steps at which
+    they take the same greedy decision, with no cascade from an earlier difference.
+    """
 
     top1: float  # fraction of positions whose argmax agrees
     max_error: float  # max |logit difference|
     mean_error: float  # mean |logit difference|
     reference_std: float  # standard deviation of the reference logits (for scale)
     positions: int
+    differing_steps: tuple[int, ...] = ()  # positions whose argmax differs
+    max_margin_at_difference: float | None = None  # largest reference top-2 margin among them
+
+    @property
+    def matching_steps(self) -> int:
+        return self.positions - len(self.differing_steps)
 
     def describe(self) -> str:
         """Compact: ``top-1  98.8%, max 0.0044``."""
         return f"top-1 {100 * self.top1:5.1f}%, max {self.max_error:.4f}"
 
+    def describe_steps(self) -> str:
+        """Compact: ``80/80 steps`` or ``79/80 steps (margin <= 0.0005)``."""
+        text = f"{self.matching_steps}/{self.positions} steps"
+        if self.differing_steps:
+            text += f" (margin <= {self.max_margin_at_difference:.4f})"
+        return text
+
+
+def top2_margin(logits: torch.Tensor) -> torch.Tensor:
+    """Top-1 minus top-2 logit per row of ``logits [n, vocab]`` -> ``[n]``."""
+    top2 = logits.float().topk(2, dim=-1).values
+    return top2[:, 0] - top2[:, 1]
+
 
 def compare_logits(candidate: torch.Tensor, reference: torch.Tensor) -> LogitAgreement:
-    """Top-1 agreement and logit errors of ``candidate`` against ``reference``."""
+    """Top-1 agreement, differing steps and logit errors of ``candidate`` against ``reference``."""
     if candidate.shape != reference.shape:
         raise ValueError(f"shapes differ: {tuple(candidate.shape)} vs {tuple(reference.shape)}")
     diff = (candidate.float() - reference.float()).abs()
     same = candidate.argmax(dim=-1) == reference.argmax(dim=-1)
+    differing = (~same).nonzero().flatten()
+    margin = None
+    if differing.numel():
+        margin = float(top2_margin(reference[differing]).max())
     return LogitAgreement(
         top1=float(same.float().mean()),
         max_error=float(diff.max()),
         mean_error=float(diff.mean()),
         reference_std=float(reference.float().std()),
         positions=reference.shape[0],
+        differing_steps=tuple(differing.tolist()),
+        max_margin_at_difference=margin,
     )
 
 
@@ -232,7 +267,10 @@ def run_oracle(model, prompt: torch.Tensor, new_tokens: int = NEW_TOKENS) -> Ora
 class FormatReport:
     """One KV-cache format: our path against the oracle and against the storage-matched oracle.
 
-    Teacher-forced comparisons all run over the oracle's sequence.
+    ``tf_vs_oracle`` runs over the oracle's sequence. ``tf_vs_sim`` runs over the storage-matched
+    oracle's own greedy sequence when it ran greedy (so its ``matching_steps`` counts the steps at
+    which our path, given that oracle's history, picks that oracle's token), else over the
+    oracle's sequence.
     """
 
     fmt: KVFormat
@@ -240,11 +278,14 @@ class FormatReport:
     vs_oracle: GreedyAgreement
     tf_vs_oracle: LogitAgreement  # our path vs the oracle (the format's effect + ours)
     stats: RouteStats  # what ran during the greedy run
-    tf_stats: RouteStats  # what ran during the teacher-forced run
+    tf_stats: RouteStats  # what ran during the teacher-forced runs
     sim: Generation | None = None  # storage-matched oracle, free-running greedy
     vs_sim: GreedyAgreement | None = None
     tf_vs_sim: LogitAgreement | None = None  # our path vs storage-matched oracle (ours only)
-    tf_sim_vs_oracle: LogitAgreement | None = None  # the format's own effect
+    tf_sim_vs_oracle: LogitAgreement | None = None  # the format's own effect (oracle's sequence)
+    #: whether the storage-matched oracle, teacher-forced over its own greedy tokens, picks them
+    #: again (the premise of reading ``tf_vs_sim`` as per-step token identity)
+    sim_teacher_forcing_reproduces_greedy: bool | None = None
 
 
 def run_format(
@@ -263,16 +304,30 @@ def run_format(
     Runs our path greedy (``ours_greedy``; else ``ours``/``vs_oracle`` hold the oracle's
     tokens and a trivial agreement) and teacher-forced over the oracle's sequence, and the
     storage-matched oracle (HF eager on rows round-tripped through ``fmt``, q and output in bf16
-    like ours) greedy and/or teacher-forced as asked.
+    like ours) greedy and/or teacher-forced as asked. With both ``sim_greedy`` and
+    ``sim_teacher_forced``, our path and the storage-matched oracle are also teacher-forced over
+    the latter's greedy sequence (see :class:`FormatReport`).
     """
     fmt = KVFormat.parse(fmt)
     prompt, prompt_len = oracle.prompt, oracle.prompt.shape[1]
     new_tokens = oracle.greedy.tokens.numel()
+    sim = sim_tf = None
+    sim_sequence = oracle.sequence
+    if sim_greedy or sim_teacher_forced:
+        with simulate_kv_format(model, fmt):
+            if sim_greedy:
+                sim = greedy(model, prompt, new_tokens)
+                sim_sequence = torch.cat([prompt, sim.tokens[None, :]], dim=1)
+            if sim_teacher_forced:
+                sim_tf = teacher_forced(model, sim_sequence, prompt_len)
     route_args = dict(fmt=fmt, backend=backend, check_mask=check_mask, seed=seed)
     with route_attention(model, **route_args) as route:
         ours = greedy(model, prompt, new_tokens) if ours_greedy else oracle.greedy
-    with route_attention(model, **route_args) as tf_route:
+    with route_attention(model, **route_args) as tf_route:  # a new sequence resets the caches
         ours_tf = teacher_forced(model, oracle.sequence, prompt_len)
+        ours_on_sim = ours_tf
+        if sim_tf is not None and sim is not None:
+            ours_on_sim = teacher_forced(model, sim_sequence, prompt_len)
     report = FormatReport(
         fmt=fmt,
         ours=ours,
@@ -281,13 +336,13 @@ def run_format(
         stats=route.stats,
         tf_stats=tf_route.stats,
     )
-    if sim_greedy or sim_teacher_forced:
-        with simulate_kv_format(model, fmt):
-            if sim_greedy:
-                report.sim = greedy(model, prompt, new_tokens)
-                report.vs_sim = compare_greedy(ours, report.sim)
-            if sim_teacher_forced:
-                sim_tf = teacher_forced(model, oracle.sequence, prompt_len)
-                report.tf_vs_sim = compare_logits(ours_tf, sim_tf)
-                report.tf_sim_vs_oracle = compare_logits(sim_tf, oracle.logits)
+    if sim is not None:
+        report.sim, report.vs_sim = sim, compare_greedy(ours, sim)
+    if sim_tf is not None:
+        report.tf_vs_sim = compare_logits(ours_on_sim, sim_tf)
+        if sim is None:
+            report.tf_sim_vs_oracle = compare_logits(sim_tf, oracle.logits)
+        else:
+            reproduced = torch.equal(sim_tf.argmax(dim=-1), sim.tokens)
+            report.sim_teacher_forcing_reproduces_greedy = reproduced
     return report
