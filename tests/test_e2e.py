@@ -38,7 +38,7 @@ from dsv4_attn import ops
 from dsv4_attn.__main__ import main as cli_main
 from dsv4_attn.e2e import attention_route, harness
 from dsv4_attn.e2e.paged_rows import POISON_BYTE, PagedRows
-from dsv4_attn.e2e.tiny_model import TinySpec, build_tiny_model, load_or_build
+from dsv4_attn.e2e.tiny_model import LAYER_TYPES, TinySpec, build_tiny_model, load_or_build
 from dsv4_attn.kv_cache import KVFormat
 
 # ---------------------------------------------------------------------------------------------
@@ -320,6 +320,21 @@ def test_saved_checkpoint_reloads_to_the_same_model(tmp_path):
         torch.testing.assert_close(reloaded(ids).logits, built(ids).logits, rtol=0, atol=0)
     sinks = [layer.self_attn.sinks for layer in reloaded.model.layers]
     assert all(bool((s != 0).all()) for s in sinks)  # randomized sinks survived the round trip
+
+
+def test_saved_checkpoint_reads_as_deepseek_v4_in_vllm(tmp_path):
+    """vLLM's own config loader takes the saved checkpoint for the model vllm serve would run."""
+    pytest.importorskip("vllm")
+    from vllm.config import ModelConfig
+
+    spec = TinySpec(seed=3, num_heads=64)
+    load_or_build(tmp_path / "ckpt", spec)
+    config = ModelConfig(model=str(tmp_path / "ckpt"), skip_tokenizer_init=True, dtype="bfloat16")
+    assert config.architectures == ["DeepseekV4ForCausalLM"]
+    assert config.use_mla and config.get_head_size() == 512
+    hf = config.hf_config
+    assert hf.num_attention_heads == 64 and hf.sliding_window == 128 and hf.index_topk == 16
+    assert list(hf.layer_types) == list(LAYER_TYPES)
 
 
 def test_cli_demo_prints_summary(capsys, tmp_path):

@@ -184,8 +184,11 @@ def load_or_build(path: str | Path | None, spec: TinySpec = TinySpec()):
     """Load the checkpoint at ``path`` if it holds ``spec``'s model, else build and save it.
 
     With ``path=None`` the model is built in memory only. The checkpoint is written with
-    ``save_pretrained`` (safetensors + config.json), so ``vllm serve <path>`` can be pointed at
-    the same weights. Returns ``(model, loaded)`` where ``loaded`` says whether it came from disk.
+    ``save_pretrained`` (safetensors + config.json, weights under the original DeepSeek-V4
+    names), so ``vllm serve <path> --skip-tokenizer-init`` can be pointed at the same weights
+    (there is no tokenizer: prompts are token ids). vLLM 0.33's config loader reads it as
+    ``DeepseekV4ForCausalLM`` with MLA head size 512 (tested); a full serve has not been run.
+    Returns ``(model, loaded)`` where ``loaded`` says whether it came from disk.
     """
     if path is None:
         return build_tiny_model(spec), False
