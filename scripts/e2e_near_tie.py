@@ -38,11 +38,10 @@ def main() -> None:
         oracle = harness.greedy(model, prompt, args.step + 2)
     sequence = torch.cat([prompt, oracle.tokens[None, :]], dim=1)
 
+    oracle_name = "HF eager, q/out bf16 (the oracle)"
     paths = {}
     with simulate_kv_format(model, fmt):
-        paths["HF eager, q/out bf16 (the oracle)"] = harness.teacher_forced(
-            model, sequence, prompt_len
-        )
+        paths[oracle_name] = harness.teacher_forced(model, sequence, prompt_len)
     with simulate_kv_format(model, fmt, q_dtype=None, round_output=False):
         paths["HF eager, q/out fp32"] = harness.teacher_forced(model, sequence, prompt_len)
     for backend in ("sdpa", "reference"):
@@ -52,7 +51,7 @@ def main() -> None:
         paths["ops reference, q fp32"] = harness.teacher_forced(model, sequence, prompt_len)
 
     step = args.step
-    first, second = paths["HF eager, q/out bf16 (the oracle)"][step].topk(2).indices.tolist()
+    first, second = paths[oracle_name][step].topk(2).indices.tolist()
     print(f"seed {args.seed}, H {args.heads}, {fmt}, step {step}: oracle top-2 {first}, {second}")
     for name, logits in paths.items():
         margin = float(logits[step, first] - logits[step, second])

@@ -325,8 +325,9 @@ def run_format(
         ours = greedy(model, prompt, new_tokens) if ours_greedy else oracle.greedy
     with route_attention(model, **route_args) as tf_route:  # a new sequence resets the caches
         ours_tf = teacher_forced(model, oracle.sequence, prompt_len)
+        # Over the storage-matched oracle's own tokens; the same run when they are the oracle's.
         ours_on_sim = ours_tf
-        if sim_tf is not None and sim is not None:
+        if sim_tf is not None and not torch.equal(sim_sequence, oracle.sequence):
             ours_on_sim = teacher_forced(model, sim_sequence, prompt_len)
     report = FormatReport(
         fmt=fmt,
