@@ -26,6 +26,7 @@ from dsv4_attn.benchmarking import (
     time_cuda_us,
 )
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+from dsv4_attn.scope import KVScope
 from dsv4_attn.testing import DecodeCase
 
 SHAPES = {  # name: (heads, window, compressed entries)
@@ -94,11 +95,13 @@ def make_case(pool: _RowPool, fmt: KVFormat, T: int, H: int, window: int, extra:
     full = torch.full((T,), window, dtype=torch.int32, device=pool.device)
     efull = torch.full((T,), extra, dtype=torch.int32, device=pool.device)
     sink = torch.randn(H, generator=pool.gen, device=pool.device)
-    return DecodeCase(
-        q, cache, fmt, WINDOW_BLOCK,
-        pool.slots(T, window, cache.shape[0] * WINDOW_BLOCK), full, sink, HEAD_DIM**-0.5,
-        ecache, EXTRA_BLOCK, pool.slots(T, extra, ecache.shape[0] * EXTRA_BLOCK), efull,
-    )  # fmt: skip
+    window_scope = KVScope(
+        cache, fmt, WINDOW_BLOCK, pool.slots(T, window, cache.shape[0] * WINDOW_BLOCK), full
+    )
+    extra_scope = KVScope(
+        ecache, fmt, EXTRA_BLOCK, pool.slots(T, extra, ecache.shape[0] * EXTRA_BLOCK), efull
+    )
+    return DecodeCase(q, window_scope, sink, HEAD_DIM**-0.5, extra_scope)
 
 
 def run(shapes, tokens, formats, reps: int, fallback_reps: int):
@@ -115,10 +118,12 @@ def run(shapes, tokens, formats, reps: int, fallback_reps: int):
             for T in tokens:
                 case = make_case(pool, fmt, T, H, window, extra)
                 args = case.args()
-                reason = sparse_decode.unsupported_reason(*args)
+                scopes = (case.window, case.sink, case.extra)
+                reason = sparse_decode.unsupported_reason(case.q, *scopes)
                 if reason is not None:
                     raise SystemExit(f"the kernel does not run {shape} T={T}: {reason}")
-                splits, _ = sparse_decode.resolve_splits(case.q, case.indices, case.extra_indices)
+                capacity = sparse_decode.key_capacity(case.window, case.extra)
+                splits, _ = sparse_decode.resolve_splits(T, H, capacity, device)
                 kernel = time_cuda_us(lambda a=args: sparse_decode.sparse_attention(*a), reps=reps)
                 slow = time_cuda_us(lambda a=args: fallback.sparse_attention(*a),
                                     reps=fallback_reps, warmup=1)  # fmt: skip

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_attn import kv_cache
-from dsv4_attn.kv_cache import KVFormat
+from dsv4_attn.scope import KVScope
 
 __all__ = ["sparse_attention"]
 
@@ -22,35 +22,23 @@ __all__ = ["sparse_attention"]
 _CHUNK_BYTES = 256 * 1024 * 1024
 
 
-def _gather(
-    cache: torch.Tensor,
-    fmt: KVFormat,
-    block_size: int,
-    indices: torch.Tensor,
-    lens: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(scope: KVScope) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized rows ``[t, K, 512]`` float32 (zeros at holes) and the valid mask ``[t, K]``."""
+    indices = scope.indices
     t, K = indices.shape
-    counted = torch.arange(K, device=indices.device)[None, :] < lens[:, None]
+    counted = torch.arange(K, device=indices.device)[None, :] < scope.lens[:, None]
     valid = counted & (indices >= 0)
     slots = torch.where(valid, indices, torch.full_like(indices, -1)).reshape(-1)
-    rows = kv_cache.read_unchecked(cache, slots, fmt, block_size)
+    rows = kv_cache.read_unchecked(scope.cache, slots, scope.fmt, scope.block_size)
     return rows.view(t, K, kv_cache.HEAD_DIM).float(), valid
 
 
 def sparse_attention(
     q: torch.Tensor,
-    cache: torch.Tensor,
-    fmt: KVFormat,
-    block_size: int,
-    indices: torch.Tensor,
-    lens: torch.Tensor,
+    window: KVScope,
     sink: torch.Tensor | None,
     scale: float,
-    extra_cache: torch.Tensor | None = None,
-    extra_block_size: int | None = None,
-    extra_indices: torch.Tensor | None = None,
-    extra_lens: torch.Tensor | None = None,
+    extra: KVScope | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`dsv4_attn.ops.sparse_attention` (inputs already validated there).
 
@@ -59,7 +47,7 @@ def sparse_attention(
     T, H, D = q.shape
     out = torch.empty(T, H, D, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
-    k_total = indices.shape[1] + (extra_indices.shape[1] if extra_indices is not None else 0)
+    k_total = window.capacity + (extra.capacity if extra is not None else 0)
     tokens_per_chunk = max(1, _CHUNK_BYTES // max(1, k_total * D * 4))
     # The sink column: +inf is clamped to the float32 maximum so that it dominates every real
     # logit without producing inf - inf; -inf contributes exp(-inf) = 0 as it should.
@@ -69,11 +57,9 @@ def sparse_attention(
         )
     for t0 in range(0, T, tokens_per_chunk):
         sl = slice(t0, min(T, t0 + tokens_per_chunk))
-        rows, valid = _gather(cache, fmt, block_size, indices[sl], lens[sl])
-        if extra_cache is not None:
-            extra_rows, extra_valid = _gather(
-                extra_cache, fmt, extra_block_size, extra_indices[sl], extra_lens[sl]
-            )
+        rows, valid = _gather(window.tokens(sl.start, sl.stop))
+        if extra is not None:
+            extra_rows, extra_valid = _gather(extra.tokens(sl.start, sl.stop))
             rows = torch.cat([rows, extra_rows], dim=1)
             valid = torch.cat([valid, extra_valid], dim=1)
         scores = torch.bmm(q[sl].float(), rows.transpose(1, 2)) * scale  # [t, H, K]

@@ -29,12 +29,15 @@ kernel can bulk-copy the data rows of a tile and, separately, their scales.
     Decoded value i = e2m1_i * s_{i//16} * G. Every such product is exact in bfloat16 (a 2-bit
     times a 4-bit significand), so kernels may dequantize in bf16 without rounding.
 
-    Scale rule (chosen so no element ever saturates, and the e4m3 scales use their full range):
-      * G = 2^ceil(log2(amax_token / (6 * 448))) with amax_token over the 448 nope values
-        (G = 1 for an all-zero row). This per-token power of two is the "global" scale of NVFP4,
-        kept per token because a paged cache is written a token at a time.
-      * s_b = the smallest e4m3 value >= amax_b / 6 / G (rounded *up*, so |x / (s_b G)| <= 6).
-      * e2m1_i = x_i / (s_b G) rounded to the nearest e2m1 value, ties to the even code.
+    Scale rule (chosen so no element ever saturates, and the e4m3 scales use their full range),
+    in exact arithmetic (no rounded quotient decides anything, so every implementation - torch on
+    CPU or CUDA, the Triton writers - produces the same bytes):
+      * G = 2^e, e = ceil(log2(amax_token / (6 * 448))) clamped to [-127, 127], with amax_token
+        over the 448 nope values (e = 0 for an all-zero row). This per-token power of two is the
+        "global" scale of NVFP4, kept per token because a paged cache is written a token at a time.
+      * s_b = the smallest e4m3 value with 6 * s_b * G >= amax_b (so |x / (s_b G)| <= 6).
+      * e2m1_i = x_i / (s_b G) rounded to the nearest e2m1 value, ties to the even code; the sign
+        bit is the sign of x_i (a negative value that rounds to 0 keeps it).
     Error bound per nope value (finite inputs, |x| < 2^127):
       |x - x_hat| <= max(|x| / 4, s_b * G / 4), with s_b * G <= 1.125 * amax_b / 6 + 2^-9 * G.
 
@@ -176,11 +179,36 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def _e4m3_round_up(x: torch.Tensor) -> torch.Tensor:
-    """Smallest float8_e4m3fn value >= x, for float32 x in [0, 448]; returned as uint8 bits."""
-    bits = x.to(torch.float8_e4m3fn).view(torch.uint8)
-    below = bits.view(torch.float8_e4m3fn).to(torch.float32) < x
-    return bits + below.to(torch.uint8)
+def _e4m3_value(code: torch.Tensor) -> torch.Tensor:
+    """float32 value of non-negative float8_e4m3fn codes (int32, 0..126), built from bits."""
+    exponent, mantissa = code >> 3, code & 7
+    normal = (((exponent + 120) << 23) | (mantissa << 20)).view(torch.float32)
+    return torch.where(exponent > 0, normal, mantissa.to(torch.float32) * 2.0**-9)
+
+
+def _nvfp4_token_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """int32 e = ceil(log2(amax / 2688)) exactly, clamped to [-127, 127]; 0 where amax == 0.
+
+    2688 = 6 * 448 = 1.3125 * 2^11: for amax = 1.m * 2^(E - 127), amax <= 2688 * 2^e holds from
+    e = E - 138 on when 1.m <= 1.3125, from E - 137 otherwise. Subnormal amax clamps to -127.
+    """
+    bits = amax.view(torch.int32)
+    exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    e = (exponent - 138 + (mantissa > 0x280000).to(torch.int32)).clamp(-UE8M0_BIAS, UE8M0_BIAS)
+    return torch.where(amax > 0, e, 0)
+
+
+def _nvfp4_block_scale_codes(block_amax: torch.Tensor, token_scale: torch.Tensor) -> torch.Tensor:
+    """int32 e4m3 codes: the smallest s_b with 6 * s_b * G >= amax_b, by exact binary search over
+    the codes 0..126 (6 * s_b * G is exact in float32)."""
+    lo = torch.zeros_like(block_amax, dtype=torch.int32)
+    hi = torch.full_like(lo, 126)
+    for _ in range(7):  # 127 candidates
+        mid = (lo + hi) >> 1
+        enough = _e4m3_value(mid) * token_scale * E2M1_MAX >= block_amax
+        hi = torch.where(enough, mid, hi)
+        lo = torch.where(enough, lo, mid + 1)
+    return lo
 
 
 # e2m1 magnitudes by code; ties in rounding go to the even code.
@@ -197,13 +225,16 @@ _E2M1_MIDPOINTS = (
 )
 
 
-def _e2m1_encode(y: torch.Tensor) -> torch.Tensor:
-    """Round float32 ``y`` (|y| <= 6) to e2m1 nibbles (sign << 3 | code), uint8."""
-    mag = y.abs()
+def _e2m1_encode(x: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """e2m1 nibbles (sign << 3 | code, uint8) of float32 ``x / step`` (|x| <= 6 step), rounded to
+    nearest, ties to the even code, by exact comparisons: midpoint * step is exact in float32."""
+    mag = x.abs()
+    nonzero = mag > 0
     code = torch.zeros_like(mag, dtype=torch.uint8)
     for midpoint, tie_up in _E2M1_MIDPOINTS:
-        code += (mag >= midpoint if tie_up else mag > midpoint).to(torch.uint8)
-    return code | ((y < 0).to(torch.uint8) << 3)
+        bound = midpoint * step
+        code += (nonzero & (mag >= bound) if tie_up else mag > bound).to(torch.uint8)
+    return code | ((x < 0).to(torch.uint8) << 3)
 
 
 def _e2m1_decode(nibbles: torch.Tensor) -> torch.Tensor:
@@ -244,22 +275,15 @@ def _encode_nvfp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = NOPE_DIM // NVFP4_QUANT_BLOCK
     nope = rows[:, :NOPE_DIM].float().view(n, blocks, NVFP4_QUANT_BLOCK)
     block_amax = nope.abs().amax(dim=-1)  # [n, 28]
-    token_amax = block_amax.amax(dim=-1)  # [n]
-    token_exp = torch.where(
-        token_amax > 0,
-        _ceil_log2(token_amax.clamp(min=torch.finfo(torch.float32).tiny) / (E2M1_MAX * FP8_MAX)),
-        torch.zeros_like(token_amax, dtype=torch.int32),
-    ).clamp(-UE8M0_BIAS, UE8M0_BIAS)
-    token_scale = _pow2(token_exp)  # [n]
-    block_scale_bits = _e4m3_round_up(block_amax / E2M1_MAX / token_scale[:, None])
-    block_scale = block_scale_bits.view(torch.float8_e4m3fn).float()
-    step = block_scale * token_scale[:, None]  # [n, 28] dequant multiplier per block
-    safe_step = torch.where(step > 0, step, torch.ones_like(step))
-    nibbles = _e2m1_encode(nope / safe_step[..., None]).view(n, NOPE_DIM // 2, 2)
+    token_exp = _nvfp4_token_exponent(block_amax.amax(dim=-1))  # [n]
+    token_scale = _pow2(token_exp)[:, None]  # [n, 1]
+    block_scale_codes = _nvfp4_block_scale_codes(block_amax, token_scale)
+    step = _e4m3_value(block_scale_codes) * token_scale  # [n, 28] dequant multiplier per block
+    nibbles = _e2m1_encode(nope, step[..., None]).view(n, NOPE_DIM // 2, 2)
     packed = nibbles[..., 0] | (nibbles[..., 1] << 4)
     rope = rows[:, NOPE_DIM:].contiguous().view(torch.uint8)
     scales = torch.zeros(n, 32, dtype=torch.uint8, device=rows.device)
-    scales[:, :blocks] = block_scale_bits
+    scales[:, :blocks] = block_scale_codes.to(torch.uint8)
     scales[:, blocks] = (token_exp + UE8M0_BIAS).to(torch.uint8)
     return torch.cat([packed, rope], dim=1), scales
 

@@ -16,6 +16,7 @@ lives in :mod:`dsv4_attn.fmha_ops` and is re-exported here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import NamedTuple
@@ -27,8 +28,17 @@ from dsv4_attn.dispatch_log import log_fallback_once
 from dsv4_attn.fmha_ops import fmha, sparse_prefill
 from dsv4_attn.index_checks import check_index_lists, check_index_values
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+from dsv4_attn.scope import KVScope
 
-__all__ = ["BACKENDS", "Dispatch", "fmha", "last_dispatch", "sparse_attention", "sparse_prefill"]
+__all__ = [
+    "BACKENDS",
+    "Dispatch",
+    "KVScope",
+    "fmha",
+    "last_dispatch",
+    "sparse_attention",
+    "sparse_prefill",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,76 +60,60 @@ def last_dispatch() -> Dispatch | None:
     return _last_dispatch
 
 
-def _check_block_size(name: str, block_size: object) -> int:
+def _checked_scope(name: str, scope: object, T: int, device: torch.device,
+                   check_values: bool) -> KVScope:  # fmt: skip
+    """``scope`` validated (ValueError naming ``name`` and the bad field), format parsed."""
+    if not isinstance(scope, KVScope):
+        raise ValueError(f"{name} must be a dsv4_attn.scope.KVScope, got {type(scope).__name__}")
+    prefix = f"{name}."
+    fmt = KVFormat.parse(scope.fmt)
+    block_size = scope.block_size
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"{name} must be a positive int, got {block_size!r}")
-    return block_size
-
-
-def _check_scope(
-    prefix: str,
-    cache: torch.Tensor,
-    fmt: KVFormat,
-    block_size: int,
-    indices: torch.Tensor,
-    lens: torch.Tensor,
-    T: int,
-    device: torch.device,
-    check_values: bool,
-) -> None:
+        raise ValueError(f"{prefix}block_size must be a positive int, got {block_size!r}")
     layout = kv_cache.page_layout(fmt, block_size)
-    kv_cache._check_cache(cache, layout)
-    if cache.device != device:
-        raise ValueError(f"{prefix}cache is on {cache.device} but q is on {device}")
-    check_index_lists(prefix, indices, lens, T, device)
+    try:
+        kv_cache._check_cache(scope.cache, layout)
+    except ValueError as exc:
+        raise ValueError(f"{prefix}{exc}") from None
+    if scope.cache.device != device:
+        raise ValueError(f"{prefix}cache is on {scope.cache.device} but q is on {device}")
+    check_index_lists(prefix, scope.indices, scope.lens, T, device)
     if check_values:
-        num_slots = cache.shape[0] * block_size
+        num_slots = scope.cache.shape[0] * block_size
         note = " (num_blocks * block_size)"
-        check_index_values(prefix, indices, lens, num_slots, "slot", str(num_slots), note)
+        check_index_values(
+            prefix, scope.indices, scope.lens, num_slots, "slot", str(num_slots), note
+        )
+    return scope if fmt is scope.fmt else dataclasses.replace(scope, fmt=fmt)
 
 
-def _validate(
-    q,
-    cache,
-    fmt,
-    block_size,
-    indices,
-    lens,
-    sink,
-    scale,
-    extra_cache,
-    extra_block_size,
-    extra_indices,
-    extra_lens,
-    check_values,
-) -> None:
-    """Raise ValueError naming the first bad argument."""
+def _check_out(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device) -> None:  # fmt: skip
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be {dtype} {shape}, got {got}")
+    if t.device != device or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous tensor on {device}")
+
+
+def _validate(q, window, sink, scale, extra, out, lse, check_values):
+    """The validated ``(window, extra)``; ValueError naming the first bad argument."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != HEAD_DIM:
         got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
         raise ValueError(f"q must be [T, H, {HEAD_DIM}], got {got}")
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
     T, H, _ = q.shape
-    _check_block_size("block_size", block_size)
-    _check_scope("", cache, fmt, block_size, indices, lens, T, q.device, check_values)
-    given = [x is not None for x in (extra_cache, extra_block_size, extra_indices, extra_lens)]
-    if any(given) and not all(given):
-        raise ValueError(
-            "extra_cache, extra_block_size, extra_indices and extra_lens must be given together"
-        )
-    if all(given):
-        _check_block_size("extra_block_size", extra_block_size)
-        _check_scope(
-            "extra_",
-            extra_cache,
-            fmt,
-            extra_block_size,
-            extra_indices,
-            extra_lens,
-            T,
-            q.device,
-            check_values,
-        )
+    window = _checked_scope("window", window, T, q.device, check_values)
+    if extra is not None:
+        extra = _checked_scope("extra", extra, T, q.device, check_values)
+        if extra.fmt is not window.fmt:
+            raise ValueError(
+                f"window and extra must share one KV format, got {window.fmt.value} and "
+                f"{extra.fmt.value}"
+            )
     if sink is not None:
         if not isinstance(sink, torch.Tensor) or sink.shape != (H,):
             got = tuple(sink.shape) if isinstance(sink, torch.Tensor) else type(sink).__name__
@@ -128,80 +122,80 @@ def _validate(
             raise ValueError(f"sink is on {sink.device} but q is on {q.device}")
     if not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
         raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    _check_out("out", out, (T, H, HEAD_DIM), torch.bfloat16, q.device)
+    _check_out("lse", lse, (T, H), torch.float32, q.device)
+    return window, extra
 
 
-def _cutedsl_unsupported_reason(args: tuple) -> str | None:
-    """Why the CuTeDSL kernel cannot run this case (``args`` as for the kernel), or None."""
+def _cutedsl_unsupported_reason(q, window, sink, extra) -> str | None:
+    """Why the CuTeDSL kernel cannot run this case, or None."""
     try:
         from dsv4_attn.kernels import sparse_decode
     except ImportError as exc:
         return f"the CuTeDSL sparse-decode kernel is unavailable ({exc})"
-    return sparse_decode.unsupported_reason(*args)
+    return sparse_decode.unsupported_reason(q, window, sink, extra)
 
 
-def _reference_on_cache(
-    q,
-    cache,
-    fmt,
-    block_size,
-    indices,
-    lens,
-    sink,
-    scale,
-    extra_cache,
-    extra_block_size,
-    extra_indices,
-    extra_lens,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference_on_cache(q, window, sink, scale, extra) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the float64 reference on the dequantized rows the indices touch."""
 
-    def rows_and_local_ids(cache_, block_size_, indices_, lens_):
-        K = indices_.shape[1]
-        counted = torch.arange(K, device=indices_.device)[None, :] < lens_[:, None]
-        slots = torch.where(counted, indices_, torch.full_like(indices_, -1))
+    def rows_and_local_ids(scope: KVScope):
+        K = scope.capacity
+        counted = torch.arange(K, device=scope.indices.device)[None, :] < scope.lens[:, None]
+        slots = torch.where(counted, scope.indices, torch.full_like(scope.indices, -1))
         unique, local = torch.unique(slots, return_inverse=True)
-        rows = kv_cache.read_unchecked(cache_, unique, fmt, block_size_)
+        rows = kv_cache.read_unchecked(scope.cache, unique, scope.fmt, scope.block_size)
         local = torch.where(slots >= 0, local, torch.full_like(local, -1))
-        return rows, local, lens_
+        return rows, local, scope.lens
 
-    kv, local, lens_ = rows_and_local_ids(cache, block_size, indices, lens)
-    extra = (None, None, None)
-    if extra_cache is not None:
-        extra = rows_and_local_ids(extra_cache, extra_block_size, extra_indices, extra_lens)
-    out, lse = reference.sparse_attention(q, kv, local, lens_, sink, scale, *extra)
+    kv, local, lens = rows_and_local_ids(window)
+    extra_args = rows_and_local_ids(extra) if extra is not None else (None, None, None)
+    out, lse = reference.sparse_attention(q, kv, local, lens, sink, scale, *extra_args)
     return out.to(torch.bfloat16), lse.to(torch.float32)
+
+
+def _into(out, lse, result):
+    """Copy ``result`` into the caller's ``out``/``lse`` where given; return what the caller
+    gets back."""
+    res_out, res_lse = result
+    if out is not None:
+        out.copy_(res_out)
+        res_out = out
+    if lse is not None:
+        lse.copy_(res_lse)
+        res_lse = lse
+    return res_out, res_lse
 
 
 def sparse_attention(
     q: torch.Tensor,
-    cache: torch.Tensor,
-    fmt: KVFormat | str,
-    block_size: int,
-    indices: torch.Tensor,
-    lens: torch.Tensor,
+    window: KVScope,
     sink: torch.Tensor | None,
     scale: float,
-    extra_cache: torch.Tensor | None = None,
-    extra_block_size: int | None = None,
-    extra_indices: torch.Tensor | None = None,
-    extra_lens: torch.Tensor | None = None,
+    extra: KVScope | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     backend: str = "auto",
     check_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V4 sparse MQA with a sink, reading KV rows straight from a paged cache.
+    """DeepSeek-V4 sparse MQA with a sink, reading KV rows straight from paged caches.
+
+    Every query token attends, in one softmax with the sink, to the rows of its window scope and
+    (optionally) of its extra scope (the compressed entries).
 
     Args:
         q: ``[T, H, 512]`` queries (bf16; fp16/fp32 accepted). Spec-decode tokens are just rows.
-        cache: ``uint8 [num_blocks, >= page_bytes]`` paged cache in format ``fmt``
-            (:mod:`dsv4_attn.kv_cache` documents the byte layout).
-        fmt: :class:`~dsv4_attn.kv_cache.KVFormat` (or its name) of both caches.
-        block_size: tokens per page of ``cache``.
-        indices: ``int32/int64 [T, K]`` cache slot ids (``block * block_size + offset``); -1 = hole.
-        lens: ``int [T]``; only the first ``lens[t]`` entries of ``indices[t]`` count.
+        window: the first candidate list (the sliding window), a :class:`KVScope`.
         sink: ``[H]`` per-head sink logits (float32), or None.
         scale: softmax scale (``512 ** -0.5`` for DeepSeek-V4).
-        extra_cache, extra_block_size, extra_indices, extra_lens: the optional second scope
-            (compressed entries), joining the same softmax. Give all four or none.
+        extra: the optional second list (compressed entries); same format as ``window``.
+        out, lse: bf16 ``[T, H, 512]`` and fp32 ``[T, H]`` tensors to write into, in place
+            (the kernel writes them directly; the fallbacks copy).
+        workspace: fp32 tensors for the kernel's split-KV partials, shaped as
+            :func:`dsv4_attn.kernels.sparse_decode.workspace_shapes` says (allocated per call
+            when omitted; ignored by the fallbacks).
         backend: ``"auto"``, ``"cutedsl"``, ``"sdpa"`` or ``"reference"``.
         check_values: also check index and length *values* (costs a device sync on CUDA).
             Shapes, dtypes and devices are always checked.
@@ -210,38 +204,25 @@ def sparse_attention(
         ``(out, lse)``: ``out`` bf16 ``[T, H, 512]``; ``lse`` float32 ``[T, H]``, natural log over
         both scopes, excluding the sink; ``-inf`` (and ``out = 0``) where no key is valid.
     """
-    fmt = KVFormat.parse(fmt)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    args = (
-        q,
-        cache,
-        fmt,
-        block_size,
-        indices,
-        lens,
-        sink,
-        scale,
-        extra_cache,
-        extra_block_size,
-        extra_indices,
-        extra_lens,
-    )
-    _validate(*args, check_values)
+    window, extra = _validate(q, window, sink, scale, extra, out, lse, check_values)
     global _last_dispatch
     if backend == "reference":
         _last_dispatch = Dispatch("reference", None)
-        return _reference_on_cache(*args)
+        return _into(out, lse, _reference_on_cache(q, window, sink, scale, extra))
     reason = None
     if backend in ("auto", "cutedsl"):
-        reason = _cutedsl_unsupported_reason(args)
+        reason = _cutedsl_unsupported_reason(q, window, sink, extra)
         if reason is None:
             from dsv4_attn.kernels import sparse_decode
 
             _last_dispatch = Dispatch("cutedsl", None)
-            return sparse_decode.sparse_attention(*args)
+            return sparse_decode.sparse_attention(
+                q, window, sink, scale, extra, out=out, lse=lse, workspace=workspace
+            )
         if backend == "cutedsl":
             raise ValueError(f"backend='cutedsl' cannot run this case: {reason}")
         log_fallback_once(logger, "sparse_attention", reason)
     _last_dispatch = Dispatch("sdpa", reason)
-    return fallback.sparse_attention(*args)
+    return _into(out, lse, fallback.sparse_attention(q, window, sink, scale, extra))

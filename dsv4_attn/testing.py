@@ -1,9 +1,10 @@
 """Random sparse-decode problems over paged caches, shared by tests and benchmarks.
 
-A :class:`DecodeCase` is a ready argument set for :func:`dsv4_attn.ops.sparse_attention`: a SWA
-cache and (optionally) a compressed "extra" cache filled with random rows, random queries, and per
-token slot lists in the shape DeepSeek-V4 decode produces them (a window of up to 128 slots, then
-compressed slots), with holes (-1) and lengths as asked. Values are random normal, never zeros.
+A :class:`DecodeCase` is a ready argument set for :func:`dsv4_attn.ops.sparse_attention`: a window
+scope over a SWA cache and (optionally) an extra scope over a compressed cache, both filled with
+random rows, random queries, and per token slot lists in the shape DeepSeek-V4 decode produces them
+(a window of up to 128 slots, then compressed slots), with holes (-1) and lengths as asked.
+Values are random normal, never zeros.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from dsv4_attn import kv_cache
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+from dsv4_attn.scope import KVScope
 
 __all__ = ["DecodeCase", "make_decode_case", "random_rows"]
 
@@ -31,46 +33,30 @@ def random_rows(n: int, generator: torch.Generator, device: torch.device | str =
 @dataclass
 class DecodeCase:
     q: torch.Tensor  # bf16 [T, H, 512]
-    cache: torch.Tensor  # uint8 [num_blocks, page_bytes]
-    fmt: KVFormat
-    block_size: int
-    indices: torch.Tensor  # int32 [T, window]
-    lens: torch.Tensor  # int32 [T]
+    window: KVScope  # int32 indices [T, window]
     sink: torch.Tensor | None  # float32 [H]
     scale: float
-    extra_cache: torch.Tensor | None = None
-    extra_block_size: int | None = None
-    extra_indices: torch.Tensor | None = None  # int32 [T, K_extra]
-    extra_lens: torch.Tensor | None = None  # int32 [T]
+    extra: KVScope | None = None  # int32 indices [T, K_extra]
 
     def args(self) -> tuple:
         """Positional arguments for ``ops.sparse_attention``."""
-        return (
-            self.q,
-            self.cache,
-            self.fmt,
-            self.block_size,
-            self.indices,
-            self.lens,
-            self.sink,
-            self.scale,
-            self.extra_cache,
-            self.extra_block_size,
-            self.extra_indices,
-            self.extra_lens,
-        )
+        return (self.q, self.window, self.sink, self.scale, self.extra)
+
+    @property
+    def fmt(self) -> KVFormat:
+        return self.window.fmt
 
     @property
     def num_keys(self) -> int:
         """Valid (non-hole, within-length) keys over all tokens and both scopes."""
 
-        def count(indices, lens):
-            if indices is None:
+        def count(scope: KVScope | None) -> int:
+            if scope is None:
                 return 0
-            k = torch.arange(indices.shape[1], device=indices.device)
-            return int(((k[None, :] < lens[:, None]) & (indices >= 0)).sum())
+            k = torch.arange(scope.capacity, device=scope.indices.device)
+            return int(((k[None, :] < scope.lens[:, None]) & (scope.indices >= 0)).sum())
 
-        return count(self.indices, self.lens) + count(self.extra_indices, self.extra_lens)
+        return count(self.window) + count(self.extra)
 
 
 def _slot_lists(
@@ -143,9 +129,9 @@ def make_decode_case(
             scope_lens[0], scope_lens[-1] = 0, width
         else:
             raise ValueError(f"lens must be 'full' or 'random', got {lens!r}")
-        return cache, indices.to(device), scope_lens.to(device)
+        return KVScope(cache, fmt, bs, indices.to(device), scope_lens.to(device))
 
-    cache, indices, scope_lens = scope(window, block_size)
+    window_scope = scope(window, block_size)
     q = (torch.randn(T, H, HEAD_DIM, generator=gen) * 0.5).to(device=device, dtype=torch.bfloat16)
     sinks = {
         None: None,
@@ -157,8 +143,5 @@ def make_decode_case(
     if sink not in sinks:
         raise ValueError(f"sink must be one of {list(sinks)}, got {sink!r}")
     sink_t = sinks[sink].to(device) if sinks[sink] is not None else None
-    case = DecodeCase(q, cache, fmt, block_size, indices, scope_lens, sink_t, HEAD_DIM**-0.5)
-    if extra is not None:
-        case.extra_cache, case.extra_indices, case.extra_lens = scope(extra, extra_block_size)
-        case.extra_block_size = extra_block_size
-    return case
+    extra_scope = scope(extra, extra_block_size) if extra is not None else None
+    return DecodeCase(q, window_scope, sink_t, HEAD_DIM**-0.5, extra_scope)

@@ -18,11 +18,16 @@ from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 
 __all__ = [
     "SUPPORTED_HEAD_COUNTS",
+    "compile_variants",
+    "kernel_stack_error",
+    "key_capacity",
+    "peak_workspace_numel",
     "plan_splits",
     "resolve_splits",
     "sparse_attention",
     "unsupported_reason",
     "workspace_shape",
+    "workspace_shapes",
 ]
 
 SUPPORTED_HEAD_COUNTS = (8, 16, 32, 64, 128)
@@ -42,7 +47,7 @@ _INDEX_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 
 
 @functools.cache
-def _kernel_stack_error() -> str | None:
+def kernel_stack_error() -> str | None:
     try:
         import cutlass
         import cutlass.cute  # noqa: F401
@@ -56,49 +61,49 @@ def _kernel_stack_error() -> str | None:
 
 def _cache_reason(name: str, cache: torch.Tensor, block_size: int) -> str | None:
     if cache.stride(1) != 1 or cache.stride(0) % 16 or cache.data_ptr() % 16:
-        return f"{name} pages must be 16-byte aligned with contiguous bytes"
+        return f"{name}.cache pages must be 16-byte aligned with contiguous bytes"
     if cache.shape[0] * block_size >= _MAX_PACKED_SLOTS:
-        return f"{name} holds {cache.shape[0] * block_size} slots; the kernel handles < 2^30"
+        return f"{name}.cache holds {cache.shape[0] * block_size} slots; the kernel handles < 2^30"
     return None
 
 
-def unsupported_reason(
-    q, cache, fmt, block_size, indices, lens, sink, scale,
-    extra_cache, extra_block_size, extra_indices, extra_lens,
-) -> str | None:  # fmt: skip
-    """None if the kernel runs this (already validated) case, else a one-line reason."""
+def unsupported_reason(q, window, sink, extra) -> str | None:
+    """None if the kernel runs this (already validated) case, else a one-line reason.
+
+    ``window`` and ``extra`` are :class:`dsv4_attn.scope.KVScope` (``extra`` may be None).
+    """
     if not q.is_cuda:
         return "q is not on a CUDA device"
     major, minor = torch.cuda.get_device_capability(q.device)
     if (major, minor) != (9, 0):
         return f"the kernel targets sm_90a (H100/H200); this GPU is sm_{major}{minor}"
-    if fmt not in _FORMATS:
-        return f"KV-cache format {KVFormat(fmt).value} has no kernel (fp8_ds_mla and nvfp4 do)"
+    if window.fmt not in _FORMATS:
+        fmt = KVFormat(window.fmt).value
+        return f"KV-cache format {fmt} has no kernel (fp8_ds_mla and nvfp4 do)"
     if q.dtype != torch.bfloat16:
         return f"q must be bfloat16 for the kernel, got {q.dtype}"
     if not q.is_contiguous() or q.data_ptr() % 16:
         return "q must be contiguous and 16-byte aligned for the kernel"
     if q.shape[1] not in SUPPORTED_HEAD_COUNTS:
         return f"{q.shape[1]} query heads; the kernel supports {SUPPORTED_HEAD_COUNTS}"
-    for name, c, bs in (
-        ("cache", cache, block_size),
-        ("extra_cache", extra_cache, extra_block_size),
-    ):
-        if c is not None and (reason := _cache_reason(name, c, bs)):
+    scopes = (("window", window), ("extra", extra))
+    for name, scope in scopes:
+        if scope is not None and (reason := _cache_reason(name, scope.cache, scope.block_size)):
             return reason
-    idx_dtypes = {t.dtype for t in (indices, extra_indices) if t is not None}
-    len_dtypes = {t.dtype for t in (lens, extra_lens) if t is not None}
+    idx_dtypes = {scope.indices.dtype for _, scope in scopes if scope is not None}
+    len_dtypes = {scope.lens.dtype for _, scope in scopes if scope is not None}
     if len(idx_dtypes) != 1 or len(len_dtypes) != 1:
-        return "indices and extra_indices (and lens and extra_lens) must share one dtype"
-    for name, t in (("indices", indices), ("extra_indices", extra_indices)):
-        if t is not None and t.shape[1] > 0 and t.stride(1) != 1:
-            return f"{name} rows must be contiguous"
-    for name, t in (("lens", lens), ("extra_lens", extra_lens)):
-        if t is not None and t.shape[0] > 1 and t.stride(0) != 1:
-            return f"{name} must be contiguous"
+        return "window and extra indices (and lens) must share one dtype"
+    for name, scope in scopes:
+        if scope is None:
+            continue
+        if scope.capacity > 0 and scope.indices.stride(1) != 1:
+            return f"{name}.indices rows must be contiguous"
+        if scope.lens.shape[0] > 1 and scope.lens.stride(0) != 1:
+            return f"{name}.lens must be contiguous"
     if sink is not None and (sink.dtype != torch.float32 or not sink.is_contiguous()):
         return f"sink must be a contiguous float32 tensor for the kernel, got {sink.dtype}"
-    return _kernel_stack_error()
+    return kernel_stack_error()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,16 +217,16 @@ def _caches():
     return CompileCache("sparse_decode_sm90"), CompileCache("split_combine")
 
 
-def decode_config(fmt, block_size, indices, lens, sink, extra_block_size, extra_indices,
-                  write_partial):  # fmt: skip
+def decode_config(window, sink, extra, write_partial: bool):
+    """The :class:`SparseDecodeConfig` (compile-cache key) of a call."""
     from dsv4_attn.kernels.sparse_decode_sm90 import SparseDecodeConfig
 
     return SparseDecodeConfig(
-        fmt=_FORMATS[fmt],
-        block_size=block_size,
-        extra_block_size=extra_block_size if extra_indices is not None else 0,
-        index_dtype=_INDEX_DTYPES[indices.dtype],
-        lens_dtype=_INDEX_DTYPES[lens.dtype],
+        fmt=_FORMATS[window.fmt],
+        block_size=window.block_size,
+        extra_block_size=extra.block_size if extra is not None else 0,
+        index_dtype=_INDEX_DTYPES[window.indices.dtype],
+        lens_dtype=_INDEX_DTYPES[window.lens.dtype],
         has_sink=sink is not None,
         write_partial=write_partial,
     )
@@ -232,43 +237,105 @@ def decode_config(fmt, block_size, indices, lens, sink, extra_block_size, extra_
 # ----------------------------------------------------------------------------------------------
 
 
+def compile_variants(fmt: KVFormat, block_size: int, extra_block_size: int) -> None:
+    """Compile (or load from the disk cache) the variants a serving layer uses: int32 slot lists,
+    a sink, final output and split partials, plus the combine kernel. ``extra_block_size`` 0:
+    no extra scope."""
+    from dsv4_attn.kernels.combine import CombineConfig
+    from dsv4_attn.kernels.sparse_decode_sm90 import SparseDecodeConfig
+
+    decode_cache, combine_cache = _caches()
+    for partial in (False, True):
+        config = SparseDecodeConfig(
+            _FORMATS[fmt], block_size, extra_block_size, "int32", "int32", True, partial
+        )
+        decode_cache.get(config, lambda c=config: build_decode_kernel(c))
+    combine_config = CombineConfig(has_sink=True)
+    combine_cache.get(combine_config, lambda: build_combine_kernel(combine_config))
+
+
 def workspace_shape(num_splits: int, num_tokens: int, num_heads: int) -> tuple[tuple, tuple]:
     """Shapes of the split-KV workspace: fp32 partial outputs and their lse."""
     return (num_splits, num_tokens, num_heads, HEAD_DIM), (num_splits, num_tokens, num_heads)
 
 
-def resolve_splits(q, indices, extra_indices, num_splits: int | None = None) -> tuple[int, int]:
+def resolve_splits(
+    num_tokens: int,
+    num_heads: int,
+    key_capacity: int,
+    device: torch.device,
+    num_splits: int | None = None,
+) -> tuple[int, int]:
     """``(num_splits, tiles_per_split)`` for a call (``num_splits`` overrides the plan)."""
-    T, H, _ = q.shape
-    capacity = indices.shape[1] + (extra_indices.shape[1] if extra_indices is not None else 0)
-    tiles = max(1, math.ceil(capacity / BLOCK_N))
+    tiles = max(1, math.ceil(key_capacity / BLOCK_N))
     if num_splits is None:
-        return plan_splits(T, H, capacity, _num_sms(q.device.index or 0))
+        return plan_splits(num_tokens, num_heads, key_capacity, _num_sms(device.index or 0))
     num_splits = max(1, min(int(num_splits), tiles))
     tiles_per_split = math.ceil(tiles / num_splits)
     return math.ceil(tiles / tiles_per_split), tiles_per_split
 
 
+def key_capacity(window, extra) -> int:
+    """The widest key list a token of this call can have (both scopes)."""
+    return window.capacity + (extra.capacity if extra is not None else 0)
+
+
+def workspace_shapes(
+    num_tokens: int, num_heads: int, capacity: int, device: torch.device
+) -> tuple[tuple, tuple] | None:
+    """Split-KV workspace shapes a call with these sizes needs, None when it runs unsplit.
+
+    ``capacity`` as :func:`key_capacity` counts it.
+    """
+    if num_tokens == 0:
+        return None
+    num_splits, _ = resolve_splits(num_tokens, num_heads, capacity, device)
+    return workspace_shape(num_splits, num_tokens, num_heads) if num_splits > 1 else None
+
+
+def peak_workspace_numel(
+    max_tokens: int, num_heads: int, capacity: int, device: torch.device
+) -> tuple[int, int]:
+    """The most fp32 elements of partial outputs and of partial lse that any call with at most
+    ``max_tokens`` tokens (and this head count and key capacity) needs.
+
+    Splitting happens only while the unsplit grid is below about one wave, so only small token
+    counts need a workspace; each of them is checked.
+    """
+    peak_o = peak_lse = 0
+    full_wave = _num_sms(device.index or 0)
+    for tokens in range(1, max_tokens + 1):
+        shapes = workspace_shapes(tokens, num_heads, capacity, device)
+        if shapes is not None:
+            peak_o = max(peak_o, math.prod(shapes[0]))
+            peak_lse = max(peak_lse, math.prod(shapes[1]))
+        elif tokens * math.ceil(num_heads / BLOCK_H) >= full_wave:
+            break  # past one full wave nothing splits any more
+    return peak_o, peak_lse
+
+
 def sparse_attention(
-    q, cache, fmt, block_size, indices, lens, sink, scale,
-    extra_cache=None, extra_block_size=None, extra_indices=None, extra_lens=None,
+    q,
+    window,
+    sink,
+    scale,
+    extra=None,
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`dsv4_attn.ops.sparse_attention` (validated, supported inputs).
 
     Keyword-only extras: ``num_splits`` overrides the split-KV factor (by default
     :func:`plan_splits` picks it from the shapes); ``out`` (bf16 ``[T, H, 512]``) and ``lse``
     (fp32 ``[T, H]``) are written in place when given; ``workspace`` is a pair of fp32 tensors
-    of :func:`workspace_shape` for the split-KV partials (allocated per call when omitted).
-    Returns ``(out, lse)``.
+    holding at least :func:`workspace_shape` for the split-KV partials (their leading part is
+    used; allocated per call when omitted). Returns ``(out, lse)``.
     """
     from dsv4_attn.kernels.combine import CombineConfig
 
-    fmt = KVFormat(fmt)
     T, H, _ = q.shape
     if out is None:
         out = torch.empty(T, H, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
@@ -276,14 +343,17 @@ def sparse_attention(
         lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
-    num_splits, tiles_per_split = resolve_splits(q, indices, extra_indices, num_splits)
+    capacity = key_capacity(window, extra)
+    num_splits, tiles_per_split = resolve_splits(T, H, capacity, q.device, num_splits)
     decode_cache, combine_cache = _caches()
-    config = decode_config(fmt, block_size, indices, lens, sink, extra_block_size or 0,
-                           extra_indices, num_splits > 1)  # fmt: skip
+    config = decode_config(window, sink, extra, num_splits > 1)
     decode = decode_cache.get(config, lambda: build_decode_kernel(config))
     scale_log2 = float(scale) * math.log2(math.e)
+    extra_args = (None, None, None)
+    if extra is not None:
+        extra_args = (extra.cache, extra.indices, extra.lens)
     if num_splits == 1:
-        decode(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink, out, lse,
+        decode(q, window.cache, window.indices, window.lens, *extra_args, sink, out, lse,
                scale_log2, 1, tiles_per_split)  # fmt: skip
         return out, lse
     o_shape, lse_shape = workspace_shape(num_splits, T, H)
@@ -291,15 +361,24 @@ def sparse_attention(
         o_part = torch.empty(o_shape, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     else:
-        o_part, lse_part = (w[:num_splits] for w in workspace)
-        if tuple(o_part.shape) != o_shape or tuple(lse_part.shape) != lse_shape:
-            raise ValueError(
-                f"workspace must hold {o_shape} and {lse_shape} fp32 tensors, got "
-                f"{tuple(o_part.shape)} and {tuple(lse_part.shape)}"
-            )
-    decode(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink, o_part, lse_part,
+        o_part, lse_part = _workspace_views(workspace, o_shape, lse_shape)
+    decode(q, window.cache, window.indices, window.lens, *extra_args, sink, o_part, lse_part,
            scale_log2, num_splits, tiles_per_split)  # fmt: skip
     combine_config = CombineConfig(has_sink=sink is not None)
     combine = combine_cache.get(combine_config, lambda: build_combine_kernel(combine_config))
     combine(o_part, lse_part, sink, out, lse)
     return out, lse
+
+
+def _workspace_views(workspace, o_shape, lse_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous views of the exact shapes at the start of the caller's workspace tensors."""
+    views = []
+    for tensor, shape in zip(workspace, (o_shape, lse_shape), strict=True):
+        need = math.prod(shape)
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.numel() < need:
+            raise ValueError(
+                f"workspace tensors must be contiguous fp32 holding at least {shape}, got "
+                f"{tensor.dtype} {tuple(tensor.shape)}"
+            )
+        views.append(tensor.view(-1)[:need].view(shape))
+    return views[0], views[1]

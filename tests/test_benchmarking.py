@@ -8,7 +8,7 @@ from dsv4_attn.testing import make_decode_case
 
 def test_decode_roofline_counts_valid_rows_q_and_out():
     case = make_decode_case(3, 8, "nvfp4", 16, 4, seed=2, hole_rate=0.25, distinct=False)
-    valid = int((case.indices >= 0).sum()) + int((case.extra_indices >= 0).sum())  # lens full
+    valid = int((case.window.indices >= 0).sum()) + int((case.extra.indices >= 0).sum())
     expected_bytes = valid * 384 + 2 * (3 * 8 * 512 * 2)
     expected_flops = 4 * 8 * 512 * valid
     ceilings = Ceilings(copy_gbps=1000.0, bf16_tflops=1.0, device="test")

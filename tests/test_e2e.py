@@ -205,8 +205,8 @@ class _NoSinkOps:
     last_dispatch = staticmethod(ops.last_dispatch)
 
     @staticmethod
-    def sparse_attention(q, cache, fmt, block_size, indices, lens, sink, *args, **kwargs):
-        return ops.sparse_attention(q, cache, fmt, block_size, indices, lens, None, *args, **kwargs)
+    def sparse_attention(q, window, sink, *args, **kwargs):
+        return ops.sparse_attention(q, window, None, *args, **kwargs)
 
 
 _MUTATIONS = {

@@ -12,26 +12,14 @@ from dsv4_attn.testing import DecodeCase, make_decode_case
 def reference_on_rows(case: DecodeCase) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference on the dequantized cache, built here without ops' own plumbing."""
 
-    def rows_of(cache, bs):
-        return kv_cache.read(
-            cache, torch.arange(cache.shape[0] * bs, device=cache.device), case.fmt, bs
-        )
+    def rows_of(scope):
+        slots = torch.arange(scope.cache.shape[0] * scope.block_size, device=scope.cache.device)
+        return kv_cache.read(scope.cache, slots, scope.fmt, scope.block_size)
 
-    extra = ()
-    if case.extra_cache is not None:
-        extra = (
-            rows_of(case.extra_cache, case.extra_block_size),
-            case.extra_indices,
-            case.extra_lens,
-        )
+    window, extra = case.window, case.extra
+    extra_args = () if extra is None else (rows_of(extra), extra.indices, extra.lens)
     return reference.sparse_attention(
-        case.q,
-        rows_of(case.cache, case.block_size),
-        case.indices,
-        case.lens,
-        case.sink,
-        case.scale,
-        *extra,
+        case.q, rows_of(window), window.indices, window.lens, case.sink, case.scale, *extra_args
     )
 
 

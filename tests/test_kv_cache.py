@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -47,9 +48,9 @@ def e4m3_round_up(x: float) -> int:
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
-def e2m1_nearest_even(y: float) -> int:
+def e2m1_nearest_even(y: float | Fraction) -> int:
     mag = abs(y)
-    code = min(range(8), key=lambda c: (abs(E2M1[c] - mag), c & 1))
+    code = min(range(8), key=lambda c: (abs(Fraction(E2M1[c]) - mag), c & 1))
     return code | (8 if y < 0 else 0)
 
 
@@ -80,19 +81,25 @@ def pack_fp8_ds_mla_page(token_rows: dict[int, list[float]], block_size: int) ->
 
 
 def pack_nvfp4_token(row: list[float]) -> tuple[bytes, bytes]:
-    """(352-B data row, 32-B scale row) from the documented NVFP4 rule, float32 arithmetic."""
-    f32 = np.float32
-    nope = [f32(v) for v in row[:448]]
+    """(352-B data row, 32-B scale row) from the documented NVFP4 rule, in exact (rational)
+    arithmetic."""
+    nope = [Fraction(float(np.float32(v))) for v in row[:448]]
     amax = max(abs(v) for v in nope)
-    g_exp = 0 if amax == 0 else max(-127, min(127, ceil_log2(float(amax) / 2688.0)))
-    G = f32(2.0**g_exp)
+    g_exp = 0
+    if amax > 0:  # smallest e with amax <= 2688 * 2^e
+        g_exp = ceil_log2(float(amax)) - 13
+        while amax > 2688 * Fraction(2) ** g_exp:
+            g_exp += 1
+        g_exp = max(-127, min(127, g_exp))
+    G = Fraction(2) ** g_exp
     codes, block_scales = [], []
     for b in range(28):
         block = nope[16 * b : 16 * (b + 1)]
-        s_code = e4m3_round_up(float(f32(max(abs(v) for v in block) / f32(6.0)) / G))
-        step = f32(e4m3_value(s_code)) * G
+        block_amax = max(abs(v) for v in block)
+        s_code = next(c for v, c in E4M3_POSITIVE if 6 * Fraction(v) * G >= block_amax)
+        step = Fraction(e4m3_value(s_code)) * G
         block_scales.append(s_code)
-        codes += [e2m1_nearest_even(float(v / step)) if step > 0 else 0 for v in block]
+        codes += [e2m1_nearest_even(v / step) if step > 0 else (8 if v < 0 else 0) for v in block]
     packed = bytes(codes[2 * j] | (codes[2 * j + 1] << 4) for j in range(224))
     rope = b"".join(bf16_bytes(v) for v in row[448:])
     return packed + rope, bytes(block_scales) + bytes([g_exp + 127, 0, 0, 0])
@@ -128,6 +135,16 @@ def random_rows(gen: torch.Generator, n: int, kind: str = "normal") -> torch.Ten
         x = x * 1e30
     elif kind == "zero":
         x = torch.zeros(n, 512)
+    elif kind == "edges":  # block maxima on, just above and just below 6 * s_b * G boundaries
+        codes = torch.randint(1, 127, (n, 28), generator=gen)
+        boundary = 6 * torch.tensor([e4m3_value(int(c)) for c in codes.flatten()]).view(n, 28)
+        nudge = torch.randint(-1, 2, (n, 28), generator=gen)  # -1, 0, +1 bf16 ulp
+        bits = boundary.to(torch.bfloat16).view(torch.int16) + nudge.to(torch.int16)
+        peak = bits.view(torch.bfloat16).float()
+        x = torch.rand(n, 512, generator=gen) * 2 - 1
+        x[:, :448] = x[:, :448] * peak.repeat_interleave(16, 1)
+        x[:, :448].view(n, 28, 16)[:, :, 0] = peak  # each block's max sits on the edge
+        x[:, 0] = 2688.0  # the row maximum itself on a G boundary: G = 1
     elif kind == "ties":  # values on e2m1/e4m3 midpoints after scaling
         x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 64).repeat(n, 1)
         x = x * torch.where(torch.rand(n, 512, generator=gen) < 0.5, -1.0, 1.0)
@@ -175,7 +192,7 @@ def test_fp8_ds_mla_reads_bytes_from_independent_packer():
         assert decoded[p].float().tolist() == pytest.approx(expected, rel=0, abs=0)
 
 
-@pytest.mark.parametrize("kind", ["normal", "mixed", "tiny", "huge", "zero", "ties"])
+@pytest.mark.parametrize("kind", ["normal", "mixed", "tiny", "huge", "zero", "ties", "edges"])
 def test_nvfp4_bytes_match_independent_packer(kind):
     gen = torch.Generator().manual_seed(hash(kind) % 1000)
     rows = random_rows(gen, 3, kind)

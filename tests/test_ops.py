@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 import torch
 
 from dsv4_attn import dispatch_log, ops
+from dsv4_attn.kv_cache import KVFormat
 from dsv4_attn.testing import make_decode_case
 from tests.test_fallback import assert_matches_reference, reference_on_rows
 
@@ -40,52 +42,72 @@ def test_auto_logs_each_fallback_reason_once(caplog, monkeypatch):
     assert len(messages) == 1, messages
 
 
-def _replace(case, **fields):
-    args = dict(
-        zip(
-            [
-                "q",
-                "cache",
-                "fmt",
-                "block_size",
-                "indices",
-                "lens",
-                "sink",
-                "scale",
-                "extra_cache",
-                "extra_block_size",
-                "extra_indices",
-                "extra_lens",
-            ],
-            case.args(),
-            strict=True,
-        )
-    )
-    args.update(fields)
-    return args
+def _call_with(case, **fields):
+    """Call ops.sparse_attention on ``case`` with fields replaced: top-level arguments by name,
+    scope fields as ``window_<field>`` / ``extra_<field>``."""
+    args = {"q": case.q, "sink": case.sink, "scale": case.scale}
+    scopes = {"window": case.window, "extra": case.extra}
+    for key, value in fields.items():
+        name, _, field = key.partition("_")
+        if name in scopes and field:
+            scopes[name] = dataclasses.replace(scopes[name], **{field: value})
+        else:
+            args[key] = value
+    args.update({k: v for k, v in scopes.items() if k not in fields})
+    return ops.sparse_attention(**args)
 
 
 BAD = [
     ({"q": torch.zeros(3, 8, 256, dtype=torch.bfloat16)}, "q must be \\[T, H, 512\\]"),
     ({"q": torch.zeros(3, 8, 512, dtype=torch.int32)}, "q must be bfloat16"),
-    ({"block_size": 0}, "block_size must be a positive int, got 0"),
-    ({"block_size": 128}, "page of"),  # the cache holds 64-token pages
-    ({"indices": torch.zeros(3, 16)}, "indices must be an int32/int64 tensor, got torch.float32"),
-    ({"indices": torch.zeros(2, 16, dtype=torch.int32)}, "indices must be \\[T=3, K\\]"),
-    ({"lens": torch.full((3,), 17, dtype=torch.int32)}, "lens must lie in \\[0, K=16\\]"),
-    ({"indices": torch.full((3, 16), 10**6, dtype=torch.int32)}, "hold slot 1000000"),
-    ({"extra_indices": torch.full((3, 8), -5, dtype=torch.int32)}, "extra_indices hold slot -5"),
-    ({"extra_lens": None}, "must be given together"),
+    ({"window_block_size": 0}, "window.block_size must be a positive int, got 0"),
+    ({"window_block_size": 128}, "window.cache rows must hold a page of"),  # 64-token pages
+    (
+        {"window_indices": torch.zeros(3, 16)},
+        "window.indices must be an int32/int64 tensor, got torch.float32",
+    ),
+    (
+        {"window_indices": torch.zeros(2, 16, dtype=torch.int32)},
+        "window.indices must be \\[T=3, K\\]",
+    ),
+    (
+        {"window_lens": torch.full((3,), 17, dtype=torch.int32)},
+        "window.lens must lie in \\[0, K=16\\]",
+    ),
+    ({"window_indices": torch.full((3, 16), 10**6, dtype=torch.int32)}, "hold slot 1000000"),
+    ({"extra_indices": torch.full((3, 8), -5, dtype=torch.int32)}, "extra.indices hold slot -5"),
+    ({"extra_fmt": KVFormat.FP8_DS_MLA}, "extra.cache rows must hold a page"),
+    ({"window": (1, 2)}, "window must be a dsv4_attn.scope.KVScope, got tuple"),
     ({"sink": torch.zeros(7)}, "sink must be \\[H=8\\]"),
     ({"scale": -1.0}, "scale must be a positive finite float, got -1.0"),
-    ({"fmt": "int4"}, "unknown KV-cache format 'int4'"),
+    ({"window_fmt": "int4"}, "unknown KV-cache format 'int4'"),
+    ({"out": torch.zeros(3, 8, 512)}, "out must be torch.bfloat16 \\(3, 8, 512\\)"),
+    ({"lse": torch.zeros(3, 7)}, "lse must be torch.float32 \\(3, 8\\)"),
 ]
 
 
 @pytest.mark.parametrize(("fields", "message"), BAD)
 def test_bad_input_raises_value_error(fields, message):
     with pytest.raises(ValueError, match=message):
-        ops.sparse_attention(**_replace(small_case(), **fields))
+        _call_with(small_case(), **fields)
+
+
+def test_scopes_must_share_a_format():
+    case = small_case(fmt="bf16")
+    other = small_case(fmt="nvfp4")
+    with pytest.raises(ValueError, match="window and extra must share one KV format"):
+        ops.sparse_attention(case.q, case.window, case.sink, case.scale, other.extra)
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "reference"])
+def test_out_and_lse_are_written_in_place(backend):
+    case = small_case(lens="random", hole_rate=0.2)
+    T, H = case.q.shape[:2]
+    out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((T, H), float("nan"))
+    got_out, got_lse = ops.sparse_attention(*case.args(), out=out, lse=lse, backend=backend)
+    assert got_out is out and got_lse is lse
+    assert_matches_reference(out, lse, *reference_on_rows(case))
 
 
 def test_unknown_backend():
@@ -96,7 +118,7 @@ def test_unknown_backend():
 def test_check_values_false_skips_value_checks_only():
     case = small_case()
     with pytest.raises(ValueError, match="indices must be \\[T=3, K\\]"):
-        ops.sparse_attention(**_replace(case, indices=case.indices[:2]), check_values=False)
+        _call_with(case, window_indices=case.window.indices[:2], check_values=False)
     out, _ = ops.sparse_attention(*case.args(), check_values=False)
     assert out.shape == (3, 8, 512)
 

@@ -14,26 +14,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> zipfile.ZipFile:
+def build(tmp_path_factory) -> tuple[zipfile.ZipFile, str]:
+    """The wheel pip builds from this checkout, and everything the build printed."""
     out = tmp_path_factory.mktemp("wheel")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "wheel",
-        "--no-deps",
-        "--no-build-isolation",
-        "-q",
-        "-w",
-        str(out),
-        str(ROOT),
-    ]
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
+           "-w", str(out), str(ROOT)]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0 and "No module named" in result.stderr:
         pytest.skip(f"cannot build a wheel here: {result.stderr.strip()[-200:]}")
     assert result.returncode == 0, result.stderr
     (path,) = out.glob("dsv4_attn-*.whl")
-    return zipfile.ZipFile(path)
+    return zipfile.ZipFile(path), result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel(build) -> zipfile.ZipFile:
+    return build[0]
+
+
+def test_build_prints_no_deprecation_warning(build):
+    """setuptools stops building deprecated metadata (e.g. a ``project.license`` table) in 2027."""
+    log = build[1]
+    flagged = [line for line in log.splitlines() if "deprecat" in line.lower()]
+    assert not flagged, "\n".join(flagged)
 
 
 def test_kernels_install_under_the_package(wheel):

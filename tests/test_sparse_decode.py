@@ -17,6 +17,7 @@ import torch
 from dsv4_attn import kv_cache, reference
 from dsv4_attn.kernels import sparse_decode
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+from dsv4_attn.scope import KVScope
 
 # ----------------------------------------------------------------------------------------------
 # CPU tests
@@ -52,9 +53,8 @@ def test_unsupported_reason_on_cpu_tensors():
     cache = kv_cache.allocate(1, 64, KVFormat.FP8_DS_MLA)
     idx = torch.zeros(1, 4, dtype=torch.int32)
     lens = torch.ones(1, dtype=torch.int32)
-    reason = sparse_decode.unsupported_reason(
-        q, cache, KVFormat.FP8_DS_MLA, 64, idx, lens, None, 0.1, None, None, None, None
-    )
+    window = KVScope(cache, KVFormat.FP8_DS_MLA, 64, idx, lens)
+    reason = sparse_decode.unsupported_reason(q, window, None, None)
     assert reason is not None and "CUDA" in reason
 
 
@@ -85,7 +85,7 @@ def _random_cache(fmt, block_size, num_slots, device, gen):
     return cache
 
 
-def _random_scope(T, K, num_slots, device, gen, full_rows=True):
+def _random_lists(T, K, num_slots, device, gen, full_rows=True):
     """indices [T, K] with ~10% -1 holes, lens in [0, K] including 0 and K."""
     idx = torch.randint(0, num_slots, (T, K), generator=gen, device=device, dtype=torch.int32)
     holes = torch.rand(T, K, generator=gen, device=device) < 0.1
@@ -107,19 +107,20 @@ def _sink(kind, H, device, gen):
     return torch.full((H,), float(kind), device=device)
 
 
-def _reference(q, cache, fmt, bs, idx, lens, sink, scale, ecache, ebs, eidx, elens):
+def _reference(q, window, sink, scale, extra):
     """float64 reference on the dequantized rows the indices touch."""
 
-    def rows_and_ids(c, b, i, n):
+    def rows_and_ids(scope):
+        i, n = scope.indices, scope.lens
         counted = torch.arange(i.shape[1], device=i.device)[None, :] < n[:, None]
         slots = torch.where(counted, i, torch.full_like(i, -1))
         unique, local = torch.unique(slots, return_inverse=True)
-        rows = kv_cache.read_unchecked(c, unique, fmt, b)
+        rows = kv_cache.read_unchecked(scope.cache, unique, scope.fmt, scope.block_size)
         return rows, torch.where(slots >= 0, local, torch.full_like(local, -1)), n
 
-    kv, local, n = rows_and_ids(cache, bs, idx, lens)
-    extra = (None, None, None) if ecache is None else rows_and_ids(ecache, ebs, eidx, elens)
-    return reference.sparse_attention(q, kv, local, n, sink, scale, *extra)
+    kv, local, n = rows_and_ids(window)
+    extra_args = (None, None, None) if extra is None else rows_and_ids(extra)
+    return reference.sparse_attention(q, kv, local, n, sink, scale, *extra_args)
 
 
 def _check(out, lse, ref_out, ref_lse, tol=1e-2):
@@ -146,20 +147,21 @@ def _run_case(fmt, H, T, extra_width, sink_kind, seed, num_splits=None):
     gen = torch.Generator(device=device).manual_seed(seed)
     window_bs, extra_bs = 64, 16
     cache = _random_cache(fmt, window_bs, 4096, device, gen)
-    idx, lens = _random_scope(T, 128, 4096, device, gen)
-    ecache = eidx = elens = None
+    window = KVScope(cache, fmt, window_bs, *_random_lists(T, 128, 4096, device, gen))
+    extra = None
     if extra_width:
         ecache = _random_cache(fmt, extra_bs, max(2 * extra_width, 64), device, gen)
-        eidx, elens = _random_scope(T, extra_width, max(2 * extra_width, 64), device, gen)
+        lists = _random_lists(T, extra_width, max(2 * extra_width, 64), device, gen)
+        extra = KVScope(ecache, fmt, extra_bs, *lists)
     q = (torch.randn(T, H, HEAD_DIM, generator=gen, device=device) * 2).to(torch.bfloat16)
     sink = _sink(sink_kind, H, device, gen)
     scale = HEAD_DIM**-0.5
-    args = (q, cache, fmt, window_bs, idx, lens, sink, scale,
-            ecache, extra_bs if extra_width else None, eidx, elens)  # fmt: skip
-    assert sparse_decode.unsupported_reason(*args) is None
+    args = (q, window, sink, scale, extra)
+    assert sparse_decode.unsupported_reason(q, window, sink, extra) is None
     out = torch.full((T, H, HEAD_DIM), float("nan"), dtype=torch.bfloat16, device=device)
     lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=device)
-    splits, _ = sparse_decode.resolve_splits(q, idx, eidx, num_splits)
+    capacity = sparse_decode.key_capacity(window, extra)
+    splits, _ = sparse_decode.resolve_splits(T, H, capacity, device, num_splits)
     o_shape, l_shape = sparse_decode.workspace_shape(splits, T, H)
     workspace = (
         torch.full(o_shape, float("nan"), device=device),
@@ -221,7 +223,8 @@ def test_single_key_returns_the_dequantized_row_exactly(fmt):
     idx = torch.randint(0, 4096, (T, 1), generator=gen, device=device, dtype=torch.int32)
     lens = torch.ones(T, dtype=torch.int32, device=device)
     q = torch.randn(T, H, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
-    out, lse = sparse_decode.sparse_attention(q, cache, fmt, 64, idx, lens, None, HEAD_DIM**-0.5)
+    window = KVScope(cache, fmt, 64, idx, lens)
+    out, lse = sparse_decode.sparse_attention(q, window, None, HEAD_DIM**-0.5)
     rows = kv_cache.read(cache, idx[:, 0], fmt, 64)
     assert torch.equal(out, rows[:, None, :].expand(T, H, HEAD_DIM))
     scores = (q.double() * rows[:, None, :].double()).sum(-1) * HEAD_DIM**-0.5
@@ -235,12 +238,12 @@ def test_cuda_graph_capture_replays_correctly():
     gen = torch.Generator(device=device).manual_seed(11)
     fmt, T, H = KVFormat.NVFP4, 4, 64
     cache = _random_cache(fmt, 64, 4096, device, gen)
-    idx, lens = _random_scope(T, 128, 4096, device, gen)
+    idx, lens = _random_lists(T, 128, 4096, device, gen)
     ecache = _random_cache(fmt, 16, 2048, device, gen)
-    eidx, elens = _random_scope(T, 512, 2048, device, gen)
+    extra = KVScope(ecache, fmt, 16, *_random_lists(T, 512, 2048, device, gen))
     q = torch.randn(T, H, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
     sink = torch.randn(H, generator=gen, device=device)
-    args = (q, cache, fmt, 64, idx, lens, sink, HEAD_DIM**-0.5, ecache, 16, eidx, elens)
+    args = (q, KVScope(cache, fmt, 64, idx, lens), sink, HEAD_DIM**-0.5, extra)
     sparse_decode.sparse_attention(*args)  # compile outside the capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

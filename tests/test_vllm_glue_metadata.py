@@ -14,11 +14,12 @@ from tests import vllm_glue_testing as vt
 
 pytest.importorskip("vllm")
 
+from dsv4_attn.kv_cache import KVFormat
 from dsv4_attn.vllm_glue import kv_spec
 from dsv4_attn.vllm_glue.metadata import (
     DSV4CompressedMetadataBuilder,
     DSV4SWAMetadataBuilder,
-    sparse_scopes,
+    layer_scopes,
 )
 
 
@@ -85,13 +86,13 @@ def test_swa_metadata_matches_brute_force(config, batch):
     md = swa_builder(config).build(0, batch.swa_cm)
     rows, lens = vt.brute_window(batch)
     assert md.swa_indices.dtype == torch.int32 and md.swa_lens.dtype == torch.int32
+    assert md.num_tokens == batch.num_tokens
     assert md.swa_indices.tolist() == rows
     assert md.swa_lens.tolist() == lens
     real = len(batch.positions())
     assert md.is_valid_token.tolist() == [True] * real + [False] * (batch.num_tokens - real)
-    assert md.positions[:real].tolist() == [p for _, p in batch.positions()]
-    assert md.positions[:real].tolist() == batch.swa_cm.positions[:real].tolist()
-    assert md.token_to_req_indices[:real].tolist() == [r for r, _ in batch.positions()]
+    assert md.token_req[:real].tolist() == [r for r, _ in batch.positions()]
+    assert md.token_to_req_indices is md.token_req
     assert md.slot_mapping is batch.swa_cm.slot_mapping and md.block_size == vt.SWA_BLOCK
 
     num_decodes = brute_split(batch, threshold=1)
@@ -100,34 +101,9 @@ def test_swa_metadata_matches_brute_force(config, batch):
         decode_tokens = batch.num_tokens  # vLLM counts padding rows with the decodes
     assert (md.num_decodes, md.num_prefills) == (num_decodes, len(batch.seq_lens) - num_decodes)
     assert md.num_decode_tokens == decode_tokens
-    assert md.decode_swa_indices[:, 0].tolist() == rows[:decode_tokens]
-    assert md.decode_swa_lens.tolist() == lens[:decode_tokens]
     assert md.num_prefill_tokens == batch.num_tokens - decode_tokens
     assert md.max_decode_query_len == min(max(batch.query_lens), 1)
     assert all(s is None for s in (md.tile_sched_swaonly, md.tile_sched_c4a, md.tile_sched_c128a))
-
-
-@pytest.mark.parametrize("batch", BATCHES)
-def test_prefill_gather_plan_matches_brute_force(config, batch):
-    md = swa_builder(config).build(0, batch.swa_cm)
-    first = brute_split(batch, threshold=1)
-    if first == len(batch.seq_lens):
-        assert md.num_prefills == 0 and md.prefill_gather_lens is None
-        return
-    seq, q = batch.seq_lens[first:], batch.query_lens[first:]
-    gather = [qq + min(s - qq, vt.WINDOW - 1) for s, qq in zip(seq, q, strict=True)]
-    assert md.prefill_gather_lens.tolist() == gather
-    assert md.prefill_seq_lens.tolist() == seq
-    assert md.prefill_seq_lens_cpu.tolist() == seq
-    assert md.prefill_query_lens_cpu.tolist() == q
-    rows, lens = vt.brute_window(batch)
-    start = sum(batch.query_lens[:first])
-    assert md.prefill_swa_indices[:, 0].tolist() == rows[start:]
-    assert md.prefill_swa_lens.tolist() == lens[start:]
-    # vLLM's chunk planner runs on these fields (CPU only) and covers every prefill request.
-    plan = md.get_prefill_chunk_plan(compress_ratio=4, prefill_chunk_size=4)
-    starts, ends = [c[0] for c in plan], [c[1] for c in plan]
-    assert starts == [0, *ends[:-1]] and ends[-1] == len(seq)
 
 
 @pytest.mark.parametrize("ratio", [4, 128])
@@ -135,13 +111,13 @@ def test_prefill_gather_plan_matches_brute_force(config, batch):
 def test_compressed_write_slots_match_brute_force(config, batch, ratio):
     builder = compressed_builder(config, ratio)
     md = builder.build(0, batch.cache_cm)
-    assert md.slot_mapping.tolist() == vt.brute_write_slots(batch, ratio)
-    # vLLM's compressor reads it inside captured graphs: one buffer, every step.
-    assert md.slot_mapping.data_ptr() == builder.write_slots.data_ptr()
+    write_slots = vt.brute_write_slots(batch, ratio)
+    assert md.slot_mapping.tolist() == write_slots
+    # The NVFP4 compressor stages the row of token t in staging row t.
+    assert md.staging_rows.tolist() == [t if s >= 0 else -1 for t, s in enumerate(write_slots)]
     assert (md.compress_ratio, md.rows_per_block, md.block_size) == (ratio, 256 // ratio, 256)
     real = len(batch.positions())
     assert md.req_id_per_token[:real].tolist() == [r for r, _ in batch.positions()]
-    assert md.positions[:real].tolist() == [p for _, p in batch.positions()]
     assert md.is_valid_token.tolist() == [True] * real + [False] * (batch.num_tokens - real)
     assert md.block_table is batch.cache_cm.block_table_tensor
     assert (md.num_reqs, md.num_actual_tokens) == (len(batch.seq_lens), batch.num_tokens)
@@ -150,11 +126,33 @@ def test_compressed_write_slots_match_brute_force(config, batch, ratio):
 
 @pytest.mark.parametrize("batch", BATCHES)
 def test_hca_visible_entries_match_brute_force(config, batch):
-    md = compressed_builder(config, 128).build(0, batch.cache_cm)
-    width = max(1, max(batch.seq_lens) // 128)
+    builder = compressed_builder(config, 128)
+    md = builder.build(0, batch.cache_cm)
+    width = md.hca_indices.shape[1]
+    if max(batch.query_lens) <= 1:  # decode-only: the full width, as a CUDA graph replays it
+        assert width == -(-vt.MAX_MODEL_LEN // 128)
+    else:
+        assert width == max(1, -(-max(batch.seq_lens) // 128))
     rows, lens = vt.brute_visible(batch, 128, width)
     assert md.hca_indices.tolist() == rows
     assert md.hca_lens.tolist() == lens
+
+
+def test_builders_fill_buffers_allocated_once(config):
+    """Every tensor the forward reads is a view of a buffer the builder allocated once, at the
+    same address every step (what a CUDA-graph replay reads), refilled for the new batch."""
+    gen = torch.Generator().manual_seed(7)
+    swa, hca = swa_builder(config), compressed_builder(config, 128)
+    first, second = (vt.make_batch(gen, [300, 5, 40], [1, 1, 1]) for _ in range(2))
+    md = [(swa.build(0, b.swa_cm), hca.build(0, b.cache_cm)) for b in (first, second)]
+    (swa1, hca1), (swa2, hca2) = md
+    for name in ("swa_indices", "swa_lens", "token_req", "is_valid_token"):
+        assert getattr(swa1, name).data_ptr() == getattr(swa2, name).data_ptr(), name
+    for name in ("slot_mapping", "staging_rows", "hca_indices", "hca_lens", "req_id_per_token"):
+        assert getattr(hca1, name).data_ptr() == getattr(hca2, name).data_ptr(), name
+    assert hca1.hca_indices.shape == hca2.hca_indices.shape  # decode-only: one fixed width
+    assert swa2.swa_indices.tolist() == vt.brute_window(second)[0]
+    assert hca2.hca_indices.tolist() == vt.brute_visible(second, 128, hca2.hca_indices.shape[1])[0]
 
 
 @pytest.mark.parametrize("batch", BATCHES)
@@ -163,30 +161,34 @@ def test_scopes_match_brute_force(config, batch):
     gen = torch.Generator().manual_seed(len(batch.positions()))
     swa = swa_builder(config).build(0, batch.swa_cm)
     window_rows, window_lens = vt.brute_window(batch)
+    T = batch.num_tokens
+    pages = torch.zeros(1, 1, dtype=torch.uint8)  # layer_scopes only carries the pages along
 
-    scopes = sparse_scopes(swa, None)
-    assert scopes.indices.tolist() == window_rows and scopes.extra_indices is None
+    window, extra = layer_scopes(swa, None, KVFormat.NVFP4, pages, None, T)
+    assert window.indices.tolist() == window_rows and extra is None
+    assert window.lens.tolist() == window_lens and window.block_size == vt.SWA_BLOCK
 
     csa = compressed_builder(config, 4).build(0, batch.cache_cm)
     local = vt.random_local_topk(gen, batch, vt.INDEX_TOPK)
-    scopes = sparse_scopes(swa, csa, local)
+    window, extra = layer_scopes(swa, csa, KVFormat.NVFP4, pages, pages, T, local_topk=local)
     rows, lens = vt.brute_local(batch, local)
-    assert scopes.indices.tolist() == window_rows and scopes.lens.tolist() == window_lens
-    assert scopes.extra_indices.tolist() == rows
-    assert scopes.extra_lens.tolist() == lens
+    assert window.indices.tolist() == window_rows and window.lens.tolist() == window_lens
+    assert extra.indices.tolist() == rows and extra.lens.tolist() == lens
+    assert extra.block_size == 256 // 4 and extra.fmt is KVFormat.NVFP4
 
     hca = compressed_builder(config, 128).build(0, batch.cache_cm)
-    scopes = sparse_scopes(swa, hca)
-    rows, lens = vt.brute_visible(batch, 128, max(1, max(batch.seq_lens) // 128))
-    assert scopes.extra_indices.tolist() == rows and scopes.extra_lens.tolist() == lens
+    window, extra = layer_scopes(swa, hca, KVFormat.NVFP4, pages, pages, T)
+    rows, lens = vt.brute_visible(batch, 128, hca.hca_indices.shape[1])
+    assert extra.indices.tolist() == rows and extra.lens.tolist() == lens
 
 
 def test_csa_scope_needs_the_indexer_picks(config):
     batch = vt.make_batch(torch.Generator().manual_seed(1), [10], [1])
     swa = swa_builder(config).build(0, batch.swa_cm)
     csa = compressed_builder(config, 4).build(0, batch.cache_cm)
+    pages = torch.zeros(1, 1, dtype=torch.uint8)
     with pytest.raises(ValueError, match="top-k"):
-        sparse_scopes(swa, csa, None)
+        layer_scopes(swa, csa, KVFormat.NVFP4, pages, pages, batch.num_tokens)
 
 
 def test_builders_declare_uniform_batch_cudagraphs(config):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -13,8 +11,10 @@ from dsv4_attn import kv_cache
 from dsv4_attn.kv_cache import KVFormat
 from dsv4_attn.testing import random_rows
 from dsv4_attn.vllm_glue.writers import (
-    CompressedRowStager,
+    insert_swa_rows,
     qnorm_rope,
+    staging_rows,
+    store_staged_rows,
 )
 
 FORMATS = list(KVFormat)
@@ -68,40 +68,36 @@ def test_qnorm_rope_matches_float64_reference():
     assert torch.equal(kv_out[:, :448], kv[:, :448])  # nope values pass through untouched
 
 
-@pytest.mark.parametrize("ratio", [4, 128])
-def test_stager_routes_each_completed_entry_to_its_slot(ratio):
-    """Tokens that complete an entry get staging rows in token order; flush writes each row to
-    that token's compressed slot, in NVFP4, and touches nothing else."""
-    gen = torch.Generator().manual_seed(ratio)
-    max_tokens, max_requests, rows_per_block, num_blocks = 64, 5, 256 // ratio, 12
-    stager = CompressedRowStager(max_tokens, max_requests, ratio, "cpu")
-    for step in range(3):
-        T = int(torch.randint(1, max_tokens + 1, (1,), generator=gen))
-        completed = min(T, stager.capacity, int(torch.randint(0, T + 1, (1,), generator=gen)))
-        write_slots = torch.full((T,), -1, dtype=torch.int64)
-        tokens = torch.randperm(T, generator=gen)[:completed]
-        write_slots[tokens] = torch.randperm(num_blocks * rows_per_block, generator=gen)[:completed]
-        rows, row_of_token = stager.stage(write_slots)
-        done = write_slots >= 0
-        assert row_of_token[done].tolist() == list(range(completed))
-        assert (row_of_token[~done] == -1).all()
-        # what vLLM's kernel does: each completing token's row at its staging slot
-        token_rows = random_rows(T, gen)
-        rows[row_of_token[done], 0] = token_rows[done]
-        expected = poisoned_cache(gen, num_blocks, rows_per_block, KVFormat.NVFP4)
-        cache = expected.clone()
-        kv_cache.write(expected, write_slots, token_rows, KVFormat.NVFP4, rows_per_block)
-        stager.flush(cache, KVFormat.NVFP4, rows_per_block)
-        assert torch.equal(cache, expected), f"step {step}"
+def test_insert_writes_roped_rows_at_their_slots_only():
+    """The CPU path of the NVFP4 SWA insert: q as qnorm_rope returns it, each token's roped row
+    encoded at its slot, every other byte (and rows past the slots: padding) untouched."""
+    gen = torch.Generator().manual_seed(5)
+    T, H, padded, block_size, num_blocks = 9, 4, 8, 16, 6
+    q = torch.randn(T, H, 512, generator=gen).to(torch.bfloat16)
+    kv = random_rows(T, gen)
+    positions = torch.randint(0, 100, (T,), generator=gen)
+    cos_sin = torch.randn(100, 64, generator=gen)
+    slots = random_slots(gen, T - 2, num_blocks * block_size, holes=0.3)  # 2 padding rows
+    cache = poisoned_cache(gen, num_blocks, block_size, KVFormat.NVFP4)
+    expected = cache.clone()
+    q_ref, kv_ref = qnorm_rope(q, kv, positions, cos_sin, 1e-6, padded)
+    kv_cache.write(expected, slots, kv_ref[: T - 2], KVFormat.NVFP4, block_size)
+    q_out = insert_swa_rows(q, kv, positions, cos_sin, 1e-6, padded, slots, cache, block_size)
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(cache, expected)
 
 
-def test_stager_capacity_bounds_completed_entries():
-    """No step can complete more entries than max_tokens // ratio + max_requests: a request of
-    q tokens completes at most ceil(q / ratio) <= q // ratio + 1."""
-    for ratio in (4, 128):
-        stager = CompressedRowStager(2048, 16, ratio, "cpu")
-        worst = max(
-            sum(math.ceil(q / ratio) for q in split)
-            for split in ([2048], [128] * 16, [ratio + 1] * 16, [1] * 16)
-        )
-        assert stager.capacity >= worst
+def test_staged_rows_go_to_their_slots_in_nvfp4():
+    """Token t's staged row goes to write_slots[t] (where there is one), in NVFP4; nothing else
+    changes. The staging buffer is one per device and size, shared."""
+    gen = torch.Generator().manual_seed(4)
+    rows_per_block, num_blocks, T = 64, 5, 40
+    rows = staging_rows(64, "cpu")
+    assert rows is staging_rows(64, "cpu") and rows.shape == (64, 1, 512)
+    rows[:T, 0] = random_rows(T, gen)
+    write_slots = random_slots(gen, T, num_blocks * rows_per_block, holes=0.7)
+    cache = poisoned_cache(gen, num_blocks, rows_per_block, KVFormat.NVFP4)
+    expected = cache.clone()
+    kv_cache.write(expected, write_slots, rows[:T, 0], KVFormat.NVFP4, rows_per_block)
+    store_staged_rows(rows, write_slots, cache, rows_per_block)
+    assert torch.equal(cache, expected)

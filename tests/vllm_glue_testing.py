@@ -20,6 +20,9 @@ import torch
 
 # vLLM resolves its platform on first use; without a GPU it must be told to use the CPU one.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+# The backend refuses to serve where its Hopper kernels cannot run, unless told to use its torch
+# fallback: these CPU tests do (explicitly; the refusal itself is tested in test_vllm_glue_support).
+os.environ.setdefault("DSV4_ATTN_ALLOW_FALLBACK", "1")
 
 # The tiny model's layers: one of each attention kind (SWA-only, CSA ratio 4, HCA ratio 128).
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -30,7 +33,9 @@ MAX_MODEL_LEN = 4096
 MAX_NUM_BATCHED_TOKENS = 2048
 SWA_BLOCK = 64
 CACHE_BLOCK = 256  # tokens per compressed-cache block
+BUILD_BLOCK = 16  # what cache_config.block_size holds while vLLM's CUDA worker builds the layers
 WINDOW = 128
+KV_CACHE_BYTES = 256 << 20  # what the tests give vLLM's KV-cache planner (CPU memory)
 
 
 def tiny_config_dict() -> dict:
@@ -147,7 +152,12 @@ class TinyModel:
 @functools.cache
 def tiny_model(kv_cache_dtype: str = "auto") -> TinyModel:
     """Build the layers with ``--attention-backend DSV4_NVFP4`` through vLLM's model hook, and
-    allocate their caches with vLLM's KV-cache planner and allocator."""
+    allocate their caches with vLLM's KV-cache planner and allocator.
+
+    In the order vLLM's CUDA worker uses (the CPU platform sets the block size earlier): the
+    layers are built while ``cache_config.block_size`` is still 16; it becomes 256 afterwards,
+    before the KV-cache specs are read and the caches bound.
+    """
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.models.deepseek_v4.nvidia import model as dsv4_model
@@ -164,11 +174,13 @@ def tiny_model(kv_cache_dtype: str = "auto") -> TinyModel:
     layers = {}
     with set_current_vllm_config(config), _cpu_events():
         attention_cls = dsv4_model._select_dsv4_attn_cls(config)
+        config.cache_config.block_size = BUILD_BLOCK
         for layer_id, ratio in enumerate(RATIOS):
             layer = attention_cls(config, prefix=f"model.layers.{layer_id}.attn",
                                   topk_indices_buffer=topk)  # fmt: skip
             assert layer.compress_ratio == ratio
             layers[ratio] = layer
+        config.cache_config.block_size = CACHE_BLOCK  # as update_block_size_for_backend does
         context = config.compilation_config.static_forward_context
         specs = {}
         for name, module in context.items():
@@ -181,7 +193,7 @@ def tiny_model(kv_cache_dtype: str = "auto") -> TinyModel:
         layout = resolve_kv_cache_layout(config, [[x.name for x in layouts]], specs.values())
         config.cache_config.kv_cache_layout = layout.name
         groups = get_global_kv_cache_groups(config, [specs])
-        (kv_cache_config,) = get_kv_cache_configs(config, [specs], [64 << 20], groups)
+        (kv_cache_config,) = get_kv_cache_configs(config, [specs], [KV_CACHE_BYTES], groups)
         caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
         for name, cache in caches.items():
             context[name].bind_kv_cache(cache)

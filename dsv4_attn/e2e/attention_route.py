@@ -44,6 +44,7 @@ import torch
 from dsv4_attn import kv_cache, ops
 from dsv4_attn.e2e.paged_rows import PagedRows
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+from dsv4_attn.scope import KVScope
 
 __all__ = [
     "KV_SIM_ATTENTION",
@@ -300,12 +301,13 @@ def _ops_attention(
     window = module.sliding_window
     window_rows, lens = _window_rows(positions, window)
     indices = state.window.slots(window_rows)
-    extra_args: tuple = (None, None, None, None)
+    extra = None
     extra_rows = None
     if state.compressed is not None:
         extra_rows, extra_lens = _extra_rows(state)
-        extra_args = (
+        extra = KVScope(
             state.compressed.cache,
+            route.fmt,
             state.compressed.block_size,
             state.compressed.slots(extra_rows),
             extra_lens,
@@ -323,19 +325,11 @@ def _ops_attention(
     q = query[0].transpose(0, 1)
     q = (q if route.q_dtype is None else q.to(route.q_dtype)).contiguous()
     sink = module.sinks.detach().to(torch.float32)
-    args = (
-        q,
-        state.window.cache,
-        route.fmt,
-        state.window.block_size,
-        indices,
-        lens,
-        sink,
-        float(scaling),
-        *extra_args,
-    )
+    window_scope = KVScope(state.window.cache, route.fmt, state.window.block_size, indices, lens)
     start = time.perf_counter()
-    out, _ = ops.sparse_attention(*args, backend=route.backend)
+    out, _ = ops.sparse_attention(
+        q, window_scope, sink, float(scaling), extra, backend=route.backend
+    )
     backend, reason = ops.last_dispatch()
     if reason is not None:
         route.stats.fallback_reasons[reason] += 1

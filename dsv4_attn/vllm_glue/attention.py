@@ -4,14 +4,18 @@
 indexer, the compressor and the output projection are vLLM's; this class supplies the parts a
 platform subclass owns (vLLM's ``forward_mqa`` contract):
 
-* :meth:`~DSV4NVFP4Attention.forward_mqa` fills ``output`` in place with
-  :func:`dsv4_attn.ops.sparse_attention` (CuTeDSL kernel where it covers the case, SDPA fallback
-  otherwise), every token with its own window and compressed entries (:mod:`.metadata`);
+* :meth:`~DSV4NVFP4Attention.forward_mqa` writes ``output`` in place with
+  :func:`dsv4_attn.ops.sparse_attention` (the CuTeDSL kernel on Hopper), every token with its own
+  window and compressed entries (:mod:`.metadata`); scratch comes from vLLM's workspace manager
+  and is reserved at its peak in the profiling run, so vLLM's memory profile counts it;
 * the KV-cache format from ``--kv-cache-dtype`` (:mod:`.kv_spec`): with NVFP4 it swaps in the NVFP4
   SWA spec and writers (:mod:`.writers`); with fp8 it keeps vLLM's fp8_ds_mla layout and writers;
 * head padding: only up to the next head count the kernel supports
   (``sparse_decode.SUPPORTED_HEAD_COUNTS``), none where it takes the count as it is;
 * ``_o_proj``: vLLM's DeepGEMM FP8 output projection, as vLLM's FlashMLA layer uses.
+
+Sizes that depend on the KV cache (rows per compressed page) are read from the bound cache: on
+CUDA, vLLM builds the layers while ``cache_config.block_size`` still holds a placeholder.
 
 vLLM builds this class when ``--attention-backend DSV4_NVFP4`` is set (:mod:`.model_hook`).
 """
@@ -28,7 +32,7 @@ from vllm.logger import init_logger
 from vllm.models.deepseek_v4.attention import DeepseekV4Attention
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from dsv4_attn import kv_cache, ops
+from dsv4_attn import ops
 from dsv4_attn.kv_cache import KVFormat
 from dsv4_attn.vllm_glue import BACKEND_NAME, kv_spec
 from dsv4_attn.vllm_glue.backend import DSV4NVFP4Backend, DSV4NVFP4SWABackend
@@ -36,39 +40,16 @@ from dsv4_attn.vllm_glue.metadata import (
     CSA_RATIO,
     DSV4CompressedMetadata,
     DSV4SWAMetadata,
-    sparse_scopes,
+    layer_scopes,
 )
-from dsv4_attn.vllm_glue.writers import (
-    CompressedRowStager,
-    DSV4NVFP4Compressor,
-    qnorm_rope,
-)
+from dsv4_attn.vllm_glue.support import check_serving_device, check_supported
+from dsv4_attn.vllm_glue.writers import DSV4NVFP4Compressor, insert_swa_rows, staging_rows
 
 __all__ = ["DSV4NVFP4Attention", "check_supported"]
 
 logger = init_logger(__name__)
 
-
-def check_supported(vllm_config: VllmConfig) -> None:
-    """Raise ValueError for a configuration this backend does not serve (at model build)."""
-    parallel = vllm_config.parallel_config
-    if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
-        raise ValueError(
-            f"--attention-backend {BACKEND_NAME} does not support decode or prefill context "
-            "parallelism; set both sizes to 1."
-        )
-    hf_config = vllm_config.model_config.hf_config
-    if getattr(hf_config, "vision_n_layers", 0) > 0:
-        raise ValueError(
-            f"--attention-backend {BACKEND_NAME} serves the text model only; this checkpoint "
-            "has vision layers, whose bidirectional image windows it does not implement."
-        )
-    spec = vllm_config.speculative_config
-    if spec is not None and spec.use_dspark():
-        raise ValueError(
-            f"--attention-backend {BACKEND_NAME} does not support DSpark speculation "
-            "(non-causal draft windows); MTP speculation works."
-        )
+Shapes = list[tuple[tuple[int, ...], torch.dtype]]
 
 
 def _padded_num_heads(num_heads: int) -> int:
@@ -82,6 +63,33 @@ def _padded_num_heads(num_heads: int) -> int:
         return num_heads
     counts = sorted(getattr(sparse_decode, "SUPPORTED_HEAD_COUNTS", ()))
     return next((c for c in counts if c >= num_heads), num_heads)
+
+
+def _scratch(shapes: Shapes, device: torch.device) -> list[torch.Tensor]:
+    """Views for one forward's scratch tensors, from vLLM's workspace manager where the worker
+    has one (a single buffer, sized by the profiling run), else freshly allocated."""
+    from vllm.v1.worker.workspace import (
+        current_workspace_manager,
+        is_workspace_manager_initialized,
+    )
+
+    if is_workspace_manager_initialized():
+        return current_workspace_manager().get_simultaneous(*shapes)
+    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+
+
+class _PageView:
+    """A cache's page view for :mod:`dsv4_attn.ops`, rebuilt only when vLLM binds a new tensor."""
+
+    def __init__(self) -> None:
+        self._of: torch.Tensor | None = None
+        self._view: torch.Tensor | None = None
+
+    def get(self, cache: torch.Tensor, fmt: KVFormat, rows_per_block: int) -> torch.Tensor:
+        if cache is not self._of or self._view is None:
+            self._view = kv_spec.paged_view(cache, fmt, rows_per_block)
+            self._of = cache
+        return self._view
 
 
 class DSV4NVFP4Attention(DeepseekV4Attention):
@@ -101,20 +109,25 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         # Known before the base __init__, which asks _uses_fp8_ds_mla_layout() for the layout.
         self.kv_format = kv_spec.resolve_kv_format(vllm_config.cache_config.cache_dtype)
         super().__init__(vllm_config, prefix, topk_indices_buffer, aux_stream_list)
-        self.compressed_rows_per_block = vllm_config.cache_config.block_size // max(
-            1, self.compress_ratio
-        )
+        self.cache_config = vllm_config.cache_config
+        self.device = torch.device(vllm_config.device_config.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        check_serving_device(self.device)
+        self.compressed_rows_per_block = 0  # set when vLLM binds the compressed cache
+        self._swa_pages = _PageView()
+        self._compressed_pages = _PageView()
         self._einsum_recipe: tuple[int, int, int] | None = None
         self._tma_aligned_scales = False
         if self.kv_format is KVFormat.NVFP4:
-            self._use_nvfp4_cache(vllm_config)
+            self._use_nvfp4_cache()
         logger.info_once(
             "DeepSeek-V4 attention runs through dsv4-attn (%s) with a %s KV cache.",
             BACKEND_NAME,
             self.kv_format.value,
         )
 
-    def _use_nvfp4_cache(self, vllm_config: VllmConfig) -> None:
+    def _use_nvfp4_cache(self) -> None:
         # The base class built the SWA cache layer and the compressor for plain bf16 rows (the
         # layout it picks when _uses_fp8_ds_mla_layout() is False); give them NVFP4 behaviour.
         self.kv_cache_dtype = kv_spec.NVFP4_CACHE_DTYPE_LABEL
@@ -123,13 +136,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         self.swa_cache_layer.dtype = torch.uint8
         if self.compressor is not None:
             self.compressor.__class__ = DSV4NVFP4Compressor
-            scheduler = vllm_config.scheduler_config
-            self.compressed_row_stager = CompressedRowStager(
-                scheduler.max_num_batched_tokens,
-                scheduler.max_num_seqs,
-                self.compress_ratio,
-                device=self.compressor.device,
-            )
+            self.staging_rows = staging_rows(self.max_num_batched_tokens, self.compressor.device)
 
     def _uses_fp8_ds_mla_layout(self) -> bool:
         return self.kv_format is KVFormat.FP8_DS_MLA
@@ -145,15 +152,24 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             vllm_config.cache_config.block_size, self.compress_ratio
         )
 
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        super().bind_kv_cache(kv_cache)
+        # [num_blocks, rows per block, row bytes]: a block holds block_size / ratio entries.
+        self.compressed_rows_per_block = self.kv_cache.shape[1] if self.kv_cache.dim() == 3 else 0
+
     def swa_pages(self) -> torch.Tensor:
         """The SWA cache as ``uint8 [num_blocks, page_bytes]`` pages of 64 tokens."""
         layer = self.swa_cache_layer
-        return kv_spec.paged_view(layer.kv_cache, self.kv_format, layer.block_size)
+        return self._swa_pages.get(layer.kv_cache, self.kv_format, layer.kv_cache.shape[1])
 
     def compressed_pages(self) -> torch.Tensor:
         """The compressed cache as ``uint8 [num_blocks, page_bytes]`` pages of
         :attr:`compressed_rows_per_block` entries."""
-        return kv_spec.paged_view(self.kv_cache, self.kv_format, self.compressed_rows_per_block)
+        if self.compressed_rows_per_block < 1:
+            raise RuntimeError(f"{self.prefix}: the compressed KV cache is not bound yet")
+        return self._compressed_pages.get(
+            self.kv_cache, self.kv_format, self.compressed_rows_per_block
+        )
 
     def _fused_qnorm_rope_kv_insert(
         self,
@@ -167,14 +183,71 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         if not isinstance(attn_metadata, dict):  # profile run: nothing to write
             return F.pad(q, (0, 0, 0, self.padded_heads - self.n_local_heads))
         swa = cast(DSV4SWAMetadata, attn_metadata[self.swa_cache_layer.prefix])
-        q_out, kv_out = qnorm_rope(
-            q, kv, positions, self.rotary_emb.cos_sin_cache, self.eps, self.padded_heads
-        )
-        n = min(swa.slot_mapping.shape[0], kv_out.shape[0])  # rows past the slots are padding
-        kv_cache.write_unchecked(
-            self.swa_pages(), swa.slot_mapping[:n], kv_out[:n], self.kv_format, swa.block_size
-        )
-        return q_out
+        return insert_swa_rows(
+            q, kv, positions, self.rotary_emb.cos_sin_cache, self.eps, self.padded_heads,
+            swa.slot_mapping, self.swa_pages(), swa.block_size,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------
+    # Attention
+    # ------------------------------------------------------------------------------------------
+
+    def _key_capacity(self, hca_width: int) -> int:
+        """The widest key list of this layer's tokens: window + compressed entries."""
+        if self.compress_ratio == CSA_RATIO:
+            assert self.topk_indices_buffer is not None
+            return self.window_size + self.topk_indices_buffer.shape[1]
+        if self.compress_ratio > 1:
+            return self.window_size + hca_width
+        return self.window_size
+
+    def _scratch_shapes(self, num_tokens: int, capacity: int, peak: bool = False) -> Shapes:
+        """Scratch of one forward of ``num_tokens`` tokens: a CSA layer's entry slots and
+        lengths, and the kernel's split-KV partials. ``peak``: the most any forward of at most
+        ``num_tokens`` tokens asks for (each piece at its own maximum)."""
+        shapes: Shapes = []
+        if self.compress_ratio == CSA_RATIO:
+            assert self.topk_indices_buffer is not None
+            topk = self.topk_indices_buffer.shape[1]
+            shapes += [((num_tokens, topk), torch.int32), ((num_tokens,), torch.int32)]
+        if self.device.type != "cuda":
+            return shapes  # the fallback takes no workspace
+        from dsv4_attn.kernels import sparse_decode
+
+        heads = self.padded_heads
+        if peak:
+            o_numel, lse_numel = sparse_decode.peak_workspace_numel(
+                num_tokens, heads, capacity, self.device
+            )
+            if o_numel:
+                shapes += [((o_numel,), torch.float32), ((lse_numel,), torch.float32)]
+            return shapes
+        split = sparse_decode.workspace_shapes(num_tokens, heads, capacity, self.device)
+        if split is not None:
+            shapes += [(split[0], torch.float32), (split[1], torch.float32)]
+        return shapes
+
+    def _reserve_scratch(self) -> None:
+        """Profiling run: ask the workspace manager for the peak, so vLLM counts it before it
+        sizes the KV cache (as vLLM's FlashMLA layer does for its prefill workspace)."""
+        max_hca_width = -(-self.max_model_len // max(1, self.compress_ratio))
+        capacity = self._key_capacity(max_hca_width)
+        shapes = self._scratch_shapes(self.max_num_batched_tokens, capacity, peak=True)
+        if shapes:
+            _scratch(shapes, self.device)
+        if self.device.type == "cuda":
+            self._compile_kernels()
+
+    def _compile_kernels(self) -> None:
+        """Compile (or load) this layer's decode-kernel variants now, outside any CUDA-graph
+        capture: loading a module while a graph is being captured is not allowed. (vLLM has set
+        the final block size by the profiling run.)"""
+        from dsv4_attn.kernels import sparse_decode
+
+        extra_rows = 0
+        if self.compress_ratio > 1:
+            extra_rows = self.cache_config.block_size // self.compress_ratio
+        sparse_decode.compile_variants(self.kv_format, self.swa_cache_layer.block_size, extra_rows)
 
     def forward_mqa(
         self,
@@ -186,48 +259,49 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         """Attention of ``q [T, padded_heads, 512]`` written into ``output`` (same shape), in place.
 
         ``kv`` and ``positions`` are unused: the KV rows are read from the caches the step's
-        writers filled, and positions come with the metadata.
+        writers filled, and positions come with the metadata. Rows of ``q`` past the step's
+        tokens (padding) get output 0.
         """
         attn_metadata = get_forward_context().attn_metadata
-        if attn_metadata is None:  # profile / warm-up run
+        if attn_metadata is None:  # profiling / warm-up run
+            self._reserve_scratch()
             output.zero_()
             return
         assert isinstance(attn_metadata, dict), type(attn_metadata)
         swa = cast(DSV4SWAMetadata, attn_metadata[self.swa_cache_layer.prefix])
         compressed = None
+        hca_width = 0
         if self.compress_ratio > 1:
             compressed = cast(DSV4CompressedMetadata, attn_metadata[self.prefix])
-        assert swa.swa_indices is not None
-        rows = swa.swa_indices.shape[0]  # the step's tokens, as the metadata counts them
-        local_topk = None
+            if compressed.hca_indices is not None:
+                hca_width = compressed.hca_indices.shape[1]
+        n = min(swa.num_tokens, q.shape[0])
+        scratch = _scratch(self._scratch_shapes(n, self._key_capacity(hca_width)), self.device)
+        entry_slots = None
         if self.compress_ratio == CSA_RATIO:
-            assert self.topk_indices_buffer is not None
-            local_topk = self.topk_indices_buffer[:rows]
-        scopes = sparse_scopes(swa, compressed, local_topk)
-        # q may carry more rows than the metadata (padding); those rows attend to nothing.
-        n = min(rows, q.shape[0])
-        extra: tuple[Any, ...] = (None, None, None, None)
-        if scopes.extra_indices is not None and scopes.extra_lens is not None:
-            extra = (
-                self.compressed_pages(),
-                self.compressed_rows_per_block,
-                scopes.extra_indices[:n],
-                scopes.extra_lens[:n],
-            )
-        out, _ = ops.sparse_attention(
-            q[:n],
-            self.swa_pages(),
+            entry_slots, scratch = (scratch[0], scratch[1]), scratch[2:]
+        window, extra = layer_scopes(
+            swa,
+            compressed,
             self.kv_format,
-            swa.block_size,
-            scopes.indices[:n],
-            scopes.lens[:n],
+            self.swa_pages(),
+            self.compressed_pages() if compressed is not None else None,
+            n,
+            local_topk=self.topk_indices_buffer,
+            entry_slots=entry_slots,
+        )
+        ops.sparse_attention(
+            q[:n],
+            window,
             self.attn_sink,
             self.scale,
-            *extra,
+            extra,
+            out=output[:n],
+            workspace=(scratch[0], scratch[1]) if scratch else None,
             check_values=False,
         )
-        output[:n].copy_(out)
-        output[n:].zero_()
+        if n < q.shape[0]:
+            output[n:].zero_()
 
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         from vllm.models.deepseek_v4.nvidia.ops.o_proj import (

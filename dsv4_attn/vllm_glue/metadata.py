@@ -1,7 +1,5 @@
-"""Per-step attention metadata of the DSV4_NVFP4 backend, built with vectorized torch ops.
+"""Per-step attention metadata of the DSV4_NVFP4 backend, in buffers allocated once.
 
-vLLM's own DeepSeek-V4 builders compute their fields with Triton kernels; these builders compute
-what this backend needs with plain torch ops, on CPU or CUDA, without a host synchronisation.
 Every token of the step (decode or prefill, spec-decode drafts included) gets its own candidate
 lists, so the attention (:mod:`dsv4_attn.ops`) treats all tokens alike.
 
@@ -12,18 +10,22 @@ rows_per_block] * rows_per_block + i % rows_per_block`` for the request's ``i``-
 none. A token is *valid* when it is a real token with a cache slot (vLLM pads steps with tokens
 whose ``slot_mapping`` is -1); invalid tokens get empty lists (length 0), hence output 0.
 
-* SWA cache group (rows = tokens, 64 per block) — :class:`DSV4SWAMetadataBuilder`: the window
-  ``max(0, pos - window + 1) .. pos`` as slots ``[T, window]`` and lengths, the prefill gather
-  plan, and the fields of vLLM's ``DeepseekSparseSWAMetadata`` that vLLM's own writers read.
+* SWA cache group (rows = tokens, 64 per block) — :class:`DSV4SWAMetadataBuilder`: each token's
+  request and validity, its window ``max(0, pos - window + 1) .. pos`` as slots ``[T, window]`` and
+  its length, and the fields of vLLM's ``DeepseekSparseSWAMetadata`` that vLLM's writers read.
 * compressed cache group (rows = compressed entries, ``256 / ratio`` per block) —
   :class:`DSV4CompressedMetadataBuilder`: the slot each token's compressed entry is written to
   (``slot_mapping``, read by vLLM's compressor), and for HCA (ratio 128) the slots of all visible
   entries ``i < (pos + 1) // ratio``. CSA (ratio 4) entries are the indexer's top-k, known only
-  during the forward: :func:`local_entry_slots` maps them to slots, -1 kept invalid.
+  during the forward: :func:`layer_scopes` maps them to slots, -1 kept invalid.
 
-:func:`sparse_scopes` assembles, per layer and step, the two candidate scopes that share one
-softmax with the attention sink (the sink merge inputs of :func:`dsv4_attn.ops.sparse_attention`):
-the window and the compressed entries, row-aligned with the step's query tokens.
+How: the torch constructions below (:func:`map_tokens`, :func:`window_slots`, ...) define every
+list; the builders fill their buffers with them on CPU and with one Triton kernel per group on
+CUDA (:mod:`dsv4_attn.fused.step_metadata`, tested equal to them), with no host synchronisation
+and no shape that depends on GPU values.
+
+:func:`layer_scopes` assembles, per layer and step, the two :class:`~dsv4_attn.scope.KVScope` that
+share one softmax with the attention sink, row-aligned with the step's query tokens.
 """
 
 from __future__ import annotations
@@ -44,19 +46,23 @@ from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWAMetadata
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from dsv4_attn.kv_cache import KVFormat
+from dsv4_attn.scope import KVScope
+
 __all__ = [
     "CSA_RATIO",
     "DSV4CompressedMetadata",
     "DSV4CompressedMetadataBuilder",
     "DSV4SWAMetadata",
     "DSV4SWAMetadataBuilder",
-    "SparseScopes",
     "TokenMap",
     "compressed_write_slots",
+    "fill_compressed",
+    "fill_entry_slots",
+    "fill_window",
+    "layer_scopes",
     "local_entry_slots",
     "map_tokens",
-    "prefill_gather_lens",
-    "sparse_scopes",
     "visible_entry_slots",
     "window_slots",
 ]
@@ -177,15 +183,101 @@ def compressed_write_slots(
     return _slots(block_table, tokens.req, entry, rows_per_block, use[:, None])[:, 0]
 
 
-def prefill_gather_lens(
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, first: int, window: int
-) -> torch.Tensor:
-    """int32 ``[R - first]``: tokens a prefill request ``r >= first`` gathers from its SWA cache,
-    ``query_len + min(prefix_len, window - 1)`` (the window of its first query token onwards)."""
-    qsl = query_start_loc.long()
-    query_len = qsl[first + 1 :] - qsl[first:-1]
-    prefix = seq_lens[first:].long() - query_len
-    return (query_len + prefix.clamp(max=window - 1)).int()
+# ----------------------------------------------------------------------------------------------
+# Filling persistent buffers (Triton on CUDA, the torch constructions above elsewhere)
+# ----------------------------------------------------------------------------------------------
+
+
+def fill_window(
+    cm: CommonAttentionMetadata,
+    block_size: int,
+    *,
+    token_req: torch.Tensor,
+    valid: torch.Tensor,
+    swa_indices: torch.Tensor,
+    swa_lens: torch.Tensor,
+) -> None:
+    """Write the SWA-group lists of ``T = swa_lens.shape[0]`` tokens into the given views."""
+    T, window = swa_indices.shape
+    if cm.block_table_tensor.is_cuda:
+        from dsv4_attn.fused.step_metadata import fill_window_metadata
+
+        fill_window_metadata(
+            cm.query_start_loc, cm.seq_lens, cm.slot_mapping, cm.block_table_tensor, block_size,
+            token_req=token_req, valid=valid, swa_indices=swa_indices, swa_lens=swa_lens,
+        )  # fmt: skip
+        return
+    tokens = map_tokens(cm.query_start_loc, cm.seq_lens, cm.slot_mapping, T)
+    slots, lens = window_slots(tokens, cm.block_table_tensor, block_size, window)
+    token_req.copy_(tokens.req)
+    valid.copy_(tokens.valid)
+    swa_indices.copy_(slots)
+    swa_lens.copy_(lens)
+
+
+def fill_compressed(
+    cm: CommonAttentionMetadata,
+    rows_per_block: int,
+    compress_ratio: int,
+    *,
+    token_req: torch.Tensor,
+    valid: torch.Tensor,
+    write_slots: torch.Tensor,
+    staging_rows: torch.Tensor,
+    visible_slots: torch.Tensor | None = None,
+    visible_lens: torch.Tensor | None = None,
+) -> None:
+    """Write a compressed group's lists of ``T = write_slots.shape[0]`` tokens into the views:
+    request, validity, compressed write slot, staging row (the token's own index where it
+    completes an entry, else -1) and, for HCA, the visible entries' slots."""
+    T = write_slots.shape[0]
+    block_table = cm.block_table_tensor
+    if block_table.is_cuda:
+        from dsv4_attn.fused.step_metadata import fill_compressed_metadata
+
+        fill_compressed_metadata(
+            cm.query_start_loc, cm.seq_lens, cm.slot_mapping, block_table, rows_per_block,
+            compress_ratio, token_req=token_req, valid=valid, write_slots=write_slots,
+            staging_rows=staging_rows, visible_slots=visible_slots, visible_lens=visible_lens,
+        )  # fmt: skip
+        return
+    tokens = map_tokens(cm.query_start_loc, cm.seq_lens, cm.slot_mapping, T)
+    slots = compressed_write_slots(tokens, block_table, rows_per_block, compress_ratio)
+    token_req.copy_(tokens.req)
+    valid.copy_(tokens.valid)
+    write_slots.copy_(slots)
+    staging_rows.copy_(torch.where(slots >= 0, torch.arange(T, device=slots.device), -1))
+    if visible_slots is not None and visible_lens is not None:
+        width = visible_slots.shape[1]
+        visible, count = visible_entry_slots(
+            tokens, block_table, rows_per_block, compress_ratio, width
+        )
+        visible_slots.copy_(visible)
+        visible_lens.copy_(count)
+
+
+def fill_entry_slots(
+    local_entries: torch.Tensor,
+    token_req: torch.Tensor,
+    valid: torch.Tensor,
+    block_table: torch.Tensor,
+    rows_per_block: int,
+    *,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+) -> None:
+    """Write the slots of a CSA layer's request-local entries (:func:`local_entry_slots`)."""
+    if local_entries.is_cuda:
+        from dsv4_attn.fused import step_metadata
+
+        step_metadata.fill_entry_slots(
+            local_entries, token_req, valid, block_table, rows_per_block, slots=slots, lens=lens
+        )
+        return
+    tokens = TokenMap(token_req.long(), torch.zeros_like(token_req, dtype=torch.int64), valid)
+    got_slots, got_lens = local_entry_slots(local_entries, tokens, block_table, rows_per_block)
+    slots.copy_(got_slots)
+    lens.copy_(got_lens)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,34 +287,44 @@ def prefill_gather_lens(
 
 @dataclass
 class DSV4SWAMetadata(DeepseekSparseSWAMetadata):
-    """vLLM's SWA metadata fields (vLLM's writers read ``slot_mapping`` and ``block_size``) plus
-    the per-token window of every token. ``tile_sched_*`` stay None: no FlashMLA planner."""
+    """vLLM's SWA metadata fields (vLLM's fp8 writer reads ``slot_mapping`` and ``block_size``)
+    plus the window of every token. ``tile_sched_*`` stay None: no FlashMLA planner.
 
-    positions: torch.Tensor | None = None  # int64 [T]
+    The tensors are views of the builder's buffers (CUDA graphs replay them in place); row ``t``
+    is the step's token ``t``, ``num_tokens`` rows in all.
+    """
+
+    num_tokens: int = 0
+    token_req: torch.Tensor | None = None  # int32 [T]
     swa_indices: torch.Tensor | None = None  # int32 [T, window]
     swa_lens: torch.Tensor | None = None  # int32 [T]
-    window_size: int = 0
 
 
 @dataclass
 class DSV4CompressedMetadata(DeepseekV4FlashMLAMetadata):
-    """vLLM's compressed-group metadata fields (vLLM's compressor reads ``slot_mapping``, here the
-    compressed write slots) plus this backend's. ``block_size`` counts tokens, as in vLLM."""
+    """vLLM's compressed-group metadata fields plus this backend's, as views of the builder's
+    buffers. ``slot_mapping`` holds the compressed write slots (read by vLLM's compressor);
+    ``block_size`` counts tokens, as in vLLM."""
 
     compress_ratio: int = 1
     rows_per_block: int = 0  # compressed entries per block
-    positions: torch.Tensor | None = None  # int64 [T]
     is_valid_token: torch.Tensor | None = None  # bool [T]
+    staging_rows: torch.Tensor | None = None  # int64 [T] token index or -1 (NVFP4 staging)
     hca_indices: torch.Tensor | None = None  # int32 [T, W], HCA only
     hca_lens: torch.Tensor | None = None  # int32 [T], HCA only
 
 
-class DSV4SWAMetadataBuilder(AttentionMetadataBuilder[DSV4SWAMetadata]):
-    """Builds :class:`DSV4SWAMetadata` for the SWA cache group.
+def _max_tokens(vllm_config: VllmConfig) -> int:
+    return vllm_config.scheduler_config.max_num_batched_tokens
 
-    CUDA graphs: ``UNIFORM_BATCH``, as vLLM's SWA builder. The fields read inside captured
-    regions (``slot_mapping``, ``block_table``) are vLLM's persistent buffers; the rest is read
-    by ``forward_mqa``, which runs in vLLM's eager break. Mixed-batch full graphs are not claimed.
+
+class DSV4SWAMetadataBuilder(AttentionMetadataBuilder[DSV4SWAMetadata]):
+    """Builds :class:`DSV4SWAMetadata` for the SWA cache group into buffers allocated once
+    (``max_num_batched_tokens`` rows).
+
+    CUDA graphs: ``UNIFORM_BATCH``. Everything the step reads lives in those buffers or in vLLM's
+    own persistent ones (``slot_mapping``, ``block_table``), and no shape depends on the batch's
+    contents, so uniform decode batches replay as full graphs; mixed batches run piecewise.
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
@@ -239,8 +341,13 @@ class DSV4SWAMetadataBuilder(AttentionMetadataBuilder[DSV4SWAMetadata]):
         self.block_size = kv_cache_spec.block_size
         self.window_size = vllm_config.model_config.hf_config.sliding_window
         self.decode_threshold = max_decode_query_len(vllm_config)
-        self.max_model_len = vllm_config.model_config.max_model_len
-        self.max_num_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        max_tokens = _max_tokens(vllm_config)
+        self.token_req = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self.valid = torch.zeros(max_tokens, dtype=torch.bool, device=device)
+        self.swa_indices = torch.full(
+            (max_tokens, self.window_size), -1, dtype=torch.int32, device=device
+        )
+        self.swa_lens = torch.zeros(max_tokens, dtype=torch.int32, device=device)
 
     def build(
         self,
@@ -250,30 +357,13 @@ class DSV4SWAMetadataBuilder(AttentionMetadataBuilder[DSV4SWAMetadata]):
     ) -> DSV4SWAMetadata:
         cm = common_attn_metadata
         T = cm.num_actual_tokens
-        tokens = map_tokens(cm.query_start_loc, cm.seq_lens, cm.slot_mapping, T)
-        swa_indices, swa_lens = window_slots(
-            tokens, cm.block_table_tensor, self.block_size, self.window_size
-        )
+        token_req, valid = self.token_req[:T], self.valid[:T]
+        swa_indices, swa_lens = self.swa_indices[:T], self.swa_lens[:T]
+        fill_window(cm, self.block_size, token_req=token_req, valid=valid,
+                    swa_indices=swa_indices, swa_lens=swa_lens)  # fmt: skip
         num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = (
             split_decodes_and_prefills(cm, decode_threshold=self.decode_threshold)
         )
-        prefill: dict[str, object] = {}
-        if num_prefills > 0:
-            assert cm.seq_lens_cpu_upper_bound is not None
-            qsl_cpu = cm.query_start_loc_cpu
-            prefill = dict(
-                prefill_swa_indices=swa_indices[num_decode_tokens:T, None, :],
-                prefill_swa_lens=swa_lens[num_decode_tokens:T],
-                prefill_seq_lens=cm.seq_lens[num_decodes:],
-                prefill_seq_lens_cpu=cm.seq_lens_cpu_upper_bound[num_decodes:],
-                prefill_gather_lens=prefill_gather_lens(
-                    cm.seq_lens, cm.query_start_loc, num_decodes, self.window_size
-                ),
-                prefill_query_lens_cpu=(qsl_cpu[num_decodes + 1 :] - qsl_cpu[num_decodes:-1]).int(),
-                prefill_window_size=self.window_size,
-                prefill_max_model_len=self.max_model_len,
-                prefill_max_num_batched_tokens=self.max_num_batched_tokens,
-            )
         return DSV4SWAMetadata(
             block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping,
@@ -281,29 +371,29 @@ class DSV4SWAMetadataBuilder(AttentionMetadataBuilder[DSV4SWAMetadata]):
             seq_lens=cm.seq_lens,
             query_start_loc=cm.query_start_loc,
             query_start_loc_cpu=cm.query_start_loc_cpu,
-            is_valid_token=tokens.valid,
-            token_to_req_indices=tokens.req.int(),
-            decode_swa_indices=swa_indices[:num_decode_tokens, None, :],
-            decode_swa_lens=swa_lens[:num_decode_tokens],
+            is_valid_token=valid,
+            token_to_req_indices=token_req,
             decode_swa_width=self.window_size,
             num_decodes=num_decodes,
             num_prefills=num_prefills,
             num_decode_tokens=num_decode_tokens,
             num_prefill_tokens=num_prefill_tokens,
             max_decode_query_len=min(cm.max_query_len, self.decode_threshold),
-            positions=tokens.pos,
+            num_tokens=T,
+            token_req=token_req,
             swa_indices=swa_indices,
             swa_lens=swa_lens,
-            window_size=self.window_size,
-            **prefill,  # type: ignore[arg-type]
         )
 
 
 class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetadata]):
-    """Builds :class:`DSV4CompressedMetadata` for a compressed cache group (one ratio).
+    """Builds :class:`DSV4CompressedMetadata` for a compressed cache group (one ratio) into
+    buffers allocated once.
 
-    CUDA graphs: ``UNIFORM_BATCH``. ``slot_mapping`` (read by the compressor inside captured
-    regions) lives in a buffer allocated once; the rest is read in the eager ``forward_mqa``.
+    The HCA lists are ``[T, W]`` views of a ``[max_num_batched_tokens, ceil(max_model_len /
+    ratio)]`` buffer: decode-only steps (the ones CUDA graphs capture) use the full width, so a
+    replay sees every entry of any context; steps with prefills use the width their longest
+    sequence needs. CUDA graphs: ``UNIFORM_BATCH``, as the SWA builder.
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
@@ -323,12 +413,24 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
         self.compress_ratio = ratio
         self.rows_per_block = kv_cache_spec.num_states
         self.topk_tokens = vllm_config.model_config.hf_config.index_topk
-        self.write_slots = torch.full(
-            (vllm_config.scheduler_config.max_num_batched_tokens,),
-            -1,
-            dtype=torch.int64,
-            device=device,
-        )
+        self.decode_threshold = max_decode_query_len(vllm_config)
+        max_tokens = _max_tokens(vllm_config)
+        self.token_req = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self.valid = torch.zeros(max_tokens, dtype=torch.bool, device=device)
+        self.write_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.staging_rows = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.hca_indices = self.hca_lens = None
+        if ratio != CSA_RATIO:
+            self.max_entries = -(-vllm_config.model_config.max_model_len // ratio)
+            self.hca_indices = torch.full(
+                (max_tokens, self.max_entries), -1, dtype=torch.int32, device=device
+            )
+            self.hca_lens = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+
+    def _hca_width(self, cm: CommonAttentionMetadata) -> int:
+        if cm.max_query_len <= self.decode_threshold:
+            return self.max_entries  # decode-only: may be captured, so the widest lists
+        return min(self.max_entries, max(1, -(-cm.max_seq_len // self.compress_ratio)))
 
     def build(
         self,
@@ -338,19 +440,17 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
     ) -> DSV4CompressedMetadata:
         cm = common_attn_metadata
         T = cm.num_actual_tokens
-        tokens = map_tokens(cm.query_start_loc, cm.seq_lens, cm.slot_mapping, T)
-        block_table = cm.block_table_tensor
-        self.write_slots.fill_(-1)
-        write_slots = self.write_slots[:T]
-        write_slots.copy_(
-            compressed_write_slots(tokens, block_table, self.rows_per_block, self.compress_ratio)
-        )
+        token_req, valid = self.token_req[:T], self.valid[:T]
+        write_slots, staging_rows = self.write_slots[:T], self.staging_rows[:T]
         hca_indices = hca_lens = None
-        if self.compress_ratio != CSA_RATIO:
-            width = max(1, cm.max_seq_len // self.compress_ratio)
-            hca_indices, hca_lens = visible_entry_slots(
-                tokens, block_table, self.rows_per_block, self.compress_ratio, width
-            )
+        if self.hca_indices is not None and self.hca_lens is not None:
+            hca_indices = self.hca_indices[:T, : self._hca_width(cm)]
+            hca_lens = self.hca_lens[:T]
+        fill_compressed(
+            cm, self.rows_per_block, self.compress_ratio, token_req=token_req, valid=valid,
+            write_slots=write_slots, staging_rows=staging_rows, visible_slots=hca_indices,
+            visible_lens=hca_lens,
+        )  # fmt: skip
         return DSV4CompressedMetadata(
             num_reqs=cm.num_reqs,
             max_query_len=cm.max_query_len,
@@ -358,14 +458,14 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
             num_actual_tokens=T,
             query_start_loc=cm.query_start_loc,
             slot_mapping=write_slots,
-            block_table=block_table,
-            req_id_per_token=tokens.req.int(),
+            block_table=cm.block_table_tensor,
+            req_id_per_token=token_req,
             block_size=self.kv_cache_spec.block_size,
             topk_tokens=self.topk_tokens,
             compress_ratio=self.compress_ratio,
             rows_per_block=self.rows_per_block,
-            positions=tokens.pos,
-            is_valid_token=tokens.valid,
+            is_valid_token=valid,
+            staging_rows=staging_rows,
             hca_indices=hca_indices,
             hca_lens=hca_lens,
         )
@@ -376,37 +476,51 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class SparseScopes:
-    """The candidate lists of one layer and step, rows aligned with the step's query tokens:
-    the window (SWA cache) and, for compressed layers, the compressed entries. Both join one
-    softmax with the attention sink in :func:`dsv4_attn.ops.sparse_attention`."""
-
-    indices: torch.Tensor  # int32 [T, window] SWA slots
-    lens: torch.Tensor  # int32 [T]
-    extra_indices: torch.Tensor | None = None  # int32 [T, K] compressed slots
-    extra_lens: torch.Tensor | None = None  # int32 [T]
-
-
-def sparse_scopes(
+def layer_scopes(
     swa: DSV4SWAMetadata,
     compressed: DSV4CompressedMetadata | None,
+    fmt: KVFormat,
+    swa_pages: torch.Tensor,
+    compressed_pages: torch.Tensor | None,
+    num_tokens: int,
     local_topk: torch.Tensor | None = None,
-) -> SparseScopes:
-    """Assemble a layer's scopes; ``compressed`` None for a SWA-only layer, ``local_topk`` the
-    indexer's ``[T, K]`` request-local entries for a CSA layer."""
+    entry_slots: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[KVScope, KVScope | None]:
+    """A layer's two candidate lists for its first ``num_tokens`` query tokens: the window (SWA
+    cache) and, for a compressed layer, its compressed entries; both join one softmax with the
+    attention sink in :func:`dsv4_attn.ops.sparse_attention`.
+
+    Args:
+        swa, compressed: the step's metadata (``compressed`` None for a SWA-only layer).
+        fmt: the caches' row format; swa_pages, compressed_pages: the layer's page views.
+        local_topk: a CSA layer's ``[>= num_tokens, K]`` request-local indexer picks.
+        entry_slots: ``(int32 [num_tokens, K], int32 [num_tokens])`` to write a CSA layer's
+            slots into (allocated when None).
+    """
     assert swa.swa_indices is not None and swa.swa_lens is not None
+    n = num_tokens
+    window = KVScope(swa_pages, fmt, swa.block_size, swa.swa_indices[:n], swa.swa_lens[:n])
     if compressed is None:
-        return SparseScopes(swa.swa_indices, swa.swa_lens)
+        return window, None
+    assert compressed_pages is not None
+    rows_per_block = compressed.rows_per_block
     if compressed.compress_ratio == CSA_RATIO:
         if local_topk is None:
             raise ValueError("a CSA layer needs the indexer's top-k entries (local_topk)")
-        tokens = TokenMap(
-            compressed.req_id_per_token.long(), compressed.positions, compressed.is_valid_token
-        )
-        slots, lens = local_entry_slots(
-            local_topk, tokens, compressed.block_table, compressed.rows_per_block
-        )
-        return SparseScopes(swa.swa_indices, swa.swa_lens, slots, lens)
+        local = local_topk[:n]
+        if entry_slots is None:
+            entry_slots = (
+                torch.empty_like(local, dtype=torch.int32),
+                torch.empty(n, dtype=torch.int32, device=local.device),
+            )
+        slots, lens = entry_slots
+        valid = compressed.is_valid_token
+        assert valid is not None
+        token_req = compressed.req_id_per_token[:n]
+        fill_entry_slots(local, token_req, valid[:n], compressed.block_table, rows_per_block,
+                         slots=slots, lens=lens)  # fmt: skip
+        return window, KVScope(compressed_pages, fmt, rows_per_block, slots, lens)
     assert compressed.hca_indices is not None and compressed.hca_lens is not None
-    return SparseScopes(swa.swa_indices, swa.swa_lens, compressed.hca_indices, compressed.hca_lens)
+    hca = KVScope(compressed_pages, fmt, rows_per_block, compressed.hca_indices[:n],
+                  compressed.hca_lens[:n])  # fmt: skip
+    return window, hca

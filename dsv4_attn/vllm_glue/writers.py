@@ -3,17 +3,19 @@
 vLLM's writers know fp8_ds_mla and plain bf16/fp8 rows only; with an NVFP4 cache this backend
 replaces them (with ``--kv-cache-dtype fp8*`` vLLM's writers stay in place):
 
-* SWA insert — vLLM's fused op does Q RMSNorm + RoPE and KV RoPE + quantize + paged insert.
-  :func:`qnorm_rope` does the RoPE/norm part in torch,
-  :func:`dsv4_attn.kv_cache.write_unchecked` the rest.
+* SWA insert (:func:`insert_swa_rows`) — what vLLM's fused op does for fp8_ds_mla: Q RMSNorm +
+  RoPE, and KV RoPE + quantize + paged insert. On CUDA one Triton kernel
+  (:mod:`dsv4_attn.fused.kv_writers`); elsewhere :func:`qnorm_rope` and
+  :func:`dsv4_attn.kv_cache.write_unchecked`.
 * Compressor output — vLLM's compressor kernel computes each compressed row (weighted
   compression of the saved states, RMSNorm, RoPE) and stores it. :class:`DSV4NVFP4Compressor`
-  lets it store plain bf16 rows into a staging buffer (:class:`CompressedRowStager`) and then
-  writes them to the layer's compressed cache in NVFP4.
+  lets it store plain bf16 rows into a staging buffer shared by all layers
+  (:func:`staging_rows`, one row per token), then :func:`store_staged_rows` encodes them into
+  the layer's compressed cache (one Triton kernel on CUDA).
 
 Both produce exactly :func:`dsv4_attn.kv_cache.encode_rows`' bytes, the format
-:mod:`dsv4_attn.kv_cache` documents. They run on CPU or CUDA with a fixed number of tensor ops of
-fixed shapes and no host synchronisation, so they can sit inside vLLM's captured CUDA graphs.
+:mod:`dsv4_attn.kv_cache` documents, with a fixed launch sequence of fixed shapes and no host
+synchronisation, so they can sit inside vLLM's captured CUDA graphs.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from dsv4_attn import kv_cache
 from dsv4_attn.kv_cache import HEAD_DIM, NOPE_DIM, ROPE_DIM, KVFormat
 
 __all__ = [
-    "CompressedRowStager",
     "DSV4NVFP4Compressor",
+    "insert_swa_rows",
     "qnorm_rope",
+    "staging_rows",
+    "store_staged_rows",
 ]
 
 
@@ -80,47 +84,66 @@ def qnorm_rope(
     return q_out, kv_out
 
 
-class CompressedRowStager:
-    """Staging buffer between vLLM's compressor kernel and an NVFP4 compressed cache.
+def insert_swa_rows(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    eps: float,
+    padded_heads: int,
+    slots: torch.Tensor,
+    cache: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """The NVFP4 SWA insert of a step: returns q normed, roped and head-padded
+    (``bf16 [T, padded_heads, 512]``) and writes each token's roped KV row, NVFP4-encoded, at
+    ``slots[t]`` of ``cache`` (page view, ``block_size`` rows per page; -1 = none).
 
-    In a step, token ``t`` completes a compressed entry when its compressed write slot
-    ``write_slots[t]`` (from the layer's metadata) is not -1; at most
-    ``max_tokens // compress_ratio + max_requests`` tokens do. :meth:`stage` gives each of them a
-    staging row, numbered in token order; the kernel writes bf16 rows there; :meth:`flush` encodes
-    the staged rows and writes them to their cache slots. Buffers are allocated once, so their
-    addresses stay fixed across steps (CUDA graphs).
+    CUDA: one fused Triton kernel (:func:`dsv4_attn.fused.kv_writers.qnorm_rope_nvfp4_insert`);
+    elsewhere :func:`qnorm_rope` and :func:`dsv4_attn.kv_cache.write_unchecked` (same bytes).
     """
+    if q.is_cuda:
+        from dsv4_attn.fused.kv_writers import qnorm_rope_nvfp4_insert
 
-    def __init__(
-        self, max_tokens: int, max_requests: int, compress_ratio: int, device: torch.device | str
-    ) -> None:
-        self.capacity = max_tokens // compress_ratio + max_requests
-        # One extra row: the sink for tokens that stage nothing (index_put needs a target).
-        self.rows = torch.zeros(self.capacity + 1, 1, HEAD_DIM, dtype=torch.bfloat16, device=device)
-        self.dest = torch.full((self.capacity + 1,), -1, dtype=torch.int64, device=device)
-        self.row_of_token = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
-
-    def stage(self, write_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Assign staging rows for this step's ``write_slots`` (``int [T]``, -1 = none).
-
-        Returns ``(rows, row_of_token)``: the ``bf16 [capacity + 1, 1, 512]`` buffer for the kernel
-        to write into, as a cache of one-row blocks, and ``int64 [T]`` its slot per token (-1 =
-        none), the kernel's ``kv_slot_mapping``.
-        """
-        valid = write_slots >= 0
-        rank = torch.cumsum(valid, dim=0) - 1
-        row_of_token = self.row_of_token[: write_slots.shape[0]]
-        row_of_token.copy_(torch.where(valid, rank, -1))
-        self.dest.fill_(-1)
-        sink = torch.full_like(rank, self.capacity)
-        self.dest.index_put_((torch.where(valid, rank, sink),), write_slots.long())
-        return self.rows, row_of_token
-
-    def flush(self, cache: torch.Tensor, fmt: KVFormat, block_size: int) -> None:
-        """Write the staged rows to ``cache`` (page view, ``block_size`` rows per page)."""
-        kv_cache.write_unchecked(
-            cache, self.dest[: self.capacity], self.rows[: self.capacity, 0], fmt, block_size
+        return qnorm_rope_nvfp4_insert(
+            q, kv, positions, cos_sin_cache, eps, padded_heads, slots, cache, block_size
         )
+    q_out, kv_out = qnorm_rope(q, kv, positions, cos_sin_cache, eps, padded_heads)
+    n = min(slots.shape[0], kv_out.shape[0])  # rows past the slots are padding
+    kv_cache.write_unchecked(cache, slots[:n], kv_out[:n], KVFormat.NVFP4, block_size)
+    return q_out
+
+
+_staging_buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def staging_rows(max_tokens: int, device: torch.device | str) -> torch.Tensor:
+    """The shared staging buffer between vLLM's compressor kernel and an NVFP4 compressed cache:
+    ``bf16 [max_tokens, 1, 512]``, row ``t`` for the step's token ``t`` (a cache of one-row
+    blocks, as the kernel addresses it). One per device and size, allocated when the first layer
+    is built (so vLLM's memory profile counts it) and shared by every layer: layers run one
+    after another, and each stores its staged rows before the next layer's compressor runs."""
+    device = torch.device(device)
+    key = (device, max_tokens)
+    rows = _staging_buffers.get(key)
+    if rows is None:
+        rows = torch.zeros(max_tokens, 1, HEAD_DIM, dtype=torch.bfloat16, device=device)
+        _staging_buffers[key] = rows
+    return rows
+
+
+def store_staged_rows(
+    rows: torch.Tensor, write_slots: torch.Tensor, cache: torch.Tensor, block_size: int
+) -> None:
+    """Encode staged row ``t`` (``rows [>= T, 1, 512]``) to NVFP4 and store it at
+    ``write_slots[t]`` (``int64 [T]``, -1 = none) of ``cache`` (page view)."""
+    if write_slots.is_cuda:
+        from dsv4_attn.fused import kv_writers
+
+        kv_writers.store_staged_rows(rows.view(-1, HEAD_DIM), write_slots, cache, block_size)
+        return
+    T = write_slots.shape[0]
+    kv_cache.write_unchecked(cache, write_slots, rows[:T, 0], KVFormat.NVFP4, block_size)
 
 
 @dataclass(frozen=True)
@@ -135,7 +158,8 @@ class DSV4NVFP4Compressor(DeepseekCompressor):
 
     Everything but the store is vLLM's: ``DeepseekCompressor.forward`` saves the partial states
     and calls :meth:`_compress_norm_rope_store`, where vLLM's kernel now writes plain bf16 rows
-    into the layer's :class:`CompressedRowStager` and the rows then go to the cache in NVFP4.
+    into the staging buffer (row = token, where the step's metadata says the token completes an
+    entry) and :func:`store_staged_rows` then writes them to the cache in NVFP4.
     A :class:`DSV4NVFP4Attention` layer turns its compressor into this class after building it.
     """
 
@@ -150,8 +174,8 @@ class DSV4NVFP4Compressor(DeepseekCompressor):
         pdl_kwargs: dict,
     ) -> None:
         layer = self._static_forward_context[self.k_cache_prefix]
-        stager: CompressedRowStager = layer.compressed_row_stager
-        rows, row_of_token = stager.stage(attn_metadata[self.k_cache_prefix].slot_mapping)
+        metadata = attn_metadata[self.k_cache_prefix]
+        rows = layer.staging_rows
         self._store_rows_kernel()(
             state_cache=state_cache,
             num_actual=state_metadata.slot_mapping.shape[0],
@@ -163,7 +187,7 @@ class DSV4NVFP4Compressor(DeepseekCompressor):
             state_width=state_width,
             cos_sin_cache=rotary_emb.cos_sin_cache,
             kv_cache=rows,
-            k_cache_metadata=_StagingSlots(row_of_token),
+            k_cache_metadata=_StagingSlots(metadata.staging_rows),
             pdl_kwargs=pdl_kwargs,
             head_dim=self.head_dim,
             rope_head_dim=self.rope_head_dim,
@@ -179,7 +203,9 @@ class DSV4NVFP4Compressor(DeepseekCompressor):
             store_full_fp8=False,
             fp8_scale=None,
         )
-        stager.flush(layer.compressed_pages(), KVFormat.NVFP4, layer.compressed_rows_per_block)
+        store_staged_rows(
+            rows, metadata.slot_mapping, layer.compressed_pages(), layer.compressed_rows_per_block
+        )
 
     @staticmethod
     def _store_rows_kernel() -> Any:

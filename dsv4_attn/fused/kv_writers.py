@@ -1,0 +1,173 @@
+"""Triton writers of an NVFP4 KV cache for vLLM's DeepSeek-V4 layers (one kernel each).
+
+* :func:`qnorm_rope_nvfp4_insert` — what vLLM's fused fp8_ds_mla insert does, for NVFP4: per-head
+  RMSNorm (no weight) + GPT-J RoPE of q into a head-padded output, and RoPE + NVFP4 encode +
+  paged store of each token's KV row at its SWA slot.
+* :func:`store_staged_rows` — NVFP4 encode + paged store of the compressed rows vLLM's compressor
+  kernel left, one per token, in a bf16 staging buffer.
+
+The math follows :func:`dsv4_attn.vllm_glue.writers.qnorm_rope` (float32, products and sums
+rounded one operation at a time: the kernels are compiled without FMA contraction, as torch
+evaluates them), so the KV bytes equal the torch path's; q agrees to rounding of the norm's sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_attn.fused.nvfp4 import bf16_rne, load_nope_pairs, store_nvfp4_row
+from dsv4_attn.kv_cache import HEAD_DIM, NOPE_DIM, ROPE_DIM
+
+__all__ = ["qnorm_rope_nvfp4_insert", "store_staged_rows"]
+
+_HEADS_PER_PROGRAM = 4
+_HALF_ROPE = ROPE_DIM // 2
+
+
+@triton.jit
+def _rotate(even, odd, cos, sin):
+    """GPT-J RoPE of pairs (even, odd) in float32: each product and difference rounded once."""
+    a = even * cos
+    b = odd * sin
+    c = even * sin
+    d = odd * cos
+    return a - b, c + d
+
+
+@triton.jit
+def _qnorm_rope_nvfp4_insert_kernel(
+    q_ptr, q_stride_t, q_stride_h,
+    kv_ptr, kv_stride_t,
+    q_out_ptr,
+    positions_ptr,
+    cos_sin_ptr, cos_sin_stride,
+    slots_ptr, num_slots,
+    cache_ptr, page_stride, block_size,
+    num_heads, padded_heads, eps,
+    HEADS: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    head_block = tl.program_id(1)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    pair = tl.arange(0, 32)
+    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + pair).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + 32 + pair).to(tl.float32)
+    rope_even_col = 448 + 2 * pair
+    if head_block * HEADS < padded_heads:
+        # q: heads head_block * HEADS ... (zeros for the padding heads >= num_heads)
+        head = head_block * HEADS + tl.arange(0, HEADS)
+        col = tl.arange(0, 512)
+        real = head < num_heads
+        src = q_ptr + t.to(tl.int64) * q_stride_t + head[:, None].to(tl.int64) * q_stride_h
+        x = tl.load(src + col[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / 512.0 + eps)
+        y = x * inv_rms[:, None]
+        dst = q_out_ptr + (t.to(tl.int64) * padded_heads + head[:, None]) * 512
+        keep = head[:, None] < padded_heads
+        tl.store(dst + col[None, :], bf16_rne(y), mask=keep & (col[None, :] < 448))
+        even = tl.load(src + rope_even_col[None, :], mask=real[:, None], other=0.0)
+        odd = tl.load(src + rope_even_col[None, :] + 1, mask=real[:, None], other=0.0)
+        even = even.to(tl.float32) * inv_rms[:, None]
+        odd = odd.to(tl.float32) * inv_rms[:, None]
+        r_even, r_odd = _rotate(even, odd, cos[None, :], sin[None, :])
+        tl.store(dst + rope_even_col[None, :], bf16_rne(r_even), mask=keep)
+        tl.store(dst + rope_even_col[None, :] + 1, bf16_rne(r_odd), mask=keep)
+    elif t < num_slots:
+        # KV: RoPE on the last 64 values, NVFP4 encode, store at the token's slot.
+        slot = tl.load(slots_ptr + t)
+        if slot >= 0:
+            row = kv_ptr + t.to(tl.int64) * kv_stride_t
+            even, odd = load_nope_pairs(row)
+            k_even = tl.load(row + rope_even_col).to(tl.float32)
+            k_odd = tl.load(row + rope_even_col + 1).to(tl.float32)
+            r_even, r_odd = _rotate(k_even, k_odd, cos, sin)
+            store_nvfp4_row(cache_ptr, page_stride, block_size, slot, even, odd,
+                            bf16_rne(r_even), bf16_rne(r_odd))  # fmt: skip
+
+
+def qnorm_rope_nvfp4_insert(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    eps: float,
+    padded_heads: int,
+    slots: torch.Tensor,
+    cache: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """Fused SWA insert of one step (CUDA). Returns the normed, roped q.
+
+    Args:
+        q: ``bf16 [T, H, 512]`` queries after ``wq_b`` (row- and head-strided is fine).
+        kv: ``bf16 [T, 512]`` KV rows after ``kv_norm``.
+        positions: ``int64 [T]``; cos_sin_cache: ``[max_position, 64]`` (cos | sin).
+        eps: RMSNorm epsilon; padded_heads: head count of the returned q (>= H, extra heads 0).
+        slots: ``int64`` SWA slot per token, -1 = write nothing; tokens past its end write
+            nothing either (vLLM may pad q past the slot mapping).
+        cache: ``uint8 [num_blocks, >= page_bytes]`` NVFP4 pages of ``block_size`` rows.
+
+    Returns:
+        ``bf16 [T, padded_heads, 512]``.
+    """
+    T, H, D = q.shape
+    if D != HEAD_DIM or kv.shape != (T, HEAD_DIM) or q.stride(2) != 1 or kv.stride(1) != 1:
+        raise ValueError(f"q must be [T, H, 512] and kv [T, 512], got {q.shape} and {kv.shape}")
+    q_out = torch.empty(T, padded_heads, HEAD_DIM, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return q_out
+    grid = (T, triton.cdiv(padded_heads, _HEADS_PER_PROGRAM) + 1)
+    _qnorm_rope_nvfp4_insert_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        kv, kv.stride(0),
+        q_out,
+        positions,
+        cos_sin_cache, cos_sin_cache.stride(0),
+        slots, slots.shape[0],
+        cache, cache.stride(0), block_size,
+        H, padded_heads, eps,
+        HEADS=_HEADS_PER_PROGRAM,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    return q_out
+
+
+@triton.jit
+def _store_staged_rows_kernel(
+    rows_ptr, rows_stride, write_slots_ptr, cache_ptr, page_stride, block_size
+):
+    t = tl.program_id(0)
+    slot = tl.load(write_slots_ptr + t)
+    if slot >= 0:
+        row = rows_ptr + t.to(tl.int64) * rows_stride
+        even, odd = load_nope_pairs(row)
+        pair = tl.arange(0, 32)
+        rope_even = tl.load(row + 448 + 2 * pair)
+        rope_odd = tl.load(row + 449 + 2 * pair)
+        store_nvfp4_row(cache_ptr, page_stride, block_size, slot, even, odd, rope_even, rope_odd)
+
+
+def store_staged_rows(
+    rows: torch.Tensor, write_slots: torch.Tensor, cache: torch.Tensor, block_size: int
+) -> None:
+    """Encode staged row ``t`` and store it at ``write_slots[t]`` for every ``t`` with a slot
+    (CUDA).
+
+    Args:
+        rows: ``bf16 [>= T, 512]`` one staged row per token (only rows with a slot are read).
+        write_slots: ``int64 [T]`` compressed-cache slot per token, -1 = none.
+        cache: ``uint8 [num_blocks, >= page_bytes]`` NVFP4 pages of ``block_size`` rows.
+    """
+    T = write_slots.shape[0]
+    if T == 0:
+        return
+    if rows.shape[0] < T or rows.shape[-1] != HEAD_DIM or rows.stride(-1) != 1:
+        raise ValueError(f"rows must be [>= {T}, 512], got {tuple(rows.shape)}")
+    _store_staged_rows_kernel[(T,)](
+        rows, rows.stride(0), write_slots, cache, cache.stride(0), block_size
+    )
+
+
+assert NOPE_DIM == 448 and _HALF_ROPE == 32  # the kernels spell these out as literals

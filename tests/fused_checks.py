@@ -1,0 +1,188 @@
+"""Checks of the Triton kernels of :mod:`dsv4_attn.fused` against the torch code they replace.
+
+Shared by two runs: ``tests/test_fused.py`` runs the ``test_*`` functions here in a child pytest
+with Triton's CPU interpreter on (``TRITON_INTERPRET=1`` must be set before Triton is imported,
+so it cannot be switched on inside the main test process), and calls the checks itself, compiled,
+on a GPU (``pytest -m gpu``). Expected: the cache bytes bit for bit (NVFP4's exact scale rule,
+RoPE rounded once per operation), the metadata lists entry for entry, q after RMSNorm within one
+bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from dsv4_attn import kv_cache
+from dsv4_attn.kv_cache import KVFormat
+from tests import vllm_glue_testing as vt
+
+# ----------------------------------------------------------------------------------------------
+# Checks (shared by the interpreted and the compiled runs)
+# ----------------------------------------------------------------------------------------------
+
+
+def _rows(gen: torch.Generator, n: int, kind: str) -> torch.Tensor:
+    x = torch.randn(n, 512, generator=gen)
+    if kind == "mixed":  # block magnitudes from 1e-8 to 1e8
+        magnitude = torch.logspace(-8, 8, 32)[torch.randint(0, 32, (n, 32), generator=gen)]
+        x = x * magnitude.repeat_interleave(16, 1)
+    elif kind == "edges":  # values on e2m1 midpoints once scaled, zero blocks
+        x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 64).repeat(n, 1)
+        x[:, 32:64] = 0
+        x = x * torch.where(torch.rand(n, 512, generator=gen) < 0.5, -1.0, 1.0)
+    elif kind == "zero":
+        x = torch.zeros(n, 512)
+    return x.to(torch.bfloat16)
+
+
+def _poisoned_cache(gen, num_blocks: int, block_size: int, device) -> torch.Tensor:
+    page = kv_cache.page_layout(KVFormat.NVFP4, block_size).page_bytes + 64  # padded stride
+    raw = torch.randint(0, 256, (num_blocks, page), generator=gen, dtype=torch.uint8)
+    return raw.to(device)[:, : page - 64]
+
+
+def _rope_table(positions: int) -> torch.Tensor:
+    inv = 1.0 / (10000.0 ** (torch.arange(32, dtype=torch.float32) / 32))
+    angle = torch.arange(positions, dtype=torch.float32)[:, None] * inv[None, :]
+    return torch.cat([angle.cos(), angle.sin()], dim=1)
+
+
+def check_staged_rows(fused, device, kind: str, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    T, block_size, num_blocks = 9, 16, 5
+    rows = _rows(gen, T, kind)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
+    slots[torch.rand(T, generator=gen) < 0.3] = -1
+    cache = _poisoned_cache(gen, num_blocks, block_size, device)
+    expected = cache.cpu().clone()
+    kv_cache.write(expected, slots, rows, KVFormat.NVFP4, block_size)
+    fused.kv_writers.store_staged_rows(rows.to(device), slots.to(device), cache, block_size)
+    assert torch.equal(cache.cpu(), expected)
+
+
+def check_insert(fused, device, heads: int, padded_heads: int, seed: int) -> None:
+    from dsv4_attn.vllm_glue.writers import qnorm_rope
+
+    gen = torch.Generator().manual_seed(seed)
+    T, block_size, num_blocks = 7, 16, 4
+    q = (torch.randn(T, heads, 512, generator=gen) * 3).to(torch.bfloat16)
+    kv = _rows(gen, T, "normal")
+    positions = torch.randint(0, 4096, (T,), generator=gen)
+    positions[0] = 0
+    cos_sin = _rope_table(4096)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[: T - 1]  # one row unslotted
+    slots[1] = -1
+    cache = _poisoned_cache(gen, num_blocks, block_size, device)
+    expected = cache.cpu().clone()
+    q_ref, kv_ref = qnorm_rope(q, kv, positions, cos_sin, 1e-6, padded_heads)
+    kv_cache.write(expected, slots, kv_ref[: T - 1], KVFormat.NVFP4, block_size)
+
+    def dev(t):
+        return t.to(device)
+
+    q_out = fused.kv_writers.qnorm_rope_nvfp4_insert(
+        dev(q), dev(kv), dev(positions), dev(cos_sin), 1e-6, padded_heads, dev(slots), cache,
+        block_size,
+    )  # fmt: skip
+    assert torch.equal(cache.cpu(), expected), "KV bytes differ from the torch path"
+    q_out = q_out.cpu()
+    assert q_out.shape == (T, padded_heads, 512)
+    assert (q_out[:, heads:] == 0).all()
+    # Within one bf16 rounding of the torch path (the norm's sum is reduced in another order).
+    torch.testing.assert_close(q_out.float(), q_ref.float(), rtol=2**-7, atol=1e-6)
+
+
+def check_metadata(fused, device, seed: int) -> None:
+    from dsv4_attn.vllm_glue import metadata as md
+
+    sm = fused.step_metadata
+    gen = torch.Generator().manual_seed(seed)
+    batch = vt.random_batch(gen)
+    T = batch.num_tokens
+
+    def on(t):
+        return t.to(device)
+
+    def out(*shape, dtype=torch.int32):
+        return torch.full(shape, 12345, dtype=dtype, device=device)  # poisoned
+
+    cm = batch.swa_cm
+    tokens = md.map_tokens(cm.query_start_loc, cm.seq_lens, cm.slot_mapping, T)
+    req, valid, idx, lens = out(T), out(T, dtype=torch.bool), out(T, vt.WINDOW), out(T)
+    sm.fill_window_metadata(on(cm.query_start_loc), on(cm.seq_lens), on(cm.slot_mapping),
+                            on(cm.block_table_tensor), vt.SWA_BLOCK, token_req=req, valid=valid,
+                            swa_indices=idx, swa_lens=lens)  # fmt: skip
+    want_idx, want_lens = md.window_slots(tokens, cm.block_table_tensor, vt.SWA_BLOCK, vt.WINDOW)
+    assert torch.equal(idx.cpu(), want_idx) and torch.equal(lens.cpu(), want_lens)
+    assert torch.equal(valid.cpu(), tokens.valid) and torch.equal(req.cpu().long(), tokens.req)
+
+    cm = batch.cache_cm
+    tokens = md.map_tokens(cm.query_start_loc, cm.seq_lens, cm.slot_mapping, T)
+    width = max(1, math.ceil(max(batch.seq_lens) / 128)) + 1
+    for ratio in (4, 128):
+        rows_per_block = vt.CACHE_BLOCK // ratio
+        write, staging = out(T, dtype=torch.int64), out(T, dtype=torch.int64)
+        visible = out(T, width) if ratio == 128 else None
+        visible_lens = out(T) if ratio == 128 else None
+        sm.fill_compressed_metadata(
+            on(cm.query_start_loc), on(cm.seq_lens), on(cm.slot_mapping),
+            on(cm.block_table_tensor), rows_per_block, ratio, token_req=req, valid=valid,
+            write_slots=write, staging_rows=staging, visible_slots=visible,
+            visible_lens=visible_lens,
+        )  # fmt: skip
+        want = md.compressed_write_slots(tokens, cm.block_table_tensor, rows_per_block, ratio)
+        assert torch.equal(write.cpu(), want)
+        assert torch.equal(staging.cpu(), torch.where(want >= 0, torch.arange(T), -1))
+        if ratio == 128:
+            want_slots, want_count = md.visible_entry_slots(
+                tokens, cm.block_table_tensor, rows_per_block, ratio, width
+            )
+            assert torch.equal(visible.cpu(), want_slots)
+            assert torch.equal(visible_lens.cpu(), want_count)
+
+    local = vt.random_local_topk(gen, batch, vt.INDEX_TOPK)
+    slots, entry_lens = out(T, vt.INDEX_TOPK), out(T)
+    sm.fill_entry_slots(on(local), on(tokens.req.int()), on(tokens.valid),
+                        on(cm.block_table_tensor), 64, slots=slots, lens=entry_lens)  # fmt: skip
+    want_slots, want_lens = md.local_entry_slots(local, tokens, cm.block_table_tensor, 64)
+    assert torch.equal(slots.cpu(), want_slots) and torch.equal(entry_lens.cpu(), want_lens)
+
+
+def _fused():
+    from types import SimpleNamespace
+
+    from dsv4_attn.fused import kv_writers, step_metadata
+
+    return SimpleNamespace(kv_writers=kv_writers, step_metadata=step_metadata)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: Triton's interpreter
+# ----------------------------------------------------------------------------------------------
+
+KINDS = ["normal", "mixed", "edges", "zero"]
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_on():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("run through tests/test_fused.py (needs TRITON_INTERPRET=1 from the start)")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_staged_rows_interpreted(kind):
+    check_staged_rows(_fused(), "cpu", kind, seed=KINDS.index(kind))
+
+
+@pytest.mark.parametrize(("heads", "padded"), [(6, 8), (8, 8)])
+def test_insert_interpreted(heads, padded):
+    check_insert(_fused(), "cpu", heads, padded, seed=heads)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_metadata_interpreted(seed):
+    check_metadata(_fused(), "cpu", seed)
