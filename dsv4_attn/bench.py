@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m dsv4_attn.bench {decode,prefill,fallback} [options]``.
+"""Benchmarks: ``python -m dsv4_attn.bench {decode,prefill,fallback,step} [options]``.
 
 Each subcommand lives in its own module with a ``main(argv)`` that prints a table and writes JSON.
 """
@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "decode": "dsv4_attn.bench_decode",
     "prefill": "dsv4_attn.bench_prefill",
     "fallback": "dsv4_attn.bench_fallback",
+    "step": "dsv4_attn.bench_step",
 }
 
 

@@ -35,21 +35,36 @@ KV_DTYPES = {"auto": KVFormat.NVFP4, "fp8": KVFormat.FP8_DS_MLA}
 def poison(model: vt.TinyModel, gen: torch.Generator) -> None:
     """Random bytes over the whole KV buffer (all layers' views share it)."""
     any_view = next(iter(model.kv_caches.values()))
-    raw = torch.empty(0, dtype=torch.uint8).set_(any_view.untyped_storage())
-    raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
+    raw = torch.empty(0, dtype=torch.uint8, device=any_view.device)
+    raw.set_(any_view.untyped_storage())
+    noise = torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8)
+    raw.copy_(noise.to(raw.device))
+
+
+class Builders:
+    """One pair of metadata builders for a layer (a model runner keeps its builders: their
+    buffers are what CUDA graphs replay)."""
+
+    def __init__(self, layer) -> None:
+        config = layer_config(layer)
+        spec = layer.swa_cache_layer.get_kv_cache_spec(config)
+        self.swa = DSV4SWAMetadataBuilder(spec, [], config, vt.device())
+        self.compressed = None
+        if layer.compress_ratio > 1:
+            spec = layer.get_kv_cache_spec(config)
+            self.compressed = DSV4CompressedMetadataBuilder(spec, [layer.prefix], config,
+                                                            vt.device())  # fmt: skip
+        self.layer = layer
+
+    def build(self, batch: vt.Batch) -> dict:
+        out = {self.layer.swa_cache_layer.prefix: self.swa.build(0, batch.swa_cm)}
+        if self.compressed is not None:
+            out[self.layer.prefix] = self.compressed.build(0, batch.cache_cm)
+        return out
 
 
 def build_metadata(layer, batch: vt.Batch) -> dict:
-    config = layer_config(layer)
-    swa = DSV4SWAMetadataBuilder(
-        layer.swa_cache_layer.get_kv_cache_spec(config), [], config, torch.device("cpu")
-    ).build(0, batch.swa_cm)
-    out = {layer.swa_cache_layer.prefix: swa}
-    if layer.compress_ratio > 1:
-        spec = layer.get_kv_cache_spec(config)
-        builder = DSV4CompressedMetadataBuilder(spec, [layer.prefix], config, torch.device("cpu"))
-        out[layer.prefix] = builder.build(0, batch.cache_cm)
-    return out
+    return Builders(layer).build(batch)
 
 
 def layer_config(layer):
@@ -66,41 +81,45 @@ def write_step_rows(layer, batch: vt.Batch, gen: torch.Generator) -> None:
     swa = [vt.slot(batch.swa_block_table, r, p, vt.SWA_BLOCK)
            for r, (s, q) in enumerate(zip(batch.seq_lens, batch.query_lens, strict=True))
            for p in range(max(0, s - q - vt.WINDOW + 1), s)]  # fmt: skip
-    kv_cache.write(layer.swa_pages(), torch.tensor(swa), random_rows(len(swa), gen), fmt, 64)
+    where = layer.swa_pages().device
+    rows = random_rows(len(swa), gen, where)
+    kv_cache.write(layer.swa_pages(), torch.tensor(swa, device=where), rows, fmt, 64)
     if layer.compress_ratio > 1:
         per_block = layer.compressed_rows_per_block
         entries = [vt.slot(batch.cache_block_table, r, i, per_block)
                    for r, s in enumerate(batch.seq_lens)
                    for i in range(s // layer.compress_ratio)]  # fmt: skip
         if entries:
-            rows = random_rows(len(entries), gen)
-            kv_cache.write(layer.compressed_pages(), torch.tensor(entries), rows, fmt, per_block)
+            rows = random_rows(len(entries), gen, where)
+            slots = torch.tensor(entries, device=where)
+            kv_cache.write(layer.compressed_pages(), slots, rows, fmt, per_block)
 
 
 def expected_output(layer, batch, q, local_topk) -> torch.Tensor:
     """float64 reference on rows read back from the caches at brute-force slots."""
     fmt, T = layer.kv_format, batch.num_tokens
+    where = layer.swa_pages().device
     win_slots, win_lens = vt.brute_window(batch)
-    win_slots = torch.tensor(win_slots)
+    win_slots = torch.tensor(win_slots, device=where)
     swa_rows = kv_cache.read(layer.swa_pages(), win_slots.flatten(), fmt, 64)
-    local = torch.arange(win_slots.numel()).view(win_slots.shape)
+    local = torch.arange(win_slots.numel(), device=where).view(win_slots.shape)
     extra = ()
     if layer.compress_ratio > 1:
         if layer.compress_ratio == 4:
-            slots, lens = vt.brute_local(batch, local_topk)
+            slots, lens = vt.brute_local(batch, local_topk.cpu())
         else:
             slots, lens = vt.brute_visible(batch, 128, max(1, max(batch.seq_lens) // 128))
-        slots = torch.tensor(slots)
+        slots = torch.tensor(slots, device=where)
         rows = kv_cache.read(
             layer.compressed_pages(), slots.flatten(), fmt, layer.compressed_rows_per_block
         )
-        idx = torch.arange(slots.numel()).view(slots.shape)
-        extra = (rows, torch.where(slots >= 0, idx, -1), torch.tensor(lens))
+        idx = torch.arange(slots.numel(), device=where).view(slots.shape)
+        extra = (rows, torch.where(slots >= 0, idx, -1), torch.tensor(lens, device=where))
     out, _ = reference.sparse_attention(
         q,
         swa_rows,
         torch.where(win_slots >= 0, local, -1),
-        torch.tensor(win_lens),
+        torch.tensor(win_lens, device=where),
         layer.attn_sink.detach(),
         layer.scale,
         *extra,
@@ -391,3 +410,46 @@ def test_query_rows_past_the_metadata_attend_to_nothing():
         layer.forward_mqa(q[:T], None, None, out)
     assert torch.equal(padded_out[:T], out) and (padded_out[T:] == 0).all()
     assert torch.isfinite(out.float()).all() and out.abs().amax() > 0
+
+
+@pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
+def test_sizes_come_from_the_bound_cache_not_the_build_time_block_size(kv_dtype):
+    """vLLM's CUDA worker builds the layers while cache_config.block_size is 16 and binds caches
+    of 256-token blocks later; vt.tiny_model follows that order."""
+    model = vt.tiny_model(kv_dtype)
+    fmt = KV_DTYPES[kv_dtype]
+    for ratio in (4, 128):
+        layer = model.layers[ratio]
+        assert layer.compressed_rows_per_block == vt.CACHE_BLOCK // ratio
+        assert layer.compressed_rows_per_block != vt.BUILD_BLOCK // ratio
+        page = kv_cache.page_layout(fmt, vt.CACHE_BLOCK // ratio).page_bytes
+        assert layer.compressed_pages().shape[1] == page
+
+
+def test_profiling_run_reserves_the_scratch_of_the_largest_step(monkeypatch):
+    """The profiling forward asks vLLM's workspace manager for the peak scratch; after vLLM locks
+    it, a step of max_num_batched_tokens tokens fits (a locked manager refuses to grow)."""
+    from vllm.v1.worker import workspace
+
+    # The manager frees the accelerator's cache when it grows; a CPU-only torch has none.
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+
+    model = vt.tiny_model("auto")
+    layer = model.layers[4]  # the CSA layer takes scratch on CPU (its entry slots)
+    workspace.init_workspace_manager(torch.device("cpu"))
+    try:
+        T = layer.max_num_batched_tokens
+        out = torch.empty(T, layer.padded_heads, 512, dtype=torch.bfloat16)
+        with set_forward_context(None, model.vllm_config):
+            layer.forward_mqa(out, None, None, out)
+        workspace.lock_workspace()
+        gen = torch.Generator().manual_seed(3)
+        batch = vt.make_batch(gen, [T], [T], num_blocks=300)
+        write_step_rows(layer, batch, gen)
+        model.topk_indices_buffer[:T] = vt.random_local_topk(gen, batch, vt.INDEX_TOPK)
+        q = torch.randn(T, layer.padded_heads, 512, generator=gen).to(torch.bfloat16)
+        with set_forward_context(build_metadata(layer, batch), model.vllm_config):
+            layer.forward_mqa(q, None, None, out)  # would raise if the scratch had to grow
+        assert torch.isfinite(out.float()).all()
+    finally:
+        workspace.reset_workspace_manager()

@@ -104,6 +104,11 @@ def engine_config(attention_backend: str | None = "DSV4_NVFP4", kv_cache_dtype: 
     return args.create_engine_config()
 
 
+def device() -> torch.device:
+    """Where the glue tests build layers: the CPU, or CUDA under ``VLLM_TARGET_DEVICE=cuda``."""
+    return torch.device("cuda" if os.environ["VLLM_TARGET_DEVICE"] == "cuda" else "cpu")
+
+
 @functools.cache
 def _distributed_ready() -> bool:
     from vllm.config import set_current_vllm_config
@@ -130,6 +135,9 @@ class _NoEvent:
 
 @contextmanager
 def _cpu_events() -> Iterator[None]:
+    if device().type == "cuda":
+        yield
+        return
     saved = torch.cuda.Event
     torch.cuda.Event = _NoEvent  # type: ignore[misc]
     try:
@@ -140,11 +148,11 @@ def _cpu_events() -> Iterator[None]:
 
 @dataclass
 class TinyModel:
-    """The tiny model's attention layers (one per ratio) on CPU, KV caches bound."""
+    """The tiny model's attention layers (one per ratio) on :func:`device`, KV caches bound."""
 
     vllm_config: object
     layers: dict[int, object]  # compress ratio -> DSV4NVFP4Attention
-    topk_indices_buffer: torch.Tensor  # int32 [MAX_NUM_BATCHED_TOKENS, INDEX_TOPK]
+    topk_indices_buffer: torch.Tensor  # int32 [max_num_batched_tokens, INDEX_TOPK]
     kv_caches: dict[str, torch.Tensor]  # layer name -> vLLM's [B, H, N, C] view
     kv_cache_config: object
 
@@ -161,6 +169,7 @@ def tiny_model(kv_cache_dtype: str = "auto") -> TinyModel:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.models.deepseek_v4.nvidia import model as dsv4_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
     from vllm.v1.attention.backends.utils import (
         get_supported_kv_cache_layouts,
         resolve_kv_cache_layout,
@@ -170,9 +179,19 @@ def tiny_model(kv_cache_dtype: str = "auto") -> TinyModel:
 
     _distributed_ready()
     config = engine_config("DSV4_NVFP4", kv_cache_dtype)
-    topk = torch.full((MAX_NUM_BATCHED_TOKENS, INDEX_TOPK), -1, dtype=torch.int32)
+    where = device()
+    # As DeepseekV4Model: one top-k buffer for every CSA layer, a row per schedulable token
+    # (vLLM's CPU platform raises max_num_batched_tokens on CPUs without AMX).
+    max_tokens = config.scheduler_config.max_num_batched_tokens
+    topk = torch.full((max_tokens, INDEX_TOPK), -1, dtype=torch.int32, device=where)
     layers = {}
-    with set_current_vllm_config(config), _cpu_events():
+    # As vLLM's model loader: parameters in the model dtype, on the worker's device.
+    with (
+        set_current_vllm_config(config),
+        _cpu_events(),
+        set_default_torch_dtype(torch.bfloat16),
+        torch.device(where),
+    ):
         attention_cls = dsv4_model._select_dsv4_attn_cls(config)
         config.cache_config.block_size = BUILD_BLOCK
         for layer_id, ratio in enumerate(RATIOS):
@@ -194,7 +213,7 @@ def tiny_model(kv_cache_dtype: str = "auto") -> TinyModel:
         config.cache_config.kv_cache_layout = layout.name
         groups = get_global_kv_cache_groups(config, [specs])
         (kv_cache_config,) = get_kv_cache_configs(config, [specs], [KV_CACHE_BYTES], groups)
-        caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+        caches = allocate_kv_cache(kv_cache_config, where, layout)
         for name, cache in caches.items():
             context[name].bind_kv_cache(cache)
     return TinyModel(config, layers, topk, caches, kv_cache_config)
@@ -262,10 +281,11 @@ def make_batch(
     query_lens: Sequence[int],
     padding: int = 0,
     num_blocks: int = 700,
+    on: torch.device | str = "cpu",
 ) -> Batch:
     """A batch with random block ids, distinct across both groups (they share vLLM's block
     pool, so one physical block holds either SWA or compressed pages); ``padding`` extra rows
-    have slot -1."""
+    have slot -1. The block tables and the metadata's device tensors live ``on`` that device."""
     num_tokens = sum(query_lens) + padding
     swa_width = max(-(-s // SWA_BLOCK) for s in seq_lens)
     cache_width = max(-(-s // CACHE_BLOCK) for s in seq_lens)
@@ -279,9 +299,23 @@ def make_batch(
         num_tokens,
         swa_bt,
         cache_bt,
-        _common_metadata(seq_lens, query_lens, num_tokens, swa_bt, SWA_BLOCK),
-        _common_metadata(seq_lens, query_lens, num_tokens, cache_bt, CACHE_BLOCK),
+        _on(_common_metadata(seq_lens, query_lens, num_tokens, swa_bt, SWA_BLOCK), on),
+        _on(_common_metadata(seq_lens, query_lens, num_tokens, cache_bt, CACHE_BLOCK), on),
     )
+
+
+def _on(cm, where: torch.device | str):
+    """``cm`` with its device fields moved (the ``*_cpu`` fields stay on the host)."""
+    if torch.device(where).type == "cpu":
+        return cm
+    import dataclasses
+
+    moved = {
+        name: getattr(cm, name).to(where)
+        for name in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping",
+                     "positions")
+    }  # fmt: skip
+    return dataclasses.replace(cm, **moved)
 
 
 def random_batch(gen: torch.Generator, max_seq: int = 1200, max_reqs: int = 6) -> Batch:

@@ -26,6 +26,7 @@ oracle drops from ~3e-2 to ~4e-3):
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,10 +34,12 @@ import torch
 
 __all__ = [
     "LAYER_TYPES",
+    "VLLM_SPEC",
     "TinySpec",
     "build_tiny_model",
     "load_or_build",
     "load_tiny_model",
+    "save_vllm_checkpoint",
     "tiny_config",
 ]
 
@@ -56,6 +59,8 @@ class TinySpec:
 
     ``num_heads`` is the query head count (8 keeps the CPU test fast; 64 is V4-Flash's count,
     the one the Hopper kernels are built for). ``seed`` seeds every random weight.
+    ``index_heads``: the Lightning Indexer's heads (16 for the harness: with fewer, exact ties at
+    the top-k cut appear; vLLM's DeepGEMM indexer kernel takes 32 or 64 only).
     """
 
     seed: int = 0
@@ -63,9 +68,11 @@ class TinySpec:
     vocab_size: int = 1024
     hidden_size: int = 256
     index_topk: int = 16
+    index_heads: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("seed", "num_heads", "vocab_size", "hidden_size", "index_topk"):
+        for name in ("seed", "num_heads", "vocab_size", "hidden_size", "index_topk",
+                     "index_heads"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -112,8 +119,7 @@ def tiny_config(spec: TinySpec):
         sliding_window=128,
         layer_types=list(LAYER_TYPES),
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
-        # 16 indexer heads: with fewer, exact ties at the top-k cut (all ReLUs zero) appear.
-        index_n_heads=16,
+        index_n_heads=spec.index_heads,
         index_head_dim=128,
         index_topk=spec.index_topk,
         n_routed_experts=4,
@@ -184,11 +190,9 @@ def load_or_build(path: str | Path | None, spec: TinySpec = TinySpec()):
     """Load the checkpoint at ``path`` if it holds ``spec``'s model, else build and save it.
 
     With ``path=None`` the model is built in memory only. The checkpoint is written with
-    ``save_pretrained`` (safetensors + config.json, weights under the original DeepSeek-V4
-    names), so ``vllm serve <path> --skip-tokenizer-init`` can be pointed at the same weights
-    (there is no tokenizer: prompts are token ids). vLLM 0.33's config loader reads it as
-    ``DeepseekV4ForCausalLM`` with MLA head size 512 (tested); a full serve has not been run.
-    Returns ``(model, loaded)`` where ``loaded`` says whether it came from disk.
+    ``save_pretrained`` (safetensors + config.json) for transformers; the one vLLM serves is
+    :func:`save_vllm_checkpoint`'s. Returns ``(model, loaded)`` where ``loaded`` says whether
+    it came from disk.
     """
     if path is None:
         return build_tiny_model(spec), False
@@ -201,3 +205,42 @@ def load_or_build(path: str | Path | None, spec: TinySpec = TinySpec()):
     model.save_pretrained(str(path))
     spec_file.write_text(json.dumps(asdict(spec), indent=1) + "\n")
     return model, False
+
+
+VLLM_SPEC = TinySpec(num_heads=64, index_heads=64)
+"""The tiny model ``vllm serve`` runs: V4-Flash's 64 query heads, 64 indexer heads (DeepGEMM)."""
+
+# transformers' save_pretrained names -> the names vLLM 0.33's DeepSeek-V4 loader expects.
+_VLLM_KEY_RENAMES = (
+    (re.compile(r"^model\.hc_head\.hc_"), "model.hc_head_"),
+    (re.compile(r"\.attn\.norm\.weight$"), ".attn.kv_norm.weight"),
+)
+
+
+def save_vllm_checkpoint(path: str | Path, spec: TinySpec = VLLM_SPEC) -> Path:
+    """Write the tiny model as a checkpoint ``vllm serve PATH --skip-tokenizer-init`` loads as
+    it is: bf16 safetensors under vLLM's weight names, and ``"topk_method": "noaux_tc"`` in
+    config.json (so vLLM creates the MoE gate's correction bias the checkpoint carries).
+
+    transformers cannot read this one back (other names); :func:`load_or_build` keeps its own.
+    Returns the directory.
+    """
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    build_tiny_model(spec).to(torch.bfloat16).save_pretrained(str(path))
+    weights_file = path / "model.safetensors"
+    weights = load_file(str(weights_file))
+    renamed = {}
+    for key, tensor in weights.items():
+        for pattern, replacement in _VLLM_KEY_RENAMES:
+            key = pattern.sub(replacement, key)
+        renamed[key] = tensor
+    save_file(renamed, str(weights_file), metadata={"format": "pt"})
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    config["topk_method"] = "noaux_tc"
+    config_file.write_text(json.dumps(config, indent=1) + "\n")
+    (path / _SPEC_FILE).write_text(json.dumps(asdict(spec), indent=1) + "\n")
+    return path

@@ -1,0 +1,292 @@
+"""A real ``vllm serve`` of the tiny DeepSeek-V4, queried and compared across attention backends.
+
+``scripts/gpu_serve.sh`` drives it on the GPU machine; the pieces are:
+
+* ``python -m dsv4_attn.e2e.serve_check checkpoint DIR`` — write the tiny 64-head checkpoint
+  vLLM loads as it is (:func:`dsv4_attn.e2e.tiny_model.save_vllm_checkpoint`);
+* ``python -m dsv4_attn.e2e.serve_check query --name N --port P --out FILE`` — wait for a running
+  server and send the fixed request set of :func:`request_plan` (greedy, token-id prompts, top-2
+  logprobs), phase by phase; save every response and the server's preemption and prefix-cache
+  counters;
+* ``python -m dsv4_attn.e2e.serve_check compare REF.json OTHER.json ... [--json FILE]`` — per
+  request, are the token ids those of the reference server? Where they first differ, the
+  reference's own top-1 minus top-2 logprob there says whether that step was a near-tie.
+
+The request set (fixed seed): prompts shorter than the 128-token window, longer than 128 and than
+512 (CSA top-k) tokens, and 1500 tokens (several HCA entries); three prompts sharing an
+1100-token prefix, sent one after another (prefix-cache hits); 16 concurrent requests; a timed
+throughput run (16 concurrent, 300-token prompts, 128 new tokens); and 160 concurrent 2550-token
+prompts, which overflow a KV budget of ``--num-gpu-blocks-override 2000`` blocks, so vLLM preempts
+and recomputes requests mid-decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as futures
+import json
+import random
+import re
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["NEAR_TIE", "Request", "compare", "main", "request_plan"]
+
+NEAR_TIE = 0.02
+"""A reference margin (top-1 minus top-2 logprob) below this is a near-tie: two correct
+implementations whose logits differ by up to 0.01 (bf16 attention outputs) may pick either."""
+
+VOCAB = 1024
+
+
+@dataclass(frozen=True)
+class Request:
+    key: str
+    phase: str  # single, prefix, concurrent, throughput, preemption
+    prompt: list[int]
+    max_tokens: int
+    logprobs: bool = True
+
+
+def request_plan(seed: int = 2026) -> list[Request]:
+    """The fixed request set, in the order and grouping it is sent."""
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+    plan = [Request(f"single_{n}", "single", ids(n), 32) for n in (8, 100, 200, 600, 1500)]
+    prefix = ids(1100)
+    plan += [Request(f"prefix_{i}", "prefix", prefix + ids(60), 32) for i in range(3)]
+    plan += [Request(f"concurrent_{i}", "concurrent", ids(300), 48) for i in range(16)]
+    plan += [Request(f"throughput_{i}", "throughput", ids(300), 128, False) for i in range(16)]
+    plan += [Request(f"preempt_{i}", "preemption", ids(2550), 24) for i in range(160)]
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------
+# Talking to the server
+# ----------------------------------------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, port: int, model: str) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+        self.model = model
+
+    def wait(self, seconds: float) -> float:
+        start = time.time()
+        while time.time() - start < seconds:
+            try:
+                urllib.request.urlopen(self.base + "/health", timeout=2).read()
+                return time.time() - start
+            except Exception:
+                time.sleep(2)
+        raise TimeoutError(f"server at {self.base} not up after {seconds:.0f} s")
+
+    def complete(self, request: Request) -> dict:
+        body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.max_tokens,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        if request.logprobs:
+            body.update({"logprobs": 2, "return_tokens_as_token_ids": True})
+        http = urllib.request.Request(
+            self.base + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        start = time.time()
+        with urllib.request.urlopen(http, timeout=600) as response:
+            reply = json.loads(response.read())
+        choice = reply["choices"][0]
+        result = {"token_ids": choice.get("token_ids"), "s": round(time.time() - start, 3)}
+        logprobs = choice.get("logprobs") or {}
+        if logprobs.get("top_logprobs"):
+            result["top2"] = [
+                sorted(d.values(), reverse=True)[:2] for d in logprobs["top_logprobs"]
+            ]
+        return result
+
+    def counters(self) -> dict[str, float]:
+        """vLLM's preemption and prefix-cache counters from /metrics (summed over labels)."""
+        text = urllib.request.urlopen(self.base + "/metrics", timeout=10).read().decode()
+        totals: dict[str, float] = {}
+        for line in text.splitlines():
+            match = re.match(r"^(vllm:[a-z_]*(?:preempt|prefix_cache)[a-z_]*)(?:\{.*\})? (\S+)$",
+                             line)  # fmt: skip
+            if match:
+                totals[match[1]] = totals.get(match[1], 0.0) + float(match[2])
+        return totals
+
+
+def query(server: Server, plan: list[Request]) -> dict:
+    """Send the plan phase by phase; concurrent phases all at once."""
+    record: dict = {"results": {}, "errors": {}, "phases": {}}
+    phases: dict[str, list[Request]] = {}
+    for request in plan:
+        phases.setdefault(request.phase, []).append(request)
+    for phase, requests in phases.items():
+        before = server.counters()
+        start = time.time()
+        if phase in ("single", "prefix"):
+            outcomes = [_attempt(server, r) for r in requests]
+        else:
+            with futures.ThreadPoolExecutor(len(requests)) as pool:
+                outcomes = list(pool.map(lambda r: _attempt(server, r), requests))
+        seconds = time.time() - start
+        after = server.counters()
+        new_tokens = 0
+        for request, (result, error) in zip(requests, outcomes, strict=True):
+            if error is not None:
+                record["errors"][request.key] = error
+            else:
+                record["results"][request.key] = result
+                new_tokens += len(result["token_ids"] or [])
+        record["phases"][phase] = {
+            "requests": len(requests),
+            "seconds": round(seconds, 3),
+            "new_tokens": new_tokens,
+            "tok_per_s": round(new_tokens / seconds, 1),
+            "counters": {k: after[k] - before.get(k, 0.0) for k in after},
+        }
+        print(f"{phase}: {len(requests)} requests, {seconds:.1f} s, "
+              f"{new_tokens / seconds:.0f} new tok/s, errors {len(record['errors'])}, "
+              f"counters {record['phases'][phase]['counters']}", flush=True)  # fmt: skip
+    return record
+
+
+def _attempt(server: Server, request: Request) -> tuple[dict | None, str | None]:
+    try:
+        return server.complete(request), None
+    except urllib.error.HTTPError as exc:
+        return None, f"HTTP {exc.code}: {exc.read()[:300]!r}"
+    except Exception as exc:
+        return None, repr(exc)[:300]
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparing servers
+# ----------------------------------------------------------------------------------------------
+
+
+def compare_one(ref: dict, other: dict) -> dict:
+    """Token identity of one request against the reference, and the margins where it differs."""
+    a, b = ref["token_ids"], other["token_ids"]
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if first is None and len(a) == len(b):
+        return {"identical": True, "steps": len(a)}
+    out: dict = {"identical": False, "steps": len(a), "first_difference": first}
+    if first is not None and "top2" in ref and first < len(ref["top2"]):
+        top = ref["top2"][first]
+        out["ref_margin"] = top[0] - top[1] if len(top) == 2 else None
+        out["near_tie"] = out["ref_margin"] is not None and out["ref_margin"] < NEAR_TIE
+    return out
+
+
+def compare(ref_record: dict, other_record: dict) -> dict:
+    """Per phase (the timing run aside): requests identical, differing first at a near-tie of
+    the reference, differing otherwise, missing from ``other_record``."""
+    summary: dict = {}
+    per_request = {}
+    for key, ref in ref_record["results"].items():
+        phase = key.rsplit("_", 1)[0]
+        if phase == "throughput":
+            continue  # a timing run, without logprobs; the concurrent phase checks tokens
+        phase = "preemption" if phase == "preempt" else phase
+        row = summary.setdefault(
+            phase, {"requests": 0, "identical": 0, "near_tie": 0, "different": 0, "missing": 0}
+        )
+        row["requests"] += 1
+        other = other_record["results"].get(key)
+        if other is None:
+            row["missing"] += 1
+            continue
+        result = compare_one(ref, other)
+        per_request[key] = result
+        if result["identical"]:
+            row["identical"] += 1
+        elif result.get("near_tie"):
+            row["near_tie"] += 1
+        else:
+            row["different"] += 1
+    return {"phases": summary, "requests": per_request}
+
+
+def _print_comparison(names: list[str], records: list[dict]) -> dict:
+    report = {"reference": names[0], "servers": {}}
+    ref = records[0]
+    for name, record in zip(names, records, strict=True):
+        entry = {
+            "throughput_tok_per_s": record["phases"].get("throughput", {}).get("tok_per_s"),
+            "errors": len(record["errors"]),
+            "preemptions": _counter(record, "preemption", "preempt"),
+            "prefix_cache_hits": _counter(record, "prefix", "prefix_cache_hits"),
+        }
+        if record is not ref:
+            entry["agreement"] = compare(ref, record)
+        report["servers"][name] = entry
+    print(f"reference: {names[0]}; near-tie: reference top-1 - top-2 logprob < {NEAR_TIE}")
+    print(f"{'server':>10} {'phase':>11} {'requests':>8} {'identical':>9} {'near-tie':>8} "
+          f"{'different':>9} {'missing':>7}")  # fmt: skip
+    for name, entry in report["servers"].items():
+        for phase, row in entry.get("agreement", {}).get("phases", {}).items():
+            print(f"{name:>10} {phase:>11} {row['requests']:>8} {row['identical']:>9} "
+                  f"{row['near_tie']:>8} {row['different']:>9} {row['missing']:>7}")  # fmt: skip
+    for name, entry in report["servers"].items():
+        print(f"{name:>10}: throughput {entry['throughput_tok_per_s']} tok/s, errors "
+              f"{entry['errors']}, preemptions {entry['preemptions']}, prefix-cache hits "
+              f"{entry['prefix_cache_hits']}")  # fmt: skip
+    return report
+
+
+def _counter(record: dict, phase: str, fragment: str) -> float | None:
+    counters = record["phases"].get(phase, {}).get("counters", {})
+    values = [v for k, v in counters.items() if fragment in k and "queries" not in k]
+    return sum(values) if values else None
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dsv4_attn.e2e.serve_check")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ckpt = sub.add_parser("checkpoint", help="write the tiny checkpoint vLLM serves")
+    ckpt.add_argument("directory")
+    q = sub.add_parser("query", help="send the request set to a running server")
+    q.add_argument("--name", required=True)
+    q.add_argument("--port", type=int, required=True)
+    q.add_argument("--model", required=True, help="the served model path (request 'model')")
+    q.add_argument("--wait", type=float, default=420)
+    q.add_argument("--out", required=True)
+    c = sub.add_parser("compare", help="compare servers' records with the first one")
+    c.add_argument("records", nargs="+")
+    c.add_argument("--json")
+    args = parser.parse_args(argv)
+    if args.command == "checkpoint":
+        from dsv4_attn.e2e.tiny_model import save_vllm_checkpoint
+
+        print(f"checkpoint: {save_vllm_checkpoint(args.directory)}")
+    elif args.command == "query":
+        server = Server(args.port, args.model)
+        waited = server.wait(args.wait)
+        print(f"{args.name}: up after {waited:.0f} s", flush=True)
+        record = {"name": args.name, **query(server, request_plan())}
+        Path(args.out).write_text(json.dumps(record))
+        if record["errors"]:
+            print(f"{args.name}: {len(record['errors'])} requests failed", file=sys.stderr)
+    else:
+        records = [json.loads(Path(p).read_text()) for p in args.records]
+        names = [r["name"] for r in records]
+        report = _print_comparison(names, records)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

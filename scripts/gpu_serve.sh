@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# A real `vllm serve` of the tiny 64-head DeepSeek-V4 on a Hopper GPU, with vLLM's own DeepSeek-V4
+# backend and with DSV4_NVFP4 (fp8 and NVFP4 caches), default flags (CUDA graphs, chunked prefill,
+# prefix caching), compared request by request; plus the GPU tests that need vLLM's CUDA build.
+#
+# Needs vLLM 0.33.0 with torch 2.14 and CUDA: on this project's GPU machine, the environment that
+# ../shared/device/serve/ unpacks (its README: pack.sh here, recv.sh per chunk there, finalize.sh),
+# which writes /tmp/dsv4_env.sh. Each part fits one 10-minute call; run them in this order:
+#
+#   bash scripts/gpu_serve.sh prepare   # this checkout over the packed project; the checkpoint
+#   bash scripts/gpu_serve.sh tests     # pytest -m gpu: fused kernels, the layer on CUDA (sync
+#                                       #   debug mode, CUDA-graph replay), the decode kernel
+#   bash scripts/gpu_serve.sh bench     # python -m dsv4_attn.bench step (one layer step, b = 64)
+#   bash scripts/gpu_serve.sh vllm      # serve + query: vLLM's backend (the reference)
+#   bash scripts/gpu_serve.sh fp8       # ... --attention-backend DSV4_NVFP4 --kv-cache-dtype fp8
+#   bash scripts/gpu_serve.sh nvfp4     # ... --attention-backend DSV4_NVFP4 (NVFP4: auto)
+#   bash scripts/gpu_serve.sh compare   # agreement table, tokens/s, preemptions, prefix hits
+#
+# Results (JSON, logs) go to $OUT (default ./bench_out). Servers use --num-gpu-blocks-override
+# 2000 (the same block count for every backend, small enough that the preemption phase of
+# dsv4_attn/e2e/serve_check.py overflows it) and --gpu-memory-utilization 0.5.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+[ -f /tmp/dsv4_env.sh ] || { echo "no /tmp/dsv4_env.sh: unpack ../shared/device/serve first" >&2; exit 2; }
+. /tmp/dsv4_env.sh
+SITE=/tmp/site
+CKPT=/tmp/dsv4_tiny_ckpt
+PART=${1:?usage: gpu_serve.sh prepare|tests|bench|vllm|fp8|nvfp4|compare}
+
+serve_round() {  # name port [vllm serve args...]
+  local name=$1 port=$2; shift 2
+  local args=("$CKPT" --port "$port" --skip-tokenizer-init --max-model-len 4096 --dtype bfloat16
+              --gpu-memory-utilization 0.5 --num-gpu-blocks-override 2000 --seed 0 "$@")
+  echo "vllm serve ${args[*]}" | tee "$OUT/serve_$name.cmd"
+  # flashinfer is not in the serve environment; vLLM's sampler imports it unless told not to
+  (cd /tmp && VLLM_USE_FLASHINFER_SAMPLER=0 setsid vllm serve "${args[@]}" \
+    > "$OUT/serve_$name.log" 2>&1 < /dev/null & echo $! > "/tmp/serve_$name.pid")
+  local start=$(date +%s)
+  python3 -m dsv4_attn.e2e.serve_check query --name "$name" --port "$port" --model "$CKPT" \
+    --wait 420 --out "$OUT/serve_$name.json" 2>&1 | tee "$OUT/query_$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "round $name: $(( $(date +%s) - start )) s, query exit $rc"
+  grep -E "Traceback|Error|error" "$OUT/serve_$name.log" | grep -v -i "warn" | head -8
+  grep -E "Capturing CUDA graphs|Graph capturing finished|GPU KV cache size|Maximum concurrency" \
+    "$OUT/serve_$name.log" | tail -5
+  kill -- -"$(cat /tmp/serve_$name.pid)" 2>/dev/null; sleep 3
+  kill -9 -- -"$(cat /tmp/serve_$name.pid)" 2>/dev/null
+  return "$rc"
+}
+
+case "$PART" in
+  prepare)
+    # vLLM's processes import the plugin from $SITE (its entry point is registered there).
+    rm -rf "$SITE/dsv4_attn" && cp -rL dsv4_attn "$SITE/dsv4_attn"
+    find "$SITE/dsv4_attn" -name __pycache__ -prune -exec rm -rf {} +
+    python3 -c "import dsv4_attn.kernels.sparse_decode, dsv4_attn.fused.kv_writers, vllm; \
+print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
+    python3 -m dsv4_attn.e2e.serve_check checkpoint "$CKPT"
+    ;;
+  tests)
+    VLLM_TARGET_DEVICE=cuda timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+      tests/test_fused.py tests/test_vllm_glue_gpu.py tests/test_sparse_decode.py \
+      -k "not test_kernel_matches_reference or H-64" 2>&1 | tee "$OUT/pytest_gpu_serve_env.log"
+    echo "pytest exit: ${PIPESTATUS[0]}"
+    ;;
+  bench)
+    timeout 560 python3 -m dsv4_attn.bench step --json "$OUT/bench_step.json" 2>&1 \
+      | tee "$OUT/bench_step.log"
+    ;;
+  vllm) serve_round vllm 8101 ;;
+  fp8) serve_round fp8 8102 --attention-backend DSV4_NVFP4 --kv-cache-dtype fp8 ;;
+  nvfp4) serve_round nvfp4 8103 --attention-backend DSV4_NVFP4 ;;
+  compare)
+    python3 -m dsv4_attn.e2e.serve_check compare "$OUT/serve_vllm.json" "$OUT/serve_fp8.json" \
+      "$OUT/serve_nvfp4.json" --json "$OUT/serve_compare.json"
+    ;;
+  *) echo "unknown part $PART" >&2; exit 2 ;;
+esac

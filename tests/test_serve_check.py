@@ -1,0 +1,40 @@
+"""The request set and the comparison of scripts/gpu_serve.sh (the serving itself runs on GPU)."""
+
+from __future__ import annotations
+
+from dsv4_attn.e2e import serve_check
+from dsv4_attn.e2e.serve_check import NEAR_TIE, compare, compare_one, request_plan
+
+
+def test_plan_covers_every_case_the_serving_check_needs():
+    plan = request_plan()
+    assert plan == request_plan()  # fixed
+    lengths = {r.key: len(r.prompt) for r in plan}
+    assert lengths["single_8"] < 128 < lengths["single_200"] and lengths["single_600"] > 512
+    prefix = [r.prompt for r in plan if r.phase == "prefix"]
+    assert len(prefix) == 3 and all(p[:1100] == prefix[0][:1100] for p in prefix)
+    assert len({tuple(p[1100:]) for p in prefix}) == 3
+    assert sum(r.phase == "concurrent" for r in plan) == 16
+    assert all(not r.logprobs for r in plan if r.phase == "throughput")
+    preempt = [r for r in plan if r.phase == "preemption"]
+    assert len(preempt) == 160 and all(len(r.prompt) + r.max_tokens < 4096 for r in preempt)
+    assert all(0 < t < serve_check.VOCAB for r in plan for t in r.prompt)
+
+
+def test_compare_classifies_by_the_reference_margin():
+    ref = {
+        "token_ids": [5, 6, 7, 8],
+        "top2": [[-0.1, -3.0], [-0.5, -0.505], [-0.2, -2.0], [-1, -2]],
+    }
+    assert compare_one(ref, {"token_ids": [5, 6, 7, 8]}) == {"identical": True, "steps": 4}
+    tie = compare_one(ref, {"token_ids": [5, 9, 7, 8]})
+    assert tie["first_difference"] == 1 and tie["near_tie"] and tie["ref_margin"] < NEAR_TIE
+    real = compare_one(ref, {"token_ids": [4, 6, 7, 8]})
+    assert real["first_difference"] == 0 and not real["near_tie"]
+    records = {"results": {"single_8": ref, "prefix_0": ref, "preempt_3": ref, "throughput_1": ref}}
+    other = {"results": {"single_8": {"token_ids": [5, 9, 7, 8]}, "prefix_0": ref}}
+    phases = compare(records, other)["phases"]
+    assert phases["single"] == {"requests": 1, "identical": 0, "near_tie": 1, "different": 0,
+                                "missing": 0}  # fmt: skip
+    assert phases["prefix"]["identical"] == 1 and phases["preemption"]["missing"] == 1
+    assert "throughput" not in phases

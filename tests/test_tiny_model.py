@@ -1,0 +1,84 @@
+"""The tiny checkpoint ``vllm serve`` runs loads through vLLM 0.33's own DeepSeek-V4 weight
+loader, as written (names, MoE gate bias, 64 indexer heads)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import vllm_glue_testing as vt
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from safetensors.torch import load_file
+
+from dsv4_attn.e2e.tiny_model import VLLM_SPEC, TinySpec, save_vllm_checkpoint
+
+# The served spec with 8 query heads: the same layers and names, quicker to build on a CPU.
+SPEC = TinySpec(num_heads=8, index_heads=VLLM_SPEC.index_heads)
+
+
+@functools.cache
+def checkpoint() -> str:
+    return str(save_vllm_checkpoint(tempfile.mkdtemp(prefix="dsv4_vllm_ckpt_"), SPEC))
+
+
+@functools.cache
+def vllm_model():
+    """vLLM's DeepseekV4ForCausalLM created and filled by vLLM's default model loader from the
+    checkpoint (CPU). ``load_weights`` is the loader's: the model's own name mapping and loading,
+    then the check that every parameter came from the checkpoint. (The platform's repacking for
+    its kernels afterwards needs vLLM's compiled CPU ops and is not about the checkpoint.)"""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    vt._distributed_ready()
+    args = EngineArgs(model=checkpoint(), skip_tokenizer_init=True, enforce_eager=True,
+                      max_model_len=vt.MAX_MODEL_LEN, max_num_seqs=4)  # fmt: skip
+    config = args.create_engine_config()
+    loader = get_model_loader(config.load_config)
+    with (
+        set_current_vllm_config(config),
+        vt._cpu_events(),
+        set_default_torch_dtype(config.model_config.dtype),
+    ):
+        model = loader.create_model(vllm_config=config, model_config=config.model_config)
+        loader.load_weights(model, config.model_config)
+    return model
+
+
+def test_served_spec_is_v4_flash_shaped():
+    assert (VLLM_SPEC.num_heads, VLLM_SPEC.index_heads) == (64, 64)
+
+
+def test_config_carries_what_vllm_needs():
+    config = json.loads(Path(checkpoint(), "config.json").read_text())
+    assert config["topk_method"] == "noaux_tc"
+    assert config["index_n_heads"] == 64 and config["architectures"] == ["DeepseekV4ForCausalLM"]
+
+
+def test_vllm_loader_takes_every_weight():
+    """vLLM's loader refuses names it does not know and parameters the checkpoint misses; the
+    tensors it loaded are the checkpoint's."""
+    model = vllm_model()
+    weights = load_file(f"{checkpoint()}/model.safetensors")
+    params = dict(model.named_parameters())
+    checks = {
+        "model.embed_tokens.weight": "model.embed_tokens.weight",
+        "head.weight": "lm_head.weight",
+        "model.hc_head_base": "model.hc_head_base",
+        "model.layers.0.attn.kv_norm.weight": "model.layers.0.attn.kv_norm.weight",
+        "model.layers.0.ffn.gate.bias": "model.layers.0.ffn.gate.e_score_correction_bias",
+    }
+    for ckpt_name, param_name in checks.items():
+        assert ckpt_name in weights, sorted(weights)[:20]
+        assert param_name in params, f"{param_name} not in vLLM's model"
+        torch.testing.assert_close(params[param_name].float(), weights[ckpt_name].float())

@@ -1,0 +1,267 @@
+"""DSV4NVFP4Attention on a Hopper GPU with vLLM's own CUDA code paths (``pytest -m gpu``).
+
+Needs vLLM 0.33 with its CUDA kernels and ``VLLM_TARGET_DEVICE=cuda`` (the serve environment of
+the GPU machine: ``scripts/gpu_serve.sh`` runs these first). The layers are built in the order
+vLLM's CUDA worker uses (block size 16 at build, 256 at bind; see ``vt.tiny_model``), their caches
+laid out by vLLM's planner on the GPU, and vLLM's workspace manager sized by the profiling run and
+locked, as in a server. Per layer kind and cache format:
+
+* a whole step of this backend — metadata builders, the SWA insert (this package's Triton kernel
+  for NVFP4, vLLM's fused CUDA op for fp8), the NVFP4 compressor store, the attention — runs
+  under ``torch.cuda.set_sync_debug_mode("error")`` (any device-to-host synchronisation raises),
+  and its output matches the float64 reference on the rows the caches hold;
+* a decode step captured in a ``torch.cuda.CUDAGraph``, then replayed after the metadata was
+  rebuilt for a different batch of the same size, equals the eager step bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests import vllm_glue_testing as vt
+
+pytestmark = pytest.mark.gpu
+
+KV_DTYPES = ("auto", "fp8")
+
+
+def _needs_cuda_vllm() -> None:
+    if not torch.cuda.is_available() or os.environ.get("VLLM_TARGET_DEVICE") != "cuda":
+        pytest.skip("needs CUDA and VLLM_TARGET_DEVICE=cuda (vLLM's CUDA build)")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+
+
+@pytest.fixture(scope="module")
+def workspace():
+    """vLLM's workspace manager on the GPU, as the worker creates it."""
+    _needs_cuda_vllm()
+    from vllm.v1.worker import workspace as ws
+
+    ws.init_workspace_manager(torch.device("cuda", torch.cuda.current_device()))
+    yield ws
+    ws.reset_workspace_manager()
+
+
+@pytest.fixture(scope="module")
+def profiled(workspace):
+    """Every layer's profiling forward ran (scratch reserved, kernels compiled), then the
+    workspace was locked: a later request beyond the reservation raises."""
+    from vllm.forward_context import set_forward_context
+
+    for kv_dtype in KV_DTYPES:
+        model = vt.tiny_model(kv_dtype)
+        for layer in model.layers.values():
+            T = layer.max_num_batched_tokens
+            out = torch.empty(T, layer.padded_heads, 512, dtype=torch.bfloat16, device="cuda")
+            with set_forward_context(None, model.vllm_config):
+                layer.forward_mqa(out, None, None, out)
+    workspace.lock_workspace()
+    return True
+
+
+def _inputs(layer, batch, gen):
+    T = batch.num_tokens
+    q = (torch.randn(T, layer.n_local_heads, 512, generator=gen) * 2).to(torch.bfloat16)
+    kv = (torch.randn(T, 512, generator=gen) * 3).to(torch.bfloat16)
+    return q.cuda(), kv.cuda()
+
+
+def _step(layer, model, metadata, q, kv, positions, out) -> torch.Tensor:
+    """This backend's part of one layer step: SWA insert, then attention into ``out``."""
+    from vllm.forward_context import set_forward_context
+
+    with set_forward_context(metadata, model.vllm_config):
+        q_padded = layer._fused_qnorm_rope_kv_insert(q, kv, positions, metadata)
+        layer.forward_mqa(q_padded, kv, positions, out)
+    return q_padded
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("ratio", vt.RATIOS)
+def test_whole_step_has_no_host_sync_and_matches_reference(profiled, kv_dtype, ratio):
+    from tests.test_vllm_glue_attention import Builders, expected_output, poison, write_step_rows
+
+    model = vt.tiny_model(kv_dtype)
+    layer = model.layers[ratio]
+    builders = Builders(layer)
+    gen = torch.Generator().manual_seed(ratio + len(kv_dtype))
+    poison(model, gen)
+    warm = vt.make_batch(gen, [300, 5], [1, 40], padding=1, num_blocks=300, on="cuda")
+    batch = vt.make_batch(gen, [700, 129, 64, 3], [1, 2, 64, 3], padding=2, num_blocks=300,
+                          on="cuda")  # fmt: skip
+    for step, b in enumerate((warm, batch)):  # the first step compiles outside the check
+        write_step_rows(layer, b, gen)
+        local_topk = None
+        if ratio == 4:
+            local_topk = vt.random_local_topk(gen, b, vt.INDEX_TOPK).cuda()
+            model.topk_indices_buffer[: b.num_tokens] = local_topk
+        q, kv = _inputs(layer, b, gen)
+        positions = b.swa_cm.positions
+        out = torch.full((b.num_tokens, layer.padded_heads, 512), float("nan"),
+                         dtype=torch.bfloat16, device="cuda")  # fmt: skip
+        staged = (torch.randn(b.num_tokens, 512, generator=gen) * 2).to(torch.bfloat16).cuda()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if step else "default")
+        try:
+            metadata = builders.build(b)
+            q_padded = _step(layer, model, metadata, q, kv, positions, out)
+            if ratio > 1 and kv_dtype == "auto":
+                _store_staged(layer, metadata[layer.prefix], staged, check=step == 1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    ref = expected_output(layer, batch, q_padded, local_topk)
+    assert torch.isfinite(out.float()).all()
+    real = len(batch.positions())
+    assert (out[real:] == 0).all()
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < 1e-2, f"relative error {float(err):.3g}"
+    _check_inserted_rows(layer, batch, kv, positions)
+
+
+def _store_staged(layer, metadata, rows, check: bool) -> None:
+    """The NVFP4 compressor's store: rows staged where the metadata says, encoded at the write
+    slots (what runs after vLLM's compressor kernel filled the staging rows)."""
+    from dsv4_attn import kv_cache
+    from dsv4_attn.kv_cache import KVFormat
+    from dsv4_attn.vllm_glue.writers import store_staged_rows
+
+    T = metadata.slot_mapping.shape[0]
+    layer.staging_rows[:T, 0] = rows
+    pages = layer.compressed_pages()
+    expected = pages.clone() if check else None
+    store_staged_rows(layer.staging_rows, metadata.slot_mapping, pages,
+                      layer.compressed_rows_per_block)  # fmt: skip
+    if check:
+        torch.cuda.set_sync_debug_mode("default")
+        kv_cache.write(expected, metadata.slot_mapping, rows, KVFormat.NVFP4,
+                       layer.compressed_rows_per_block)  # fmt: skip
+        assert torch.equal(pages, expected)
+
+
+def _check_inserted_rows(layer, batch, kv, positions) -> None:
+    """The step's own KV rows: RoPE'd and encoded at their SWA slots (NVFP4: exactly the torch
+    path's bytes; fp8: vLLM's writer, within fp8_ds_mla's error bound)."""
+    from dsv4_attn import kv_cache
+    from dsv4_attn.kv_cache import KVFormat
+    from dsv4_attn.vllm_glue.writers import qnorm_rope
+
+    slots = batch.swa_cm.slot_mapping
+    real = slots >= 0
+    _, roped = qnorm_rope(kv[:, None], kv, positions, layer.rotary_emb.cos_sin_cache, 1e-6, 1)
+    got = kv_cache.read(layer.swa_pages(), slots[real], layer.kv_format, 64)
+    want = roped[real]
+    if layer.kv_format is KVFormat.NVFP4:
+        data, scales = kv_cache.encode_rows(want, KVFormat.NVFP4)
+        assert torch.equal(got, kv_cache.decode_rows(data, scales, KVFormat.NVFP4))
+    else:
+        # RoPE values stored as bf16 by vLLM's kernel: within one rounding of ours.
+        rope_err = (got[:, 448:].float() - want[:, 448:].float()).abs()
+        assert (rope_err <= want[:, 448:].float().abs() * 2.0**-7 + 1e-30).all()
+        blocks = want[:, :448].float().view(-1, 7, 64)
+        bound = 2.0**-4 * blocks.abs() + blocks.abs().amax(-1, keepdim=True) * 2.0**-8 + 1e-30
+        assert ((got[:, :448].float().view(-1, 7, 64) - blocks).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("ratio", vt.RATIOS)
+def test_decode_step_replays_in_a_cuda_graph(profiled, kv_dtype, ratio):
+    """As vLLM's FULL decode graphs: the step is captured once; later steps rebuild the metadata
+    into the builders' buffers (and the runner's input buffers), then replay."""
+    from tests.test_vllm_glue_attention import Builders, poison, write_step_rows
+
+    model = vt.tiny_model(kv_dtype)
+    layer = model.layers[ratio]
+    builders = Builders(layer)
+    gen = torch.Generator().manual_seed(100 + ratio)
+    poison(model, gen)
+    runner = _RunnerBuffers(num_reqs=5, num_tokens=7)
+    first = vt.make_batch(gen, [900, 17, 300, 128, 2], [1] * 5, padding=2, num_blocks=300)
+    second = vt.make_batch(gen, [40, 1200, 3, 513, 260], [1] * 5, padding=2, num_blocks=300)
+    q_in = torch.zeros(7, layer.n_local_heads, 512, dtype=torch.bfloat16, device="cuda")
+    kv_in = torch.zeros(7, 512, dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros(7, layer.padded_heads, 512, dtype=torch.bfloat16, device="cuda")
+
+    def prepare(batch):
+        runner.load(batch)
+        write_step_rows(layer, batch, gen)
+        if ratio == 4:
+            topk = vt.random_local_topk(gen, batch, vt.INDEX_TOPK)
+            model.topk_indices_buffer[: batch.num_tokens] = topk.cuda()
+        q, kv = _inputs(layer, batch, gen)
+        q_in.copy_(q)
+        kv_in.copy_(kv)
+        return builders.build(runner.batch(batch))
+
+    metadata = prepare(first)
+    _step(layer, model, metadata, q_in, kv_in, runner.positions, out)  # warm-up, as vLLM
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _step(layer, model, metadata, q_in, kv_in, runner.positions, out)
+    torch.cuda.synchronize()
+
+    metadata_again = prepare(second)
+    for key, md in metadata_again.items():  # same buffers as the captured step
+        for name in ("swa_indices", "swa_lens", "hca_indices", "hca_lens", "slot_mapping"):
+            if getattr(md, name, None) is not None:
+                assert getattr(md, name).data_ptr() == getattr(metadata[key], name).data_ptr()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = out.clone()
+    out.fill_(float("nan"))
+    _step(layer, model, metadata_again, q_in, kv_in, runner.positions, out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(replayed.float()).all()
+    assert torch.equal(replayed, out), "the replay differs from the eager step"
+    assert (replayed[5:] == 0).all()  # padding rows
+
+
+class _RunnerBuffers:
+    """Persistent step inputs, as vLLM's model runner keeps them: every batch of a captured size
+    is copied into the same tensors, so the captured graph reads the new values."""
+
+    def __init__(self, num_reqs: int, num_tokens: int) -> None:
+        def zeros(*shape, dtype=torch.int32):
+            return torch.zeros(shape, dtype=dtype, device="cuda")
+
+        self.query_start_loc = zeros(num_reqs + 1)
+        self.seq_lens = zeros(num_reqs)
+        self.positions = zeros(num_tokens, dtype=torch.int64)
+        self.swa_slots = zeros(num_tokens, dtype=torch.int64)
+        self.cache_slots = zeros(num_tokens, dtype=torch.int64)
+        self.swa_table = zeros(num_reqs, vt.MAX_MODEL_LEN // vt.SWA_BLOCK)
+        self.cache_table = zeros(num_reqs, vt.MAX_MODEL_LEN // vt.CACHE_BLOCK)
+
+    def load(self, batch: vt.Batch) -> None:
+        cm, ccm = batch.swa_cm, batch.cache_cm
+        self.query_start_loc.copy_(cm.query_start_loc)
+        self.seq_lens.copy_(cm.seq_lens)
+        self.positions.copy_(cm.positions)
+        self.swa_slots.copy_(cm.slot_mapping)
+        self.cache_slots.copy_(ccm.slot_mapping)
+        for table, bt in ((self.swa_table, batch.swa_block_table),
+                          (self.cache_table, batch.cache_block_table)):  # fmt: skip
+            table.zero_()
+            table[:, : bt.shape[1]] = bt.cuda()
+
+    def batch(self, batch: vt.Batch) -> vt.Batch:
+        """``batch`` with its metadata pointing at these buffers."""
+        import dataclasses
+
+        def over(cm, slots, table):
+            return dataclasses.replace(
+                cm, query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+                positions=self.positions, slot_mapping=slots, block_table_tensor=table,
+            )  # fmt: skip
+
+        return dataclasses.replace(
+            batch,
+            swa_cm=over(batch.swa_cm, self.swa_slots, self.swa_table),
+            cache_cm=over(batch.cache_cm, self.cache_slots, self.cache_table),
+        )
