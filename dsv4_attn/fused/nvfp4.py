@@ -18,10 +18,11 @@ import triton.language as tl
 
 __all__ = ["bf16_rne", "load_nope_pairs", "store_nvfp4_row"]
 
-NOPE_BLOCKS = 28  # e4m3 scales per row (448 / 16)
-DATA_ROW_BYTES = 352
-SCALE_ROW_BYTES = 32
-NOPE_BYTES = 224
+# Byte geometry of an NVFP4 row (dsv4_attn.kv_cache), as compile-time constants of the kernels.
+NOPE_BLOCKS = tl.constexpr(28)  # e4m3 scales per row (448 / 16)
+DATA_ROW_BYTES = tl.constexpr(352)
+SCALE_ROW_BYTES = tl.constexpr(32)
+NOPE_BYTES = tl.constexpr(224)
 
 
 @triton.jit
