@@ -90,7 +90,7 @@ def test_whole_step_has_no_host_sync_and_matches_reference(profiled, kv_dtype, r
     builders = Builders(layer)
     gen = torch.Generator().manual_seed(ratio + len(kv_dtype))
     poison(model, gen)
-    warm = vt.make_batch(gen, [300, 5], [1, 40], padding=1, num_blocks=300, on="cuda")
+    warm = vt.make_batch(gen, [300, 45], [1, 40], padding=1, num_blocks=300, on="cuda")
     batch = vt.make_batch(gen, [700, 129, 64, 3], [1, 2, 64, 3], padding=2, num_blocks=300,
                           on="cuda")  # fmt: skip
     for step, b in enumerate((warm, batch)):  # the first step compiles outside the check
