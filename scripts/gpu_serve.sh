@@ -17,8 +17,9 @@
 #   bash scripts/gpu_serve.sh compare   # agreement table, tokens/s, preemptions, prefix hits
 #
 # Results (JSON, logs) go to $OUT (default ./bench_out). Servers use --num-gpu-blocks-override
-# 2000 (the same block count for every backend, small enough that the preemption phase of
-# dsv4_attn/e2e/serve_check.py overflows it) and --gpu-memory-utilization 0.5.
+# 3000 (the same block count for every backend: a little more than vLLM's admission check needs
+# for one 4096-token request, and less than the preemption phase of
+# dsv4_attn/e2e/serve_check.py fills) and --gpu-memory-utilization 0.5.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_out}
@@ -33,14 +34,15 @@ PART=${1:?usage: gpu_serve.sh prepare|tests|bench|vllm|fp8|nvfp4|compare}
 serve_round() {  # name port [vllm serve args...]
   local name=$1 port=$2; shift 2
   local args=("$CKPT" --port "$port" --skip-tokenizer-init --max-model-len 4096 --dtype bfloat16
-              --gpu-memory-utilization 0.5 --num-gpu-blocks-override 2000 --seed 0 "$@")
+              --gpu-memory-utilization 0.5 --num-gpu-blocks-override 3000 --seed 0 "$@")
   echo "vllm serve ${args[*]}" | tee "$OUT/serve_$name.cmd"
   # flashinfer is not in the serve environment; vLLM's sampler imports it unless told not to
   (cd /tmp && VLLM_USE_FLASHINFER_SAMPLER=0 setsid vllm serve "${args[@]}" \
     > "$OUT/serve_$name.log" 2>&1 < /dev/null & echo $! > "/tmp/serve_$name.pid")
   local start=$(date +%s)
   python3 -m dsv4_attn.e2e.serve_check query --name "$name" --port "$port" --model "$CKPT" \
-    --wait 420 --out "$OUT/serve_$name.json" 2>&1 | tee "$OUT/query_$name.log"
+    --wait 420 --pid "$(cat /tmp/serve_$name.pid)" --out "$OUT/serve_$name.json" 2>&1 \
+    | tee "$OUT/query_$name.log"
   local rc=${PIPESTATUS[0]}
   echo "round $name: $(( $(date +%s) - start )) s, query exit $rc"
   grep -E "Traceback|Error|error" "$OUT/serve_$name.log" | grep -v -i "warn" | head -8
@@ -67,8 +69,12 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     echo "pytest exit: ${PIPESTATUS[0]}"
     ;;
   bench)
-    timeout 560 python3 -m dsv4_attn.bench step --json "$OUT/bench_step.json" 2>&1 \
+    timeout 300 python3 -m dsv4_attn.bench step --json "$OUT/bench_step.json" 2>&1 \
       | tee "$OUT/bench_step.log"
+    if [ "${PIPESTATUS[0]}" -ne 0 ]; then  # name the failing launch
+      CUDA_LAUNCH_BLOCKING=1 timeout 200 python3 -m dsv4_attn.bench step --reps 3 \
+        --json "$OUT/bench_step_blocking.json" 2>&1 | tail -25
+    fi
     ;;
   vllm) serve_round vllm 8101 ;;
   fp8) serve_round fp8 8102 --attention-backend DSV4_NVFP4 --kv-cache-dtype fp8 ;;

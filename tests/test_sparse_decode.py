@@ -142,10 +142,10 @@ def _check(out, lse, ref_out, ref_lse, tol=1e-2):
         assert (lse[finite].double() - ref_lse[finite]).abs().max() <= 1e-2
 
 
-def _run_case(fmt, H, T, extra_width, sink_kind, seed, num_splits=None):
+def _run_case(fmt, H, T, extra_width, sink_kind, seed, num_splits=None, extra_bs=16):
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(seed)
-    window_bs, extra_bs = 64, 16
+    window_bs = 64
     cache = _random_cache(fmt, window_bs, 4096, device, gen)
     window = KVScope(cache, fmt, window_bs, *_random_lists(T, 128, 4096, device, gen))
     extra = None
@@ -201,6 +201,17 @@ def test_kernel_matches_reference(fmt, H, T, extra, sink):
 def test_every_extra_width_and_sink(fmt, extra, sink):
     _needs_hopper()
     _run_case(fmt, 64, 3, extra, sink, seed=zlib.crc32(repr((fmt.value, extra, sink, 7)).encode()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
+@pytest.mark.parametrize(("extra_bs", "extra"), [(2, 64), (2, 8192), (64, 512), (64, 1024)])
+@pytest.mark.parametrize("H", [64, 128])
+def test_vllm_page_sizes(fmt, extra_bs, extra, H):
+    """The compressed pages vLLM hands a layer: 256-token blocks hold 2 HCA or 64 CSA entries."""
+    _needs_hopper()
+    seed = zlib.crc32(repr((fmt.value, extra_bs, extra, H)).encode())
+    _run_case(fmt, H, 64, extra, "finite", seed=seed, extra_bs=extra_bs)
 
 
 @pytest.mark.gpu

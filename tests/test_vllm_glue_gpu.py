@@ -108,9 +108,10 @@ def test_whole_step_has_no_host_sync_and_matches_reference(profiled, kv_dtype, r
         torch.cuda.set_sync_debug_mode("error" if step else "default")
         try:
             metadata = builders.build(b)
-            q_padded = _step(layer, model, metadata, q, kv, positions, out)
-            if ratio > 1 and kv_dtype == "auto":
+            if ratio > 1 and kv_dtype == "auto":  # the compressor stores before the attention
                 _store_staged(layer, metadata[layer.prefix], staged, check=step == 1)
+                torch.cuda.set_sync_debug_mode("error" if step else "default")
+            q_padded = _step(layer, model, metadata, q, kv, positions, out)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()

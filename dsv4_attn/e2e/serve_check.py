@@ -15,9 +15,9 @@
 The request set (fixed seed): prompts shorter than the 128-token window, longer than 128 and than
 512 (CSA top-k) tokens, and 1500 tokens (several HCA entries); three prompts sharing an
 1100-token prefix, sent one after another (prefix-cache hits); 16 concurrent requests; a timed
-throughput run (16 concurrent, 300-token prompts, 128 new tokens); and 160 concurrent 2550-token
-prompts, which overflow a KV budget of ``--num-gpu-blocks-override 2000`` blocks, so vLLM preempts
-and recomputes requests mid-decode.
+throughput run (16 concurrent, 300-token prompts, 128 new tokens); and 200 concurrent 2550-token
+prompts, which overflow a KV budget of ``--num-gpu-blocks-override 3000`` blocks, so vLLM preempts
+and recomputes requests mid-decode (the server's preemption counter says how often).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as futures
 import json
+import os
 import random
 import re
 import sys
@@ -64,7 +65,7 @@ def request_plan(seed: int = 2026) -> list[Request]:
     plan += [Request(f"prefix_{i}", "prefix", prefix + ids(60), 32) for i in range(3)]
     plan += [Request(f"concurrent_{i}", "concurrent", ids(300), 48) for i in range(16)]
     plan += [Request(f"throughput_{i}", "throughput", ids(300), 128, False) for i in range(16)]
-    plan += [Request(f"preempt_{i}", "preemption", ids(2550), 24) for i in range(160)]
+    plan += [Request(f"preempt_{i}", "preemption", ids(2550), 24) for i in range(200)]
     return plan
 
 
@@ -78,13 +79,17 @@ class Server:
         self.base = f"http://127.0.0.1:{port}"
         self.model = model
 
-    def wait(self, seconds: float) -> float:
+    def wait(self, seconds: float, pid: int | None = None) -> float:
+        """Seconds until /health answers; raises if it does not within ``seconds`` or the server
+        process ``pid`` exits first."""
         start = time.time()
         while time.time() - start < seconds:
             try:
                 urllib.request.urlopen(self.base + "/health", timeout=2).read()
                 return time.time() - start
             except Exception:
+                if pid is not None and not _alive(pid):
+                    raise RuntimeError(f"the server (pid {pid}) exited before it came up") from None
                 time.sleep(2)
         raise TimeoutError(f"server at {self.base} not up after {seconds:.0f} s")
 
@@ -120,6 +125,14 @@ class Server:
             if match:
                 totals[match[1]] = totals.get(match[1], 0.0) + float(match[2])
         return totals
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
 
 
 def query(server: Server, plan: list[Request]) -> dict:
@@ -263,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     q.add_argument("--port", type=int, required=True)
     q.add_argument("--model", required=True, help="the served model path (request 'model')")
     q.add_argument("--wait", type=float, default=420)
+    q.add_argument("--pid", type=int, help="the server's pid: stop waiting if it exits")
     q.add_argument("--out", required=True)
     c = sub.add_parser("compare", help="compare servers' records with the first one")
     c.add_argument("records", nargs="+")
@@ -274,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"checkpoint: {save_vllm_checkpoint(args.directory)}")
     elif args.command == "query":
         server = Server(args.port, args.model)
-        waited = server.wait(args.wait)
+        waited = server.wait(args.wait, args.pid)
         print(f"{args.name}: up after {waited:.0f} s", flush=True)
         record = {"name": args.name, **query(server, request_plan())}
         Path(args.out).write_text(json.dumps(record))
