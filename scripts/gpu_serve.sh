@@ -17,9 +17,9 @@
 #   bash scripts/gpu_serve.sh compare   # agreement table, tokens/s, preemptions, prefix hits
 #
 # Results (JSON, logs) go to $OUT (default ./bench_out). Servers use --num-gpu-blocks-override
-# 3000 (the same block count for every backend: a little more than vLLM's admission check needs
+# 2400 (the same block count for every backend: a little more than vLLM's admission check needs
 # for one 4096-token request, and less than the preemption phase of
-# dsv4_attn/e2e/serve_check.py fills) and --gpu-memory-utilization 0.5.
+# dsv4_attn/e2e/serve_check.py grows into) and --gpu-memory-utilization 0.5.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_out}
@@ -34,7 +34,7 @@ PART=${1:?usage: gpu_serve.sh prepare|tests|bench|vllm|fp8|nvfp4|compare}
 serve_round() {  # name port [vllm serve args...]
   local name=$1 port=$2; shift 2
   local args=("$CKPT" --port "$port" --skip-tokenizer-init --max-model-len 4096 --dtype bfloat16
-              --gpu-memory-utilization 0.5 --num-gpu-blocks-override 3000 --seed 0 "$@")
+              --gpu-memory-utilization 0.5 --num-gpu-blocks-override 2400 --seed 0 "$@")
   echo "vllm serve ${args[*]}" | tee "$OUT/serve_$name.cmd"
   # flashinfer is not in the serve environment; vLLM's sampler imports it unless told not to
   (cd /tmp && VLLM_USE_FLASHINFER_SAMPLER=0 setsid vllm serve "${args[@]}" \

@@ -15,9 +15,10 @@
 The request set (fixed seed): prompts shorter than the 128-token window, longer than 128 and than
 512 (CSA top-k) tokens, and 1500 tokens (several HCA entries); three prompts sharing an
 1100-token prefix, sent one after another (prefix-cache hits); 16 concurrent requests; a timed
-throughput run (16 concurrent, 300-token prompts, 128 new tokens); and 200 concurrent 2550-token
-prompts, which overflow a KV budget of ``--num-gpu-blocks-override 3000`` blocks, so vLLM preempts
-and recomputes requests mid-decode (the server's preemption counter says how often).
+throughput run (16 concurrent, 300-token prompts, 128 new tokens); and 160 concurrent requests of
+200 prompt tokens and 1800 new ones: admitted on their short prompts, they outgrow a KV budget of
+``--num-gpu-blocks-override 2400`` blocks while decoding, so vLLM preempts and recomputes requests
+(the server's preemption counter says how often).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def request_plan(seed: int = 2026) -> list[Request]:
     plan += [Request(f"prefix_{i}", "prefix", prefix + ids(60), 32) for i in range(3)]
     plan += [Request(f"concurrent_{i}", "concurrent", ids(300), 48) for i in range(16)]
     plan += [Request(f"throughput_{i}", "throughput", ids(300), 128, False) for i in range(16)]
-    plan += [Request(f"preempt_{i}", "preemption", ids(2550), 24) for i in range(200)]
+    plan += [Request(f"preempt_{i}", "preemption", ids(200), 1800) for i in range(160)]
     return plan
 
 
