@@ -97,6 +97,7 @@ class _Step:
         self.out = torch.empty(T, heads, HEAD_DIM, dtype=torch.bfloat16, device=dev)
         self.step_metadata = step_metadata
         self.metadata()  # the lists the attention reads
+        self.slots()
 
     def _filled_cache(self, num_blocks, block_size, gen):
         cache = kv_cache.allocate(num_blocks, block_size, self.fmt, device="cuda")
