@@ -236,8 +236,8 @@ def _print_comparison(names: list[str], records: list[dict]) -> dict:
         entry = {
             "throughput_tok_per_s": record["phases"].get("throughput", {}).get("tok_per_s"),
             "errors": len(record["errors"]),
-            "preemptions": _counter(record, "preemption", "preempt"),
-            "prefix_cache_hits": _counter(record, "prefix", "prefix_cache_hits"),
+            "preemptions": _counter(record, "preemption", "vllm:num_preemptions_total"),
+            "prefix_cache_hits": _counter(record, "prefix", "vllm:prefix_cache_hits_total"),
         }
         if record is not ref:
             entry["agreement"] = compare(ref, record)
@@ -256,10 +256,9 @@ def _print_comparison(names: list[str], records: list[dict]) -> dict:
     return report
 
 
-def _counter(record: dict, phase: str, fragment: str) -> float | None:
-    counters = record["phases"].get(phase, {}).get("counters", {})
-    values = [v for k, v in counters.items() if fragment in k and "queries" not in k]
-    return sum(values) if values else None
+def _counter(record: dict, phase: str, name: str) -> float | None:
+    """How much the server's counter ``name`` grew during ``phase`` (None if not reported)."""
+    return record["phases"].get(phase, {}).get("counters", {}).get(name)
 
 
 # ----------------------------------------------------------------------------------------------
