@@ -168,14 +168,6 @@ class _Step:
         sparse_decode.sparse_attention(self.q, window, self.sink, HEAD_DIM**-0.5, extra,
                                        out=self.out)  # fmt: skip
 
-    def outside(self, ratio: int) -> list:
-        pieces = [self.insert]
-        if ratio > 1 and self.fmt is KVFormat.NVFP4:
-            pieces.append(lambda: self.store(ratio))
-        if ratio == 4:
-            pieces.append(self.slots)
-        return pieces
-
 
 def _graphed(fns) -> torch.cuda.CUDAGraph:
     for fn in fns:  # warm-up: compile outside the capture
@@ -230,7 +222,7 @@ def run(args) -> tuple[list[dict], Ceilings]:
             if ratio == 4:
                 pieces["slots"] = [step.slots]
             times = {name: _time_graph(fns, args.reps) for name, fns in pieces.items()}
-            outside = step.outside(ratio)
+            outside = [fn for name, fns in pieces.items() if name != "attention" for fn in fns]
             outside_us = _time_graph(outside, args.reps)
             launches_outside = _count_launches(outside)
             launches_attention = _count_launches(pieces["attention"])

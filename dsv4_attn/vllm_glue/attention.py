@@ -117,6 +117,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         self.compressed_rows_per_block = 0  # set when vLLM binds the compressed cache
         self._swa_pages = _PageView()
         self._compressed_pages = _PageView()
+        self._peak_scratch: Shapes | None = None  # set by the first profiling forward
         self._einsum_recipe: tuple[int, int, int] | None = None
         self._tma_aligned_scales = False
         if self.kv_format is KVFormat.NVFP4:
@@ -228,15 +229,19 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         return shapes
 
     def _reserve_scratch(self) -> None:
-        """Profiling run: ask the workspace manager for the peak, so vLLM counts it before it
-        sizes the KV cache (as vLLM's FlashMLA layer does for its prefill workspace)."""
-        max_hca_width = -(-self.max_model_len // max(1, self.compress_ratio))
-        capacity = self._key_capacity(max_hca_width)
-        shapes = self._scratch_shapes(self.max_num_batched_tokens, capacity, peak=True)
-        if shapes:
-            _scratch(shapes, self.device)
-        if self.device.type == "cuda":
-            self._compile_kernels()
+        """Profiling and warm-up runs: ask the workspace manager for the peak, so vLLM counts it
+        before it sizes the KV cache (as vLLM's FlashMLA layer does for its prefill workspace),
+        and compile the kernels. Both are worked out once; later dummy runs only re-request."""
+        if self._peak_scratch is None:
+            max_hca_width = -(-self.max_model_len // max(1, self.compress_ratio))
+            capacity = self._key_capacity(max_hca_width)
+            self._peak_scratch = self._scratch_shapes(
+                self.max_num_batched_tokens, capacity, peak=True
+            )
+            if self.device.type == "cuda":
+                self._compile_kernels()
+        if self._peak_scratch:
+            _scratch(self._peak_scratch, self.device)
 
     def _compile_kernels(self) -> None:
         """Compile (or load) this layer's decode-kernel variants now, outside any CUDA-graph
