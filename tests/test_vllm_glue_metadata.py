@@ -91,8 +91,7 @@ def test_swa_metadata_matches_brute_force(config, batch):
     assert md.swa_lens.tolist() == lens
     real = len(batch.positions())
     assert md.is_valid_token.tolist() == [True] * real + [False] * (batch.num_tokens - real)
-    assert md.token_req[:real].tolist() == [r for r, _ in batch.positions()]
-    assert md.token_to_req_indices is md.token_req
+    assert md.token_to_req_indices[:real].tolist() == [r for r, _ in batch.positions()]
     assert md.slot_mapping is batch.swa_cm.slot_mapping and md.block_size == vt.SWA_BLOCK
 
     num_decodes = brute_split(batch, threshold=1)
@@ -146,7 +145,7 @@ def test_builders_fill_buffers_allocated_once(config):
     first, second = (vt.make_batch(gen, [300, 5, 40], [1, 1, 1]) for _ in range(2))
     md = [(swa.build(0, b.swa_cm), hca.build(0, b.cache_cm)) for b in (first, second)]
     (swa1, hca1), (swa2, hca2) = md
-    for name in ("swa_indices", "swa_lens", "token_req", "is_valid_token"):
+    for name in ("swa_indices", "swa_lens", "token_to_req_indices", "is_valid_token"):
         assert getattr(swa1, name).data_ptr() == getattr(swa2, name).data_ptr(), name
     for name in ("slot_mapping", "staging_rows", "hca_indices", "hca_lens", "req_id_per_token"):
         assert getattr(hca1, name).data_ptr() == getattr(hca2, name).data_ptr(), name

@@ -295,7 +295,6 @@ class DSV4SWAMetadata(DeepseekSparseSWAMetadata):
     """
 
     num_tokens: int = 0
-    token_req: torch.Tensor | None = None  # int32 [T]
     swa_indices: torch.Tensor | None = None  # int32 [T, window]
     swa_lens: torch.Tensor | None = None  # int32 [T]
 
@@ -380,7 +379,6 @@ class DSV4SWAMetadataBuilder(AttentionMetadataBuilder[DSV4SWAMetadata]):
             num_prefill_tokens=num_prefill_tokens,
             max_decode_query_len=min(cm.max_query_len, self.decode_threshold),
             num_tokens=T,
-            token_req=token_req,
             swa_indices=swa_indices,
             swa_lens=swa_lens,
         )
