@@ -15,7 +15,7 @@ def test_plan_covers_every_case_the_serving_check_needs():
     assert len(prefix) == 3 and all(p[:1100] == prefix[0][:1100] for p in prefix)
     assert len({tuple(p[1100:]) for p in prefix}) == 3
     assert sum(r.phase == "concurrent" for r in plan) == 16
-    assert all(not r.logprobs for r in plan if r.phase == "throughput")
+    assert all(not r.logprobs for r in plan if r.phase.startswith("throughput"))
     preempt = [r for r in plan if r.phase == "preemption"]
     assert len(preempt) == 160 and all(len(r.prompt) + r.max_tokens < 4096 for r in preempt)
     assert all(r.max_tokens > 4 * len(r.prompt) for r in preempt)  # they grow while decoding
@@ -32,10 +32,19 @@ def test_compare_classifies_by_the_reference_margin():
     assert tie["first_difference"] == 1 and tie["near_tie"] and tie["ref_margin"] < NEAR_TIE
     real = compare_one(ref, {"token_ids": [4, 6, 7, 8]})
     assert real["first_difference"] == 0 and not real["near_tie"]
-    records = {"results": {"single_8": ref, "prefix_0": ref, "preempt_3": ref, "throughput_1": ref}}
+    keys = ("single_8", "prefix_0", "preempt_3", "throughput0_1")
+    records = {"results": {key: ref for key in keys}}
     other = {"results": {"single_8": {"token_ids": [5, 9, 7, 8]}, "prefix_0": ref}}
     phases = compare(records, other)["phases"]
     assert phases["single"] == {"requests": 1, "identical": 0, "near_tie": 1, "different": 0,
                                 "missing": 0}  # fmt: skip
     assert phases["prefix"]["identical"] == 1 and phases["preemption"]["missing"] == 1
-    assert "throughput" not in phases
+    assert not any(phase.startswith("throughput") for phase in phases)
+
+
+def test_throughput_is_the_median_of_the_timed_runs():
+    rates = [900.0, 1200.0, 1000.0]
+    phases = {f"throughput{i}": {"tok_per_s": rate} for i, rate in enumerate(rates)}
+    record = {"phases": {"single": {"tok_per_s": 5.0}, **phases}}
+    assert serve_check.throughput(record) == 1000.0
+    assert serve_check.throughput({"phases": {"single": {"tok_per_s": 5.0}}}) is None
