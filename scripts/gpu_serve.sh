@@ -16,6 +16,7 @@
 #   bash scripts/gpu_serve.sh nvfp4     # ... --attention-backend DSV4_NVFP4 (NVFP4: auto)
 #   bash scripts/gpu_serve.sh compare   # agreement table, tokens/s, preemptions, prefix hits
 #
+# SKIP_PHASES=preemption (comma-separated phase names) leaves phases out of a round.
 # Results (JSON, logs) go to $OUT (default ./bench_out). Servers use --num-gpu-blocks-override
 # 2400 (the same block count for every backend: a little more than vLLM's admission check needs
 # for one 4096-token request, and less than the preemption phase of
@@ -41,7 +42,8 @@ serve_round() {  # name port [vllm serve args...]
     > "$OUT/serve_$name.log" 2>&1 < /dev/null & echo $! > "/tmp/serve_$name.pid")
   local start=$(date +%s)
   python3 -m dsv4_attn.e2e.serve_check query --name "$name" --port "$port" --model "$CKPT" \
-    --wait 420 --pid "$(cat /tmp/serve_$name.pid)" --out "$OUT/serve_$name.json" 2>&1 \
+    --wait 420 --pid "$(cat /tmp/serve_$name.pid)" --out "$OUT/serve_$name.json" \
+    --skip "${SKIP_PHASES:-}" 2>&1 \
     | tee "$OUT/query_$name.log"
   local rc=${PIPESTATUS[0]}
   echo "round $name: $(( $(date +%s) - start )) s, query exit $rc"

@@ -292,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     q.add_argument("--wait", type=float, default=420)
     q.add_argument("--pid", type=int, help="the server's pid: stop waiting if it exits")
     q.add_argument("--out", required=True)
+    q.add_argument("--skip", default="", help="phases not to send, comma-separated")
     c = sub.add_parser("compare", help="compare servers' records with the first one")
     c.add_argument("records", nargs="+")
     c.add_argument("--json")
@@ -304,7 +305,9 @@ def main(argv: list[str] | None = None) -> None:
         server = Server(args.port, args.model)
         waited = server.wait(args.wait, args.pid)
         print(f"{args.name}: up after {waited:.0f} s", flush=True)
-        record = {"name": args.name, **query(server, request_plan())}
+        skip = {phase for phase in args.skip.split(",") if phase}
+        plan = [r for r in request_plan() if r.phase not in skip]
+        record = {"name": args.name, "skipped": sorted(skip), **query(server, plan)}
         Path(args.out).write_text(json.dumps(record))
         if record["errors"]:
             print(f"{args.name}: {len(record['errors'])} requests failed", file=sys.stderr)
