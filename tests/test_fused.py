@@ -91,7 +91,7 @@ def _kernels():
         "cos_sin_ptr": p["f32"], "cos_sin_stride": "i32", "slots_ptr": p["i64"],
         "num_slots": "i32", "cache_ptr": p["u8"], "page_stride": "i32", "block_size": "i32",
         "num_heads": "i32", "padded_heads": "i32", "eps": "fp32", "HEADS": "constexpr",
-    }, {"HEADS": 4}  # fmt: skip
+    }, {"HEADS": 8}  # fmt: skip
     yield sm._window_kernel, {
         **meta_head, "block_size": "i32", "req_out": p["i32"], "valid_out": p["i8"],
         "indices_out": p["i32"], "indices_stride": "i32", "lens_out": p["i32"],

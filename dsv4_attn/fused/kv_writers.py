@@ -22,7 +22,7 @@ from dsv4_attn.kv_cache import HEAD_DIM, NOPE_DIM, ROPE_DIM
 
 __all__ = ["qnorm_rope_nvfp4_insert", "store_staged_rows"]
 
-_HEADS_PER_PROGRAM = 4
+_HEADS_PER_PROGRAM = 8
 _HALF_ROPE = ROPE_DIM // 2
 
 
@@ -51,33 +51,36 @@ def _qnorm_rope_nvfp4_insert_kernel(
     t = tl.program_id(0)
     head_block = tl.program_id(1)
     pos = tl.load(positions_ptr + t).to(tl.int64)
-    pair = tl.arange(0, 32)
-    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + pair).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + 32 + pair).to(tl.float32)
-    rope_even_col = 448 + 2 * pair
     if head_block * HEADS < padded_heads:
-        # q: heads head_block * HEADS ... (zeros for the padding heads >= num_heads)
+        # q: heads head_block * HEADS ... (zeros for the padding heads >= num_heads), read and
+        # written as whole contiguous rows; RoPE on pairs 224..255 of the normed row in registers.
         head = head_block * HEADS + tl.arange(0, HEADS)
         col = tl.arange(0, 512)
         real = head < num_heads
         src = q_ptr + t.to(tl.int64) * q_stride_t + head[:, None].to(tl.int64) * q_stride_h
         x = tl.load(src + col[None, :], mask=real[:, None], other=0.0).to(tl.float32)
         inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / 512.0 + eps)
-        y = x * inv_rms[:, None]
+        even, odd = tl.split(tl.reshape(x * inv_rms[:, None], (HEADS, 256, 2)))
+        rope_pair = tl.arange(0, 256) - 224
+        is_rope = rope_pair >= 0
+        cos_all = tl.load(cos_sin_ptr + pos * cos_sin_stride + rope_pair, mask=is_rope, other=1.0)
+        sin_all = tl.load(cos_sin_ptr + pos * cos_sin_stride + 32 + rope_pair, mask=is_rope,
+                          other=0.0)  # fmt: skip
+        r_even, r_odd = _rotate(even, odd, cos_all.to(tl.float32)[None, :],
+                                sin_all.to(tl.float32)[None, :])  # fmt: skip
+        even = tl.where(is_rope[None, :], r_even, even)
+        odd = tl.where(is_rope[None, :], r_odd, odd)
+        y = tl.reshape(tl.join(even, odd), (HEADS, 512))
         dst = q_out_ptr + (t.to(tl.int64) * padded_heads + head[:, None]) * 512
-        keep = head[:, None] < padded_heads
-        tl.store(dst + col[None, :], bf16_rne(y), mask=keep & (col[None, :] < 448))
-        even = tl.load(src + rope_even_col[None, :], mask=real[:, None], other=0.0)
-        odd = tl.load(src + rope_even_col[None, :] + 1, mask=real[:, None], other=0.0)
-        even = even.to(tl.float32) * inv_rms[:, None]
-        odd = odd.to(tl.float32) * inv_rms[:, None]
-        r_even, r_odd = _rotate(even, odd, cos[None, :], sin[None, :])
-        tl.store(dst + rope_even_col[None, :], bf16_rne(r_even), mask=keep)
-        tl.store(dst + rope_even_col[None, :] + 1, bf16_rne(r_odd), mask=keep)
+        tl.store(dst + col[None, :], bf16_rne(y), mask=head[:, None] < padded_heads)
     elif t < num_slots:
         # KV: RoPE on the last 64 values, NVFP4 encode, store at the token's slot.
         slot = tl.load(slots_ptr + t)
         if slot >= 0:
+            pair = tl.arange(0, 32)
+            cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + pair).to(tl.float32)
+            sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + 32 + pair).to(tl.float32)
+            rope_even_col = 448 + 2 * pair
             row = kv_ptr + t.to(tl.int64) * kv_stride_t
             even, odd = load_nope_pairs(row)
             k_even = tl.load(row + rope_even_col).to(tl.float32)
