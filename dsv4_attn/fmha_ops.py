@@ -365,6 +365,7 @@ def sparse_prefill(
     scale: float | None = None,
     backend: str = "auto",
     check_values: bool = True,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MQA prefill: each query token attends to its own list of KV rows.
 
@@ -380,15 +381,22 @@ def sparse_prefill(
         scale: softmax scale, default ``512 ** -0.5``.
         backend: ``"auto"``, ``"cutedsl"``, ``"sdpa"`` (torch fallback) or ``"reference"``.
         check_values: also check index and length values (a device sync on CUDA).
+        out: ``[T, H, 512]`` in q's dtype, contiguous: written in place and returned.
 
     Returns:
         ``(out, lse)``: ``out`` ``[T, H, 512]`` in q's dtype, ``lse`` float32 ``[T, H]``.
     """
     _check_backend(backend)
     scale = _validate_sparse(q, kv, indices, lens, sink, scale, check_values)
+    if out is not None and (
+        not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
+        or out.device != q.device or not out.is_contiguous()
+    ):  # fmt: skip
+        raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor on "
+                         f"{q.device}, got {_shape(out)}")  # fmt: skip
     if backend == "reference":
-        out, lse = reference.sparse_attention(q, kv, indices, lens, sink, scale)
-        return out.to(q.dtype), lse.to(torch.float32)
+        result, lse = reference.sparse_attention(q, kv, indices, lens, sink, scale)
+        return _into(out, result.to(q.dtype)), lse.to(torch.float32)
     if backend in ("auto", "cutedsl"):
         reason = _sparse_kernel_reason(q, kv, indices)
         if reason is None:
@@ -396,12 +404,21 @@ def sparse_prefill(
 
             idx32 = indices if indices.dtype == torch.int32 else indices.to(torch.int32)
             return kernel.run_sparse(
-                q, kv, idx32.contiguous(), lens.to(torch.int32).contiguous(), sink, scale
-            )
+                q, kv, idx32.contiguous(), lens.to(torch.int32).contiguous(), sink, scale,
+                out=out,
+            )  # fmt: skip
         if backend == "cutedsl":
             raise ValueError(f"backend='cutedsl' cannot run this case: {reason}")
         log_fallback_once(logger, "sparse_prefill", reason)
-    return _sparse_torch(q, kv, indices, lens, sink, scale)
+    result, lse = _sparse_torch(q, kv, indices, lens, sink, scale)
+    return _into(out, result), lse
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 
 
 def _sparse_kernel_reason(q, kv, indices) -> str | None:

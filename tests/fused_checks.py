@@ -96,6 +96,42 @@ def check_insert(fused, device, heads: int, padded_heads: int, seed: int) -> Non
     torch.testing.assert_close(q_out.float(), q_ref.float(), rtol=2**-7, atol=1e-6)
 
 
+def check_gather(fused, device, kind: str, seed: int) -> None:
+    """NVFP4 gather-dequantize = kv_cache.read of the same slots, bit for bit; rows past each
+    request's run keep their poison."""
+    gen = torch.Generator().manual_seed(seed)
+    block_size, num_blocks, C, width = 16, 12, 3, 40
+    cache = _poisoned_cache(gen, num_blocks, block_size, device)
+    slots_all = torch.arange(num_blocks * block_size)
+    kv_cache.write(cache, slots_all.to(device), _rows(gen, len(slots_all), kind).to(device),
+                   KVFormat.NVFP4, block_size)  # fmt: skip
+    table = torch.randperm(num_blocks, generator=gen)[: C * 4].view(C, 4).to(torch.int32)
+    seq_lens = torch.tensor([37, 5, 40], dtype=torch.int32)
+    gather_lens = torch.tensor([30, 5, 1], dtype=torch.int32)
+    for window, ratio in ((False, 1), (False, 2), (True, 1)):
+        out = torch.full((C, 2 + width, 512), float("nan"), dtype=torch.bfloat16)
+        expected = out.clone()
+        for c in range(C):
+            seq = int(seq_lens[c])
+            first, count = (
+                (seq - int(gather_lens[c]), int(gather_lens[c])) if window else (0, seq // ratio)
+            )
+            rows = [int(table[c, r // block_size]) * block_size + r % block_size
+                    for r in range(first, first + count)]  # fmt: skip
+            if rows:
+                expected[c, 2 : 2 + count] = kv_cache.read(
+                    cache, torch.tensor(rows, device=device), KVFormat.NVFP4, block_size
+                ).cpu()
+        out = out.to(device)
+        fused.kv_gather.gather_nvfp4_rows(
+            out, cache, block_size, seq_lens.to(device), table.to(device), 2, width,
+            ratio=ratio, gather_lens=gather_lens.to(device) if window else None,
+        )  # fmt: skip
+        got = out.cpu()
+        assert torch.equal(got.isnan(), expected.isnan()), (window, ratio)
+        assert torch.equal(got.nan_to_num(), expected.nan_to_num()), (window, ratio)
+
+
 def check_metadata(fused, device, seed: int) -> None:
     from dsv4_attn.vllm_glue import metadata as md
 
@@ -155,9 +191,10 @@ def check_metadata(fused, device, seed: int) -> None:
 def _fused():
     from types import SimpleNamespace
 
-    from dsv4_attn.fused import kv_writers, step_metadata
+    from dsv4_attn.fused import kv_gather, kv_writers, step_metadata
 
-    return SimpleNamespace(kv_writers=kv_writers, step_metadata=step_metadata)
+    return SimpleNamespace(kv_writers=kv_writers, step_metadata=step_metadata,
+                           kv_gather=kv_gather)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,6 +218,11 @@ def test_staged_rows_interpreted(kind):
 @pytest.mark.parametrize(("heads", "padded"), [(6, 8), (8, 8)])
 def test_insert_interpreted(heads, padded):
     check_insert(_fused(), "cpu", heads, padded, seed=heads)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gather_interpreted(kind):
+    check_gather(_fused(), "cpu", kind, seed=KINDS.index(kind))
 
 
 @pytest.mark.parametrize("seed", range(4))

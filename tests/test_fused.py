@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.fused_checks import KINDS, check_insert, check_metadata, check_staged_rows
+from tests.fused_checks import KINDS, check_gather, check_insert, check_metadata, check_staged_rows
 
 pytest.importorskip("triton")
 
@@ -35,9 +35,10 @@ def test_kernels_match_torch_in_the_triton_interpreter():
 def _compiled():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from dsv4_attn.fused import kv_writers, step_metadata
+    from dsv4_attn.fused import kv_gather, kv_writers, step_metadata
 
-    return SimpleNamespace(kv_writers=kv_writers, step_metadata=step_metadata)
+    return SimpleNamespace(kv_writers=kv_writers, step_metadata=step_metadata,
+                           kv_gather=kv_gather)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -57,6 +58,13 @@ def test_staged_rows_cuda(kind):
 def test_insert_cuda(heads, padded):
     for seed in range(3):
         check_insert(_compiled(), "cuda", heads, padded, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_gather_cuda(kind):
+    for seed in range(3):
+        check_gather(_compiled(), "cuda", kind, seed)
 
 
 @pytest.mark.gpu
@@ -85,6 +93,15 @@ def _kernels():
         "rows_ptr": p["bf16"], "rows_stride": "i32", "write_slots_ptr": p["i64"],
         "cache_ptr": p["u8"], "page_stride": "i32", "block_size": "i32",
     }, {}  # fmt: skip
+    from dsv4_attn.fused import kv_gather as kg
+
+    for window in (True, False):
+        yield kg._gather_nvfp4_kernel, {
+            "out_ptr": p["bf16"], "out_stride_req": "i32", "out_stride_row": "i32",
+            "offset": "i32", "cache_ptr": p["u8"], "page_stride": "i32", "block_size": "i32",
+            "seq_lens_ptr": p["i32"], "gather_lens_ptr": p["i32"], "ratio": "i32",
+            "block_table_ptr": p["i32"], "bt_stride": "i32", "WINDOW": "constexpr",
+        }, {"WINDOW": window}  # fmt: skip
     yield kw._qnorm_rope_nvfp4_insert_kernel, {
         "q_ptr": p["bf16"], "q_stride_t": "i32", "q_stride_h": "i32", "kv_ptr": p["bf16"],
         "kv_stride_t": "i32", "q_out_ptr": p["bf16"], "positions_ptr": p["i64"],
@@ -127,4 +144,4 @@ def test_every_kernel_compiles_for_sm90():
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
         assert len(compiled.asm["cubin"]) > 1000
         names.append(kernel.fn.__name__)
-    assert len(names) == 6, names
+    assert len(names) == 8, names

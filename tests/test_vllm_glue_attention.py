@@ -7,6 +7,7 @@ slot the step does not own shows up in the output.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -132,13 +133,25 @@ BATCHES = {
     "mixed": ([5, 300, 129], [1, 3, 129]),
     "chunked_prefill_long": ([1300, 700], [1, 90]),
     "short_requests": ([1, 2, 127], [1, 2, 60]),
+    # Prefills of every kind in one step: whole prompts, prefix-cache hits / later chunks (seq >
+    # query), shorter than the window, longer than top-k; several per gather chunk.
+    "many_prefills": ([9, 700, 40, 1029, 260, 130], [1, 700, 40, 229, 130, 2]),
 }
+# Gather-workspace rows per prefill chunk (None: the layer's own budget, one chunk here); 300
+# splits the step into one or two requests per chunk.
+CHUNK_ROWS = {"one_chunk": None, "small_chunks": 300}
 
 
 @pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
 @pytest.mark.parametrize("ratio", vt.RATIOS)
 @pytest.mark.parametrize("batch_name", list(BATCHES))
-def test_forward_mqa_matches_reference(kv_dtype, ratio, batch_name):
+@pytest.mark.parametrize("chunk_rows", list(CHUNK_ROWS))
+def test_forward_mqa_matches_reference(kv_dtype, ratio, batch_name, chunk_rows, monkeypatch):
+    if chunk_rows != "one_chunk" and batch_name != "many_prefills":
+        pytest.skip("chunking only changes steps with several prefills")
+    if CHUNK_ROWS[chunk_rows] is not None:
+        monkeypatch.setattr(DSV4NVFP4Attention, "_prefill_budget",
+                            lambda self: CHUNK_ROWS[chunk_rows])  # fmt: skip
     model = vt.tiny_model(kv_dtype)
     layer = model.layers[ratio]
     assert isinstance(layer, DSV4NVFP4Attention) and layer.kv_format is KV_DTYPES[kv_dtype]
@@ -426,30 +439,56 @@ def test_sizes_come_from_the_bound_cache_not_the_build_time_block_size(kv_dtype)
         assert layer.compressed_pages().shape[1] == page
 
 
-def test_profiling_run_reserves_the_scratch_of_the_largest_step(monkeypatch):
-    """The profiling forward asks vLLM's workspace manager for the peak scratch; after vLLM locks
-    it, a step of max_num_batched_tokens tokens fits (a locked manager refuses to grow)."""
+@pytest.mark.parametrize("ratio", vt.RATIOS)
+@pytest.mark.parametrize("step", ["one_prompt", "prompt_after_prefix", "decodes"])
+def test_profiling_run_reserves_the_scratch_of_the_largest_step(ratio, step, monkeypatch):
+    """The profiling forward asks vLLM's workspace manager for the peak scratch (decode kernel
+    and prefill gather workspace); after vLLM locks it, the largest steps fit (a locked manager
+    refuses to grow): a max_num_batched_tokens prompt, one as the last chunk of a max_model_len
+    sequence (the most compressed rows), and a batch of decodes."""
     from vllm.v1.worker import workspace
 
     # The manager frees the accelerator's cache when it grows; a CPU-only torch has none.
     monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
 
     model = vt.tiny_model("auto")
-    layer = model.layers[4]  # the CSA layer takes scratch on CPU (its entry slots)
+    layer = model.layers[ratio]
+    T = layer.max_num_batched_tokens
+    max_len = layer.max_model_len
+    seq_lens, query_lens = {
+        "one_prompt": ([T], [T]),
+        "prompt_after_prefix": ([max_len], [min(T, max_len)]),
+        "decodes": ([129 + (r % 7) for r in range(128)], [1] * 128),
+    }[step]
+    requested: list[int] = []
     workspace.init_workspace_manager(torch.device("cpu"))
     try:
-        T = layer.max_num_batched_tokens
+        manager = workspace.current_workspace_manager()
+        real_get = manager.get_simultaneous
+
+        def counting_get(*shapes):
+            requested.append(sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes))
+            return real_get(*shapes)
+
+        monkeypatch.setattr(manager, "get_simultaneous", counting_get)
         out = torch.empty(T, layer.padded_heads, 512, dtype=torch.bfloat16)
         with set_forward_context(None, model.vllm_config):
             layer.forward_mqa(out, None, None, out)
+        reserved = max(requested)
         workspace.lock_workspace()
         gen = torch.Generator().manual_seed(3)
-        batch = vt.make_batch(gen, [T], [T], num_blocks=300)
+        batch = vt.make_batch(gen, seq_lens, query_lens, num_blocks=600)
         write_step_rows(layer, batch, gen)
-        model.topk_indices_buffer[:T] = vt.random_local_topk(gen, batch, vt.INDEX_TOPK)
-        q = torch.randn(T, layer.padded_heads, 512, generator=gen).to(torch.bfloat16)
+        if ratio == 4:
+            model.topk_indices_buffer[: batch.num_tokens] = vt.random_local_topk(
+                gen, batch, vt.INDEX_TOPK
+            )
+        n = batch.num_tokens
+        q = torch.randn(n, layer.padded_heads, 512, generator=gen).to(torch.bfloat16)
+        requested.clear()
         with set_forward_context(build_metadata(layer, batch), model.vllm_config):
-            layer.forward_mqa(q, None, None, out)  # would raise if the scratch had to grow
-        assert torch.isfinite(out.float()).all()
+            layer.forward_mqa(q, None, None, out[:n])  # would raise if the scratch had to grow
+        assert torch.isfinite(out[:n].float()).all()
+        assert requested and max(requested) <= reserved
     finally:
         workspace.reset_workspace_manager()

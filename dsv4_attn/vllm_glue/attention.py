@@ -33,8 +33,8 @@ from vllm.models.deepseek_v4.attention import DeepseekV4Attention
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from dsv4_attn import ops
-from dsv4_attn.kv_cache import KVFormat
-from dsv4_attn.vllm_glue import BACKEND_NAME, kv_spec
+from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+from dsv4_attn.vllm_glue import BACKEND_NAME, kv_spec, prefill
 from dsv4_attn.vllm_glue.backend import DSV4NVFP4Backend, DSV4NVFP4SWABackend
 from dsv4_attn.vllm_glue.metadata import (
     CSA_RATIO,
@@ -242,6 +242,14 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
                 self._compile_kernels()
         if self._peak_scratch:
             _scratch(self._peak_scratch, self.device)
+        _scratch(self._peak_prefill_scratch(), self.device)  # prefill chunks, at other times
+
+    def _peak_prefill_scratch(self) -> Shapes:
+        """The largest workspace a prefill chunk of this layer asks for."""
+        topk = self.topk_indices_buffer.shape[1] if self.compress_ratio == CSA_RATIO else 0
+        return prefill.peak_workspace_shapes(self.max_model_len, self.compress_ratio,
+                                             self.window_size, topk,
+                                             self.max_num_batched_tokens)  # fmt: skip
 
     def _compile_kernels(self) -> None:
         """Compile (or load) this layer's decode-kernel variants now, outside any CUDA-graph
@@ -253,6 +261,12 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         if self.compress_ratio > 1:
             extra_rows = self.cache_config.block_size // self.compress_ratio
         sparse_decode.compile_variants(self.kv_format, self.swa_cache_layer.block_size, extra_rows)
+        try:
+            from dsv4_attn.kernels import fmha
+
+            fmha.compile_variant(fmha.sparse_variant())  # the prefill path's gathered FMHA
+        except ImportError:  # the fallback serves prefill (check_serving_device allowed it)
+            pass
 
     def forward_mqa(
         self,
@@ -281,6 +295,29 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             if compressed.hca_indices is not None:
                 hca_width = compressed.hca_indices.shape[1]
         n = min(swa.num_tokens, q.shape[0])
+        if swa.num_prefills == 0:
+            # Decode-only (what CUDA graphs capture): every row through the decode kernel,
+            # padding rows included (they see no keys: output 0).
+            self._forward_decode(q, output, swa, compressed, hca_width, n)
+        else:
+            self._forward_decode(q, output, swa, compressed, hca_width, swa.num_decode_tokens)
+            end = self._forward_prefill(q, output, swa, compressed)
+            n = min(n, end)
+        if n < q.shape[0]:
+            output[n:].zero_()
+
+    def _forward_decode(
+        self,
+        q: torch.Tensor,
+        output: torch.Tensor,
+        swa: DSV4SWAMetadata,
+        compressed: DSV4CompressedMetadata | None,
+        hca_width: int,
+        n: int,
+    ) -> None:
+        """Tokens ``0 .. n`` through the sparse-decode kernel, each reading its own rows."""
+        if n == 0:
+            return
         scratch = _scratch(self._scratch_shapes(n, self._key_capacity(hca_width)), self.device)
         entry_slots = None
         if self.compress_ratio == CSA_RATIO:
@@ -305,8 +342,66 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             workspace=(scratch[0], scratch[1]) if scratch else None,
             check_values=False,
         )
-        if n < q.shape[0]:
-            output[n:].zero_()
+
+    def _prefill_budget(self) -> int:
+        return prefill.rows_budget(self.max_model_len, self.compress_ratio, self.window_size,
+                                   self.max_num_batched_tokens)  # fmt: skip
+
+    def _forward_prefill(
+        self,
+        q: torch.Tensor,
+        output: torch.Tensor,
+        swa: DSV4SWAMetadata,
+        compressed: DSV4CompressedMetadata | None,
+    ) -> int:
+        """The prefill requests' tokens through gather + the gathered FMHA kernel, chunk by
+        chunk (:mod:`.prefill`). Returns the end of the step's real tokens."""
+        assert swa.query_start_loc_cpu is not None and swa.seq_lens_cpu is not None
+        assert swa.query_start_loc is not None and swa.seq_lens is not None
+        chunks = prefill.plan_chunks(
+            swa.query_start_loc_cpu, swa.seq_lens_cpu, swa.num_decodes, swa.num_prefills,
+            self.compress_ratio, self.window_size, self._prefill_budget(),
+        )  # fmt: skip
+        swa_pages = self.swa_pages()
+        compressed_pages = self.compressed_pages() if compressed is not None else None
+        vllm_caches = None
+        if self.kv_format is KVFormat.FP8_DS_MLA:
+            vllm_caches = (self.swa_cache_layer.kv_cache,
+                           self.kv_cache if compressed is not None else None)  # fmt: skip
+        topk = self.topk_indices_buffer.shape[1] if self.compress_ratio == CSA_RATIO else 0
+        for chunk in chunks:
+            reqs = slice(chunk.first_req, chunk.end_req)
+            tokens = slice(chunk.first_token, chunk.end_token)
+            query_start = swa.query_start_loc[chunk.first_req : chunk.end_req + 1]
+            seq_lens = swa.seq_lens[reqs]
+            C, T = chunk.end_req - chunk.first_req, chunk.end_token - chunk.first_token
+            width = prefill.index_width(self.compress_ratio, topk, chunk.entries,
+                                        self.window_size)  # fmt: skip
+            rows_ws, indices_ws, lens_ws = _scratch(
+                [((C * chunk.rows, HEAD_DIM), torch.bfloat16), ((T, width), torch.int32),
+                 ((T,), torch.int32)],
+                self.device,
+            )  # fmt: skip
+            extra = None
+            if compressed is not None and compressed_pages is not None:
+                extra = (compressed_pages, compressed.block_table[reqs],
+                         compressed.rows_per_block, self.compress_ratio)  # fmt: skip
+            rows = prefill.gather_rows(
+                rows_ws, chunk, self.kv_format, seq_lens, query_start[1:] - query_start[:-1],
+                self.window_size, (swa_pages, swa.block_table[reqs], swa.block_size), extra,
+                vllm_caches,
+            )  # fmt: skip
+            local_topk = None
+            if self.compress_ratio == CSA_RATIO:
+                assert self.topk_indices_buffer is not None
+                local_topk = self.topk_indices_buffer[tokens]
+            indices, lens = prefill.index_lists(
+                chunk, query_start, seq_lens, self.window_size, self.compress_ratio, local_topk,
+                (indices_ws, lens_ws),
+            )  # fmt: skip
+            prefill.attend(q[tokens], rows, indices, lens, self.attn_sink, self.scale,
+                           output[tokens])  # fmt: skip
+        return int(swa.query_start_loc_cpu[swa.num_decodes + swa.num_prefills])
 
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         from vllm.models.deepseek_v4.nvidia.ops.o_proj import (

@@ -297,6 +297,7 @@ class DSV4SWAMetadata(DeepseekSparseSWAMetadata):
     num_tokens: int = 0
     swa_indices: torch.Tensor | None = None  # int32 [T, window]
     swa_lens: torch.Tensor | None = None  # int32 [T]
+    seq_lens_cpu: torch.Tensor | None = None  # host upper bounds of seq_lens (prefill chunking)
 
 
 @dataclass
@@ -311,6 +312,14 @@ class DSV4CompressedMetadata(DeepseekV4FlashMLAMetadata):
     staging_rows: torch.Tensor | None = None  # int64 [T] token index or -1 (NVFP4 staging)
     hca_indices: torch.Tensor | None = None  # int32 [T, W], HCA only
     hca_lens: torch.Tensor | None = None  # int32 [T], HCA only
+
+
+def _seq_lens_cpu(cm: CommonAttentionMetadata) -> torch.Tensor:
+    """Host upper bounds of the step's sequence lengths: vLLM's own (no sync) where it keeps
+    them, else a copy of the device tensor."""
+    if cm.seq_lens_cpu_upper_bound is not None:
+        return cm.seq_lens_cpu_upper_bound
+    return cm.seq_lens.cpu()
 
 
 def _max_tokens(vllm_config: VllmConfig) -> int:
@@ -381,6 +390,7 @@ class DSV4SWAMetadataBuilder(AttentionMetadataBuilder[DSV4SWAMetadata]):
             num_tokens=T,
             swa_indices=swa_indices,
             swa_lens=swa_lens,
+            seq_lens_cpu=_seq_lens_cpu(cm) if num_prefills else None,
         )
 
 

@@ -1,0 +1,122 @@
+"""Triton gather-dequantize of an NVFP4 KV cache into a bf16 prefill workspace (one kernel).
+
+:func:`gather_nvfp4_rows` does for NVFP4 what vLLM's ``dequantize_and_gather_k_cache`` does for
+fp8_ds_mla: for each request ``c`` of a prefill chunk it decodes a contiguous run of the
+request's rows (compressed entries ``0 .. seq_len // ratio``, or the window positions
+``seq_len - gather_len .. seq_len``) from the paged cache and writes them, in order, to
+``out[c, offset + i]``. The values are those of :func:`dsv4_attn.kv_cache.read` bit for bit
+(float32 products as torch forms them, then round-to-nearest-even to bf16).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_attn.fused.nvfp4 import (
+    DATA_ROW_BYTES,
+    NOPE_BYTES,
+    SCALE_ROW_BYTES,
+    _e4m3_value,
+    bf16_rne,
+)
+from dsv4_attn.kv_cache import HEAD_DIM, NOPE_DIM
+
+__all__ = ["gather_nvfp4_rows"]
+
+
+@triton.jit
+def _e2m1_value(nibble):
+    """float32 value of e2m1 codes (int32 0..15: sign << 3 | magnitude code), from bits."""
+    code = nibble & 7
+    exponent = code >> 1
+    mantissa = code & 1
+    normal = (((exponent + 126) << 23) | (mantissa << 22)).to(tl.float32, bitcast=True)
+    magnitude = tl.where(exponent > 0, normal, mantissa.to(tl.float32) * 0.5)
+    return tl.where((nibble & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _gather_nvfp4_kernel(
+    out_ptr, out_stride_req, out_stride_row, offset,
+    cache_ptr, page_stride, block_size,
+    seq_lens_ptr, gather_lens_ptr, ratio,
+    block_table_ptr, bt_stride,
+    WINDOW: tl.constexpr,
+):  # fmt: skip
+    c = tl.program_id(0)
+    i = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + c)
+    if WINDOW:
+        count = tl.load(gather_lens_ptr + c)
+        start = seq_len - count
+    else:
+        count = seq_len // ratio
+        start = 0
+    if i < count:
+        row_id = (start + i).to(tl.int64)
+        block = tl.load(block_table_ptr + c.to(tl.int64) * bt_stride + row_id // block_size)
+        page = cache_ptr + block.to(tl.int64) * page_stride
+        row = row_id % block_size
+        data = page + row * DATA_ROW_BYTES
+        scales = page + block_size * DATA_ROW_BYTES + row * SCALE_ROW_BYTES
+        byte = tl.arange(0, 256)
+        real = byte < NOPE_BYTES
+        packed = tl.load(data + byte, mask=real, other=0).to(tl.int32)
+        block_code = tl.load(scales + byte // 8, mask=real, other=0).to(tl.int32)
+        exponent = tl.load(scales + 28).to(tl.int32) - 127
+        token_scale = tl.where(exponent >= -126, (exponent + 127) << 23, 1 << 22)
+        step = _e4m3_value(block_code) * token_scale.to(tl.float32, bitcast=True)
+        low = bf16_rne(_e2m1_value(packed & 15) * step)
+        high = bf16_rne(_e2m1_value(packed >> 4) * step)
+        values = tl.reshape(tl.join(low, high), (512,))
+        dst = out_ptr + c.to(tl.int64) * out_stride_req + (offset + i).to(tl.int64) * out_stride_row
+        column = tl.arange(0, 512)
+        tl.store(dst + column, values, mask=column < 448)
+        rope = (data + NOPE_BYTES).to(tl.pointer_type(tl.bfloat16))
+        rope_column = tl.arange(0, 64)
+        tl.store(dst + 448 + rope_column, tl.load(rope + rope_column))
+
+
+def gather_nvfp4_rows(
+    out: torch.Tensor,
+    cache: torch.Tensor,
+    block_size: int,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    offset: int,
+    max_rows: int,
+    *,
+    ratio: int = 1,
+    gather_lens: torch.Tensor | None = None,
+) -> None:
+    """Decode each request's run of rows into ``out[c, offset : offset + count_c]`` (CUDA).
+
+    Args:
+        out: ``bf16 [C, >= offset + max_rows, 512]`` (rows contiguous).
+        cache: ``uint8 [num_blocks, >= page_bytes]`` NVFP4 pages of ``block_size`` rows.
+        seq_lens: ``int32 [C]`` tokens of each request (this step's included).
+        block_table: ``int32 [C, blocks]`` the cache group's pages of each request.
+        offset: first row of ``out`` to write.
+        max_rows: an upper bound of every request's count (the grid's second dimension).
+        ratio: with ``gather_lens`` None: the run is compressed entries ``0 .. seq_len //
+            ratio``.
+        gather_lens: ``int32 [C]``: the run is positions ``seq_len - gather_len .. seq_len``.
+    """
+    C = seq_lens.shape[0]
+    if C == 0 or max_rows == 0:
+        return
+    if out.shape[-1] != HEAD_DIM or out.stride(-1) != 1 or out.shape[1] < offset + max_rows:
+        raise ValueError(f"out must be [C, >= {offset + max_rows}, 512], got {tuple(out.shape)}")
+    window = gather_lens is not None
+    _gather_nvfp4_kernel[(C, max_rows)](
+        out, out.stride(0), out.stride(1), offset,
+        cache, cache.stride(0), block_size,
+        seq_lens, gather_lens if window else seq_lens, ratio,
+        block_table, block_table.stride(0),
+        WINDOW=window,
+    )  # fmt: skip
+
+
+assert NOPE_DIM == 448  # the kernel spells the geometry out as literals
