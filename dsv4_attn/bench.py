@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m dsv4_attn.bench {decode,prefill,fallback,step} [options]``.
+"""Benchmarks: ``python -m dsv4_attn.bench {decode,prefill,prefill-layer,fallback,step} [options]``.
 
 Each subcommand lives in its own module with a ``main(argv)`` that prints a table and writes JSON.
 """
@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "prefill": "dsv4_attn.bench_prefill",
     "fallback": "dsv4_attn.bench_fallback",
     "step": "dsv4_attn.bench_step",
+    "prefill-layer": "dsv4_attn.bench_prefill_layer",
 }
 
 

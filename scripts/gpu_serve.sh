@@ -11,6 +11,7 @@
 #   bash scripts/gpu_serve.sh tests     # pytest -m gpu: fused kernels, the layer on CUDA (sync
 #                                       #   debug mode, CUDA-graph replay), the decode kernel
 #   bash scripts/gpu_serve.sh bench     # python -m dsv4_attn.bench step (one layer step, b = 64)
+#                                       #   and prefill-layer (one prompt's prefill, new vs old)
 #   bash scripts/gpu_serve.sh vllm      # serve + query: vLLM's backend (the reference)
 #   bash scripts/gpu_serve.sh fp8       # ... --attention-backend DSV4_NVFP4 --kv-cache-dtype fp8
 #   bash scripts/gpu_serve.sh nvfp4     # ... --attention-backend DSV4_NVFP4 (NVFP4: auto)
@@ -67,6 +68,7 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
   tests)
     VLLM_TARGET_DEVICE=cuda timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
       tests/test_fused.py tests/test_vllm_glue_gpu.py tests/test_sparse_decode.py \
+      tests/test_fmha_ops.py::test_gpu_sparse_prefill_auto_uses_kernel \
       -k "not test_kernel_matches_reference or H-64" 2>&1 | tee "$OUT/pytest_gpu_serve_env.log"
     echo "pytest exit: ${PIPESTATUS[0]}"
     ;;
@@ -77,6 +79,8 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
       CUDA_LAUNCH_BLOCKING=1 timeout 200 python3 -m dsv4_attn.bench step --reps 3 \
         --json "$OUT/bench_step_blocking.json" 2>&1 | tail -25
     fi
+    timeout 300 python3 -m dsv4_attn.bench prefill-layer --json "$OUT/bench_prefill_layer.json" \
+      2>&1 | tee "$OUT/bench_prefill_layer.log"
     ;;
   vllm) serve_round vllm 8101 ;;
   fp8) serve_round fp8 8102 --attention-backend DSV4_NVFP4 --kv-cache-dtype fp8 ;;

@@ -89,6 +89,15 @@ def test_sparse_fallback_matches_reference(lens, sink):
     assert_lse_close(lse, ref_lse, 1e-5)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+def test_sparse_writes_into_out(backend):
+    case = make_random_sparse_case(9, 4, 50, 37, head_dim=64, sink="random", seed=5)
+    out = torch.full((9, 4, 64), float("nan"), dtype=torch.bfloat16)
+    got, _ = fmha_ops.sparse_prefill(*case.args(), backend=backend, out=out)
+    expected, _ = fmha_ops.sparse_prefill(*case.args(), backend=backend)
+    assert got is out and torch.equal(out, expected)
+
+
 def test_reference_backends_return_reference_values():
     case = make_dense_case([(4, 6)], 2, 1, 16, causal=True, sink="random", seed=3)
     out, lse = fmha_ops.fmha(case.q, case.k, case.v, backend="reference", **case.kwargs())
@@ -207,6 +216,8 @@ def test_packed_rejects_short_max_seqlen_q():
         (lambda a: a.update(indices=torch.full_like(a["indices"], -2)), r"rows must lie in \[-1"),
         (lambda a: a.update(sink=torch.zeros(5)), r"sink must be a \[H=2\] tensor"),
         (lambda a: a.update(scale=-1.0), "scale must be a positive finite float"),
+        (lambda a: a.update(out=torch.empty(3, 2, 8)), r"out must be a contiguous \(3, 2, 16\)"),
+        (lambda a: a.update(out=torch.empty(3, 2, 16, dtype=torch.bfloat16)), "out must be"),
     ],
 )
 def test_sparse_rejects_bad_input(change, message):
@@ -265,3 +276,6 @@ def test_gpu_sparse_prefill_auto_uses_kernel(heads):
     ref_out, ref_lse = reference.sparse_attention(*case.args())
     assert rel_err(out, ref_out) <= 1e-2
     assert_lse_close(lse, ref_lse, 1e-2)
+    into = torch.full_like(out, float("nan"))
+    got, _ = fmha_ops.sparse_prefill(*case.args(), backend="cutedsl", out=into)
+    assert got is into and torch.equal(into, out)

@@ -1,0 +1,183 @@
+"""The whole prefill attention of one DeepSeek-V4 layer for one prompt, new path against old.
+
+``python -m dsv4_attn.bench prefill-layer [--prompts 4096,32768,131072] [--json PATH]``
+
+One request whose prompt of ``P`` tokens is prefilled in one step (V4-Flash shapes: 64 heads,
+window 128, CSA top-k 512, HCA over every entry; NVFP4 cache filled with random rows, random
+top-k picks among each token's visible entries). Per layer kind it times, on the same caches
+and queries:
+
+* ``old`` — every token through the sparse-decode kernel, reading its own rows from the pages
+  (how ``forward_mqa`` ran prefill before the gathered path);
+* ``new`` — what ``forward_mqa`` runs now (:mod:`dsv4_attn.vllm_glue.prefill`): gather the
+  request's rows to bf16 once, build the index lists, the gathered FMHA kernel; also each piece
+  alone (``gather``, ``index``, ``fmha``).
+
+Target (issue 13): a 32K prompt's CSA layer at least 5x faster than the old path. The outputs of
+both paths are compared (max |diff|, bf16); both are checked against the float64 reference in the
+tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from dsv4_attn import kv_cache, ops
+from dsv4_attn.benchmarking import measure_ceilings, report, time_cuda_us
+from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+from dsv4_attn.scope import KVScope
+from dsv4_attn.testing import random_rows
+
+__all__ = ["main"]
+
+WINDOW = 128
+SWA_BLOCK = 64
+CACHE_BLOCK = 256
+KINDS = {"swa": 1, "csa": 4, "hca": 128}
+
+
+def _filled_cache(num_rows: int, block_size: int, fmt: KVFormat, gen) -> torch.Tensor:
+    blocks = max(1, -(-num_rows // block_size))
+    cache = kv_cache.allocate(blocks, block_size, fmt, device="cuda")
+    for start in range(0, blocks * block_size, 1 << 17):
+        slots = torch.arange(start, min(blocks * block_size, start + (1 << 17)), device="cuda")
+        kv_cache.write(cache, slots, random_rows(len(slots), gen, "cuda"), fmt, block_size)
+    return cache
+
+
+class _Prompt:
+    """Caches, queries and both paths' inputs for a ``P``-token prompt at one layer kind."""
+
+    def __init__(self, fmt: KVFormat, P: int, ratio: int, heads: int, topk: int, gen) -> None:
+        from dsv4_attn.vllm_glue import prefill
+
+        dev = torch.device("cuda")
+        self.fmt, self.P, self.ratio, self.topk = fmt, P, ratio, topk
+        self.q = (torch.randn(P, heads, HEAD_DIM, generator=gen) * 2).to(dev, torch.bfloat16)
+        self.sink = torch.randn(heads, generator=gen).to(dev)
+        self.swa = _filled_cache(P, SWA_BLOCK, fmt, gen)
+        self.swa_table = torch.arange(self.swa.shape[0], dtype=torch.int32, device=dev)[None]
+        pos = torch.arange(P, device=dev)
+        # Old path: each token's window slots (the block table is the identity: slot = position).
+        offsets = torch.arange(WINDOW, device=dev)
+        start = (pos - (WINDOW - 1)).clamp(min=0)
+        wlen = (pos - start + 1).int()
+        win = torch.where(offsets[None] < wlen[:, None], start[:, None] + offsets[None], -1)
+        self.window = KVScope(self.swa, fmt, SWA_BLOCK, win.int(), wlen)
+        self.extra = None
+        self.local_topk = None
+        self.compressed = None
+        if ratio > 1:
+            per_page = CACHE_BLOCK // ratio
+            cache = _filled_cache(max(1, P // ratio), per_page, fmt, gen)
+            table = torch.arange(cache.shape[0], dtype=torch.int32, device=dev)[None]
+            self.compressed = (cache, table, per_page, ratio)
+            count = (pos + 1) // ratio
+            if ratio == 4:  # random picks among the visible entries, -1 past the count
+                k = torch.arange(topk, device=dev)[None]
+                picks = (torch.rand(P, topk, generator=torch.Generator(dev).manual_seed(1),
+                                    device=dev) * count[:, None]).long()  # fmt: skip
+                local = torch.where(k < count[:, None].clamp(max=topk), picks, -1).int()
+                self.local_topk = local
+                lens = (local >= 0).sum(1).int()
+                self.extra = KVScope(cache, fmt, per_page, local, lens)
+            else:
+                width = max(1, P // ratio)
+                e = torch.arange(width, device=dev)[None]
+                hca = torch.where(e < count[:, None], e, -1).int()
+                self.extra = KVScope(cache, fmt, per_page, hca, count.clamp(max=width).int())
+        query_start_cpu = torch.tensor([0, P])
+        budget = prefill.rows_budget(P, ratio, WINDOW, P)
+        (self.chunk,) = prefill.plan_chunks(query_start_cpu, torch.tensor([P]), 0, 1, ratio,
+                                            WINDOW, budget)  # fmt: skip
+        shapes = prefill.peak_workspace_shapes(P, ratio, WINDOW, topk, P)
+        self.rows_ws = torch.empty(shapes[0][0], dtype=torch.bfloat16, device=dev)
+        self.index_ws = (torch.empty(shapes[1][0], dtype=torch.int32, device=dev),
+                         torch.empty(shapes[2][0], dtype=torch.int32, device=dev))  # fmt: skip
+        self.seq_lens = torch.tensor([P], dtype=torch.int32, device=dev)
+        self.query_start = torch.tensor([0, P], dtype=torch.int32, device=dev)
+        self.out_old = torch.empty_like(self.q)
+        self.out_new = torch.empty_like(self.q)
+        self.prefill = prefill
+        self.rows = self.gather()
+        self.indices, self.lens = self.index()
+
+    def old(self) -> None:
+        ops.sparse_attention(self.q, self.window, self.sink, HEAD_DIM**-0.5, self.extra,
+                             out=self.out_old, check_values=False)  # fmt: skip
+
+    def gather(self) -> torch.Tensor:
+        return self.prefill.gather_rows(
+            self.rows_ws, self.chunk, self.fmt, self.seq_lens, self.seq_lens, WINDOW,
+            (self.swa, self.swa_table, SWA_BLOCK), self.compressed,
+        )  # fmt: skip
+
+    def index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.prefill.index_lists(self.chunk, self.query_start, self.seq_lens, WINDOW,
+                                        self.ratio, self.local_topk, self.index_ws)  # fmt: skip
+
+    def fmha(self) -> None:
+        self.prefill.attend(self.q, self.rows, self.indices, self.lens, self.sink,
+                            HEAD_DIM**-0.5, self.out_new)  # fmt: skip
+
+    def new(self) -> None:
+        self.gather()
+        self.index()
+        self.fmha()
+
+
+def run(args) -> tuple[list[dict], object]:
+    ceilings = measure_ceilings()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for P in [int(p) for p in args.prompts.split(",")]:
+        for kind in args.kinds.split(","):
+            case = _Prompt(KVFormat.NVFP4, P, KINDS[kind], args.heads, args.topk, gen)
+            times = {name: time_cuda_us(getattr(case, name), reps=args.reps, warmup=2)["median_us"]
+                     for name in ("old", "gather", "index", "fmha", "new")}  # fmt: skip
+            diff = (case.out_old.float() - case.out_new.float()).abs().max().item()
+            rows.append({
+                "fmt": "nvfp4", "kind": kind, "prompt": P, "H": args.heads,
+                "old_us": times["old"], "new_us": times["new"], "gather_us": times["gather"],
+                "index_us": times["index"], "fmha_us": times["fmha"],
+                "speedup": times["old"] / times["new"], "workspace_rows": case.chunk.rows,
+                "max_abs_diff": diff,
+            })  # fmt: skip
+            print(rows[-1], flush=True)
+            del case
+            torch.cuda.empty_cache()
+    return rows, ceilings
+
+
+COLUMNS = [
+    ("kind", "layer", "s"),
+    ("prompt", "prompt", "d"),
+    ("old_us", "old us", ".0f"),
+    ("new_us", "new us", ".0f"),
+    ("speedup", "x old", ".2f"),
+    ("gather_us", "gather", ".0f"),
+    ("index_us", "index", ".0f"),
+    ("fmha_us", "fmha", ".0f"),
+    ("workspace_rows", "ws rows", "d"),
+    ("max_abs_diff", "max|d|", ".4f"),
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dsv4_attn.bench prefill-layer")
+    parser.add_argument("--prompts", default="4096,32768,131072")
+    parser.add_argument("--kinds", default="csa,hca,swa")
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--topk", type=int, default=512)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--json", default="bench_out/prefill_layer.json")
+    args = parser.parse_args(argv)
+    rows, ceilings = run(args)
+    note = f"one prompt per step, NVFP4 cache, H={args.heads}, median of {args.reps}"
+    report(args.json, "prefill-layer", ceilings, rows, COLUMNS, note=note)
+
+
+if __name__ == "__main__":
+    main()
