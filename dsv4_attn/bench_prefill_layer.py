@@ -2,7 +2,8 @@
 
 ``python -m dsv4_attn.bench prefill-layer [--prompts 4096,32768,131072] [--json PATH]``
 
-One request whose prompt of ``P`` tokens is prefilled in one step (V4-Flash shapes: 64 heads,
+One request whose prompt of ``P`` tokens is prefilled in steps of ``--step-tokens`` (vLLM's
+chunked prefill; each step sees the prompt's earlier tokens from the cache; V4-Flash: 64 heads,
 window 128, CSA top-k 512, HCA over every entry; NVFP4 cache filled with random rows, random
 top-k picks among each token's visible entries). Per layer kind it times, on the same caches
 and queries:
@@ -50,7 +51,8 @@ def _filled_cache(num_rows: int, block_size: int, fmt: KVFormat, gen) -> torch.T
 class _Prompt:
     """Caches, queries and both paths' inputs for a ``P``-token prompt at one layer kind."""
 
-    def __init__(self, fmt: KVFormat, P: int, ratio: int, heads: int, topk: int, gen) -> None:
+    def __init__(self, fmt: KVFormat, P: int, ratio: int, heads: int, topk: int,
+                 step_tokens: int, gen) -> None:  # fmt: skip
         from dsv4_attn.vllm_glue import prefill
 
         dev = torch.device("cuda")
@@ -88,39 +90,64 @@ class _Prompt:
                 e = torch.arange(width, device=dev)[None]
                 hca = torch.where(e < count[:, None], e, -1).int()
                 self.extra = KVScope(cache, fmt, per_page, hca, count.clamp(max=width).int())
-        query_start_cpu = torch.tensor([0, P])
-        budget = prefill.rows_budget(P, ratio, WINDOW, P)
-        (self.chunk,) = prefill.plan_chunks(query_start_cpu, torch.tensor([P]), 0, 1, ratio,
-                                            WINDOW, budget)  # fmt: skip
-        shapes = prefill.peak_workspace_shapes(P, ratio, WINDOW, topk, P)
-        self.rows_ws = torch.empty(shapes[0][0], dtype=torch.bfloat16, device=dev)
-        self.index_ws = (torch.empty(shapes[1][0], dtype=torch.int32, device=dev),
-                         torch.empty(shapes[2][0], dtype=torch.int32, device=dev))  # fmt: skip
-        self.seq_lens = torch.tensor([P], dtype=torch.int32, device=dev)
-        self.query_start = torch.tensor([0, P], dtype=torch.int32, device=dev)
+        # vLLM prefills the prompt in steps of at most max_num_batched_tokens tokens; step k
+        # attends its own tokens to everything cached before (prefix) and in the step.
+        self.steps = []
+        for t0 in range(0, P, step_tokens):
+            t1 = min(P, t0 + step_tokens)
+            budget = prefill.rows_budget(P, ratio, WINDOW, step_tokens)
+            (chunk,) = prefill.plan_chunks(torch.tensor([t0, t1]), torch.tensor([t1]), 0, 1,
+                                           ratio, WINDOW, budget)  # fmt: skip
+            shapes = prefill.peak_workspace_shapes(P, ratio, WINDOW, topk, t1 - t0)
+            self.steps.append({
+                "tokens": slice(t0, t1), "chunk": chunk,
+                "seq_lens": torch.tensor([t1], dtype=torch.int32, device=dev),
+                "query_lens": torch.tensor([t1 - t0], dtype=torch.int32, device=dev),
+                "query_start": torch.tensor([t0, t1], dtype=torch.int32, device=dev),
+                "rows_ws": torch.empty(chunk.rows, HEAD_DIM, dtype=torch.bfloat16, device=dev),
+                "index_ws": (torch.empty(shapes[1][0], dtype=torch.int32, device=dev),
+                             torch.empty(shapes[2][0], dtype=torch.int32, device=dev)),
+            })  # fmt: skip
         self.out_old = torch.empty_like(self.q)
         self.out_new = torch.empty_like(self.q)
         self.prefill = prefill
-        self.rows = self.gather()
-        self.indices, self.lens = self.index()
+        self.gather()
+        self.index()
+        self.workspace_rows = max(step["chunk"].rows for step in self.steps)
 
     def old(self) -> None:
-        ops.sparse_attention(self.q, self.window, self.sink, HEAD_DIM**-0.5, self.extra,
-                             out=self.out_old, check_values=False)  # fmt: skip
+        for step in self.steps:
+            t = step["tokens"]
+            window = KVScope(self.swa, self.fmt, SWA_BLOCK, self.window.indices[t],
+                             self.window.lens[t])  # fmt: skip
+            extra = None
+            if self.extra is not None:
+                extra = KVScope(self.extra.cache, self.fmt, self.extra.block_size,
+                                self.extra.indices[t], self.extra.lens[t])  # fmt: skip
+            ops.sparse_attention(self.q[t], window, self.sink, HEAD_DIM**-0.5, extra,
+                                 out=self.out_old[t], check_values=False)  # fmt: skip
 
-    def gather(self) -> torch.Tensor:
-        return self.prefill.gather_rows(
-            self.rows_ws, self.chunk, self.fmt, self.seq_lens, self.seq_lens, WINDOW,
-            (self.swa, self.swa_table, SWA_BLOCK), self.compressed,
-        )  # fmt: skip
+    def gather(self) -> None:
+        for step in self.steps:
+            step["rows"] = self.prefill.gather_rows(
+                step["rows_ws"], step["chunk"], self.fmt, step["seq_lens"], step["query_lens"],
+                WINDOW, (self.swa, self.swa_table, SWA_BLOCK), self.compressed,
+            )  # fmt: skip
 
-    def index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.prefill.index_lists(self.chunk, self.query_start, self.seq_lens, WINDOW,
-                                        self.ratio, self.local_topk, self.index_ws)  # fmt: skip
+    def index(self) -> None:
+        for step in self.steps:
+            t = step["tokens"]
+            topk = self.local_topk[t] if self.local_topk is not None else None
+            step["indices"], step["lens"] = self.prefill.index_lists(
+                step["chunk"], step["query_start"], step["seq_lens"], WINDOW, self.ratio, topk,
+                step["index_ws"],
+            )  # fmt: skip
 
     def fmha(self) -> None:
-        self.prefill.attend(self.q, self.rows, self.indices, self.lens, self.sink,
-                            HEAD_DIM**-0.5, self.out_new)  # fmt: skip
+        for step in self.steps:
+            t = step["tokens"]
+            self.prefill.attend(self.q[t], step["rows"], step["indices"], step["lens"],
+                                self.sink, HEAD_DIM**-0.5, self.out_new[t])  # fmt: skip
 
     def new(self) -> None:
         self.gather()
@@ -134,7 +161,8 @@ def run(args) -> tuple[list[dict], object]:
     rows = []
     for P in [int(p) for p in args.prompts.split(",")]:
         for kind in args.kinds.split(","):
-            case = _Prompt(KVFormat.NVFP4, P, KINDS[kind], args.heads, args.topk, gen)
+            case = _Prompt(KVFormat.NVFP4, P, KINDS[kind], args.heads, args.topk,
+                           args.step_tokens, gen)  # fmt: skip
             times = {name: time_cuda_us(getattr(case, name), reps=args.reps, warmup=2)["median_us"]
                      for name in ("old", "gather", "index", "fmha", "new")}  # fmt: skip
             diff = (case.out_old.float() - case.out_new.float()).abs().max().item()
@@ -142,7 +170,8 @@ def run(args) -> tuple[list[dict], object]:
                 "fmt": "nvfp4", "kind": kind, "prompt": P, "H": args.heads,
                 "old_us": times["old"], "new_us": times["new"], "gather_us": times["gather"],
                 "index_us": times["index"], "fmha_us": times["fmha"],
-                "speedup": times["old"] / times["new"], "workspace_rows": case.chunk.rows,
+                "speedup": times["old"] / times["new"], "workspace_rows": case.workspace_rows,
+                "step_tokens": args.step_tokens,
                 "max_abs_diff": diff,
             })  # fmt: skip
             print(rows[-1], flush=True)
@@ -171,11 +200,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kinds", default="csa,hca,swa")
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--topk", type=int, default=512)
+    parser.add_argument(
+        "--step-tokens",
+        type=int,
+        default=8192,
+        help="tokens per prefill step (vLLM's max_num_batched_tokens)",
+    )
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", default="bench_out/prefill_layer.json")
     args = parser.parse_args(argv)
     rows, ceilings = run(args)
-    note = f"one prompt per step, NVFP4 cache, H={args.heads}, median of {args.reps}"
+    note = (
+        f"one prompt in steps of {args.step_tokens} tokens, NVFP4 cache, H={args.heads}, "
+        f"median of {args.reps} whole prefills"
+    )
     report(args.json, "prefill-layer", ceilings, rows, COLUMNS, note=note)
 
 

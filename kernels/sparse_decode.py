@@ -15,6 +15,7 @@ import math
 import torch
 
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+from dsv4_attn.scope import KVScope
 
 __all__ = [
     "SUPPORTED_HEAD_COUNTS",
@@ -36,6 +37,7 @@ BLOCK_N = 64
 # A split should read at least this many key tiles: each split also writes and the combine
 # reads back a 64 x 512 fp32 partial per head block (128 KB), about 3.5 tiles of FP8 rows.
 MIN_TILES_PER_SPLIT = 2
+MAX_GRID_TOKENS = 65535  # CUDA's limit on a grid's z axis, which carries the tokens
 _MAX_PACKED_SLOTS = 1 << 30  # the kernel packs (slot, scope) into one int32
 _FORMATS = {KVFormat.FP8_DS_MLA: "fp8_ds_mla", KVFormat.NVFP4: "nvfp4"}
 _INDEX_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
@@ -343,6 +345,14 @@ def sparse_attention(
         lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
+    if T > MAX_GRID_TOKENS:  # tokens are the grid's z axis: launch in slices
+        for t0 in range(0, T, MAX_GRID_TOKENS):
+            rows = slice(t0, min(T, t0 + MAX_GRID_TOKENS))
+            sparse_attention(q[rows], _rows_of(window, rows), sink, scale,
+                             _rows_of(extra, rows) if extra is not None else None,
+                             num_splits=num_splits, out=out[rows], lse=lse[rows],
+                             workspace=workspace)  # fmt: skip
+        return out, lse
     capacity = key_capacity(window, extra)
     num_splits, tiles_per_split = resolve_splits(T, H, capacity, q.device, num_splits)
     decode_cache, combine_cache = _caches()
@@ -368,6 +378,11 @@ def sparse_attention(
     combine = combine_cache.get(combine_config, lambda: build_combine_kernel(combine_config))
     combine(o_part, lse_part, sink, out, lse)
     return out, lse
+
+
+def _rows_of(scope: KVScope, rows: slice) -> KVScope:
+    return KVScope(scope.cache, scope.fmt, scope.block_size, scope.indices[rows],
+                   scope.lens[rows])  # fmt: skip
 
 
 def _workspace_views(workspace, o_shape, lse_shape) -> tuple[torch.Tensor, torch.Tensor]:

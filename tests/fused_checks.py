@@ -132,6 +132,41 @@ def check_gather(fused, device, kind: str, seed: int) -> None:
         assert torch.equal(got.nan_to_num(), expected.nan_to_num()), (window, ratio)
 
 
+def check_prefill_index(fused, device, seed: int) -> None:
+    """Prefill index lists = the torch construction, entry for entry, for every layer kind."""
+    from dsv4_attn.vllm_glue import prefill
+
+    gen = torch.Generator().manual_seed(seed)
+    C = int(torch.randint(1, 5, (1,), generator=gen))
+    query_lens = torch.randint(1, 200, (C,), generator=gen)
+    seq_lens = (query_lens + torch.randint(0, 700, (C,), generator=gen)).int()
+    first_token = int(torch.randint(0, 9, (1,), generator=gen))  # decode tokens before
+    query_start = torch.cat([torch.zeros(1), query_lens.cumsum(0)]).int() + first_token
+    T = int(query_lens.sum())
+    for ratio in (1, 4, 128):
+        (chunk,) = prefill.plan_chunks(query_start.cpu() - first_token, seq_lens, 0, C, ratio,
+                                       vt.WINDOW, 1 << 30)  # fmt: skip
+        chunk = prefill.PrefillChunk(0, C, first_token, first_token + T, chunk.entries,
+                                     chunk.rows)  # fmt: skip
+        topk = None
+        if ratio == 4:  # picks with holes, some past the cached entries
+            topk = torch.randint(-1, int(seq_lens.max()) // 4 + 3, (T, 24), generator=gen).int()
+        width = prefill.index_width(ratio, 24, chunk.entries, vt.WINDOW)
+        want = (torch.full((T, width + 3), 777, dtype=torch.int32),
+                torch.full((T,), 777, dtype=torch.int32))  # fmt: skip
+        prefill._index_lists_torch(chunk, query_start, seq_lens, vt.WINDOW, ratio, topk,
+                                   want[0][:, :width], want[1])  # fmt: skip
+        got = (torch.full((T, width + 3), 777, dtype=torch.int32, device=device),
+               torch.full((T,), 777, dtype=torch.int32, device=device))  # fmt: skip
+        fused.prefill_index.fill_prefill_index(
+            query_start.to(device), seq_lens.to(device), first_token, T, chunk.entries,
+            chunk.rows, ratio, vt.WINDOW, topk.to(device) if topk is not None else None,
+            got[0][:, :width], got[1],
+        )  # fmt: skip
+        assert torch.equal(got[0].cpu(), want[0]), ratio
+        assert torch.equal(got[1].cpu(), want[1]), ratio
+
+
 def check_metadata(fused, device, seed: int) -> None:
     from dsv4_attn.vllm_glue import metadata as md
 
@@ -191,10 +226,10 @@ def check_metadata(fused, device, seed: int) -> None:
 def _fused():
     from types import SimpleNamespace
 
-    from dsv4_attn.fused import kv_gather, kv_writers, step_metadata
+    from dsv4_attn.fused import kv_gather, kv_writers, prefill_index, step_metadata
 
     return SimpleNamespace(kv_writers=kv_writers, step_metadata=step_metadata,
-                           kv_gather=kv_gather)  # fmt: skip
+                           kv_gather=kv_gather, prefill_index=prefill_index)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,6 +258,11 @@ def test_insert_interpreted(heads, padded):
 @pytest.mark.parametrize("kind", KINDS)
 def test_gather_interpreted(kind):
     check_gather(_fused(), "cpu", kind, seed=KINDS.index(kind))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_prefill_index_interpreted(seed):
+    check_prefill_index(_fused(), "cpu", seed)
 
 
 @pytest.mark.parametrize("seed", range(4))

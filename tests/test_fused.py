@@ -15,7 +15,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.fused_checks import KINDS, check_gather, check_insert, check_metadata, check_staged_rows
+from tests.fused_checks import (
+    KINDS,
+    check_gather,
+    check_insert,
+    check_metadata,
+    check_prefill_index,
+    check_staged_rows,
+)
 
 pytest.importorskip("triton")
 
@@ -35,10 +42,10 @@ def test_kernels_match_torch_in_the_triton_interpreter():
 def _compiled():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from dsv4_attn.fused import kv_gather, kv_writers, step_metadata
+    from dsv4_attn.fused import kv_gather, kv_writers, prefill_index, step_metadata
 
     return SimpleNamespace(kv_writers=kv_writers, step_metadata=step_metadata,
-                           kv_gather=kv_gather)  # fmt: skip
+                           kv_gather=kv_gather, prefill_index=prefill_index)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -68,6 +75,12 @@ def test_gather_cuda(kind):
 
 
 @pytest.mark.gpu
+def test_prefill_index_cuda():
+    for seed in range(8):
+        check_prefill_index(_compiled(), "cuda", seed)
+
+
+@pytest.mark.gpu
 def test_metadata_cuda():
     for seed in range(12):
         check_metadata(_compiled(), "cuda", seed)
@@ -94,6 +107,17 @@ def _kernels():
         "cache_ptr": p["u8"], "page_stride": "i32", "block_size": "i32",
     }, {}  # fmt: skip
     from dsv4_attn.fused import kv_gather as kg
+    from dsv4_attn.fused import prefill_index as pi
+
+    for mode in (0, 1, 2):
+        yield pi._prefill_index_kernel, {
+            "query_start_ptr": p["i32"], "seq_lens_ptr": p["i32"], "num_reqs": "i32",
+            "first_token": "i32", "topk_ptr": p["i32"], "topk_stride": "i32", "topk": "i32",
+            "indices_ptr": p["i32"], "indices_stride": "i32", "width": "i32",
+            "lens_ptr": p["i32"], "N": "i32", "M": "i32", "ratio": "i32",
+            "WINDOW": "constexpr", "MODE": "constexpr", "BLOCK_REQS": "constexpr",
+            "BLOCK_COLUMNS": "constexpr",
+        }, {"WINDOW": 128, "MODE": mode, "BLOCK_REQS": 128, "BLOCK_COLUMNS": 256}  # fmt: skip
 
     for window in (True, False):
         yield kg._gather_nvfp4_kernel, {
@@ -144,4 +168,4 @@ def test_every_kernel_compiles_for_sm90():
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
         assert len(compiled.asm["cubin"]) > 1000
         names.append(kernel.fn.__name__)
-    assert len(names) == 8, names
+    assert len(names) == 11, names

@@ -270,3 +270,26 @@ def test_cuda_graph_capture_replays_correctly():
     torch.cuda.synchronize()
     ref_out, ref_lse = _reference(*args)
     _check(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
+def test_more_tokens_than_one_grid_holds(fmt):
+    """Past 65535 tokens (the grid's z limit) the launch is sliced: the rows on both sides of
+    the slice boundary match the reference."""
+    _needs_hopper()
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(11)
+    T, H = sparse_decode.MAX_GRID_TOKENS + 70, 8
+    cache = _random_cache(fmt, 64, 4096, device, gen)
+    window = KVScope(cache, fmt, 64, *_random_lists(T, 32, 4096, device, gen))
+    q = (torch.randn(T, H, HEAD_DIM, generator=gen, device=device) * 2).to(torch.bfloat16)
+    sink = _sink("finite", H, device, gen)
+    out = torch.full((T, H, HEAD_DIM), float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=device)
+    sparse_decode.sparse_attention(q, window, sink, HEAD_DIM**-0.5, out=out, lse=lse)
+    torch.cuda.synchronize()
+    for rows in (slice(0, 40), slice(sparse_decode.MAX_GRID_TOKENS - 60, T)):
+        part = KVScope(cache, fmt, 64, window.indices[rows], window.lens[rows])
+        ref_out, ref_lse = _reference(q[rows], part, sink, HEAD_DIM**-0.5, None)
+        _check(out[rows], lse[rows], ref_out, ref_lse)

@@ -45,8 +45,8 @@ def _gather_nvfp4_kernel(
     block_table_ptr, bt_stride,
     WINDOW: tl.constexpr,
 ):  # fmt: skip
-    c = tl.program_id(0)
-    i = tl.program_id(1)
+    i = tl.program_id(0)  # rows on the first grid axis: up to 2^31 - 1 (the others stop at 65535)
+    c = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + c)
     if WINDOW:
         count = tl.load(gather_lens_ptr + c)
@@ -110,7 +110,7 @@ def gather_nvfp4_rows(
     if out.shape[-1] != HEAD_DIM or out.stride(-1) != 1 or out.shape[1] < offset + max_rows:
         raise ValueError(f"out must be [C, >= {offset + max_rows}, 512], got {tuple(out.shape)}")
     window = gather_lens is not None
-    _gather_nvfp4_kernel[(C, max_rows)](
+    _gather_nvfp4_kernel[(max_rows, C)](
         out, out.stride(0), out.stride(1), offset,
         cache, cache.stride(0), block_size,
         seq_lens, gather_lens if window else seq_lens, ratio,

@@ -224,11 +224,29 @@ def index_lists(
         ``(indices [T_chunk, width], lens [T_chunk])`` views of ``out``.
     """
     device = seq_lens.device
-    C, N, M = chunk.end_req - chunk.first_req, chunk.entries, chunk.rows
+    N, M = chunk.entries, chunk.rows
     T = chunk.end_token - chunk.first_token
     topk = local_topk.shape[1] if local_topk is not None else 0
     width = index_width(compress_ratio, topk, N, window)
     indices, lens = out[0][:T, :width], out[1][:T]
+    if device.type == "cuda":
+        from dsv4_attn.fused.prefill_index import fill_prefill_index
+
+        fill_prefill_index(query_start, seq_lens, chunk.first_token, T, N, M, compress_ratio,
+                           window, local_topk[:T] if local_topk is not None else None, indices,
+                           lens)  # fmt: skip
+        return indices, lens
+    return _index_lists_torch(chunk, query_start, seq_lens, window, compress_ratio, local_topk,
+                              indices, lens)  # fmt: skip
+
+
+def _index_lists_torch(chunk, query_start, seq_lens, window, compress_ratio, local_topk,
+                       indices, lens):  # fmt: skip
+    """:func:`index_lists` in torch ops (any device; the reference of the Triton kernel)."""
+    device = seq_lens.device
+    C, N, M = query_start.shape[0] - 1, chunk.entries, chunk.rows
+    T = chunk.end_token - chunk.first_token
+    topk = local_topk.shape[1] if local_topk is not None else 0
     t = torch.arange(chunk.first_token, chunk.end_token, device=device)
     qs = query_start.long()
     req = torch.searchsorted(qs[1 : C + 1], t, right=True).clamp(max=C - 1)

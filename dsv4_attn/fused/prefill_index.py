@@ -1,0 +1,110 @@
+"""Triton kernel for the prefill path's per-token index lists (one program per token).
+
+:func:`fill_prefill_index` computes exactly what the torch construction in
+:func:`dsv4_attn.vllm_glue.prefill.index_lists` computes: for each token of a chunk of prefill
+requests, its rows in the chunk's gather workspace (request ``c`` owns rows ``c * M ..``:
+compressed entries at ``0 .. N``, window positions ``seq_len - gather_len ..`` at ``N ..``).
+
+* CSA (``ratio == 4``): the indexer's request-local entries (-1 or not yet in the cache: -1) in
+  columns ``0 .. K``, the window in ``K .. K + window``; ``lens = K + window length``.
+* HCA (``ratio > 1``): every entry the token sees (``(pos + 1) // ratio``), then its window,
+  packed; -1 after.
+* SWA-only: the window.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["fill_prefill_index"]
+
+_BLOCK_REQS = 128
+_BLOCK_COLUMNS = 256
+
+
+@triton.jit
+def _prefill_index_kernel(
+    query_start_ptr, seq_lens_ptr, num_reqs, first_token,
+    topk_ptr, topk_stride, topk,
+    indices_ptr, indices_stride, width, lens_ptr,
+    N, M, ratio,
+    WINDOW: tl.constexpr, MODE: tl.constexpr,
+    BLOCK_REQS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)
+    t = first_token + i
+    count = tl.zeros([BLOCK_REQS], dtype=tl.int32)
+    for start in range(0, num_reqs, BLOCK_REQS):
+        r = start + 1 + tl.arange(0, BLOCK_REQS)
+        ends = tl.load(query_start_ptr + r, mask=r <= num_reqs, other=2147483647)
+        count += (ends <= t).to(tl.int32)
+    c = tl.minimum(tl.sum(count, axis=0), num_reqs - 1)
+    q0 = tl.load(query_start_ptr + c)
+    q1 = tl.load(query_start_ptr + c + 1)
+    seq = tl.load(seq_lens_ptr + c)
+    query_len = q1 - q0
+    pos = seq - query_len + (t - q0)
+    gather_len = query_len + tl.minimum(tl.maximum(seq - query_len, 0), WINDOW - 1)
+    first = tl.maximum(pos - (WINDOW - 1), 0)
+    wlen = pos - first + 1
+    base = c.to(tl.int64) * M
+    window_base = base + N + (first - (seq - gather_len))
+    row_out = indices_ptr + i.to(tl.int64) * indices_stride
+    if MODE == 2:  # HCA: entries then window, packed
+        visible = (pos + 1) // ratio
+        for col0 in range(0, width, BLOCK_COLUMNS):
+            col = col0 + tl.arange(0, BLOCK_COLUMNS)
+            from_window = col - visible
+            value = tl.where(col < visible, base + col, window_base + from_window)
+            value = tl.where(from_window < wlen, value, -1)
+            tl.store(row_out + col, value.to(tl.int32), mask=col < width)
+        tl.store(lens_ptr + i, visible + wlen)
+    else:
+        offset = 0
+        if MODE == 1:  # CSA: the indexer's picks, then the window
+            entries_in_cache = seq // ratio
+            for col0 in range(0, topk, BLOCK_COLUMNS):
+                col = col0 + tl.arange(0, BLOCK_COLUMNS)
+                entry = tl.load(topk_ptr + i.to(tl.int64) * topk_stride + col, mask=col < topk,
+                                other=-1)  # fmt: skip
+                usable = (entry >= 0) & (entry < entries_in_cache)
+                tl.store(row_out + col, tl.where(usable, base + entry, -1).to(tl.int32),
+                         mask=col < topk)  # fmt: skip
+            offset = topk
+        col = tl.arange(0, WINDOW)
+        value = tl.where(col < wlen, window_base + col, -1)
+        tl.store(row_out + offset + col, value.to(tl.int32))
+        tl.store(lens_ptr + i, offset + wlen)
+
+
+def fill_prefill_index(
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    first_token: int,
+    num_tokens: int,
+    entries: int,
+    rows: int,
+    compress_ratio: int,
+    window: int,
+    local_topk: torch.Tensor | None,
+    indices: torch.Tensor,
+    lens: torch.Tensor,
+) -> None:
+    """Fill ``indices [num_tokens, width]`` and ``lens [num_tokens]`` (int32, CUDA) for tokens
+    ``first_token ..`` of a chunk (arguments as :func:`dsv4_attn.vllm_glue.prefill.index_lists`;
+    ``entries``/``rows`` are the chunk's N and M; ``window`` a power of two)."""
+    if num_tokens == 0:
+        return
+    if window & (window - 1):
+        raise ValueError(f"the window must be a power of two, got {window}")
+    mode = 1 if compress_ratio == 4 else 2 if compress_ratio > 1 else 0
+    topk = local_topk if local_topk is not None else indices
+    _prefill_index_kernel[(num_tokens,)](
+        query_start, seq_lens, seq_lens.shape[0], first_token,
+        topk, topk.stride(0), local_topk.shape[1] if local_topk is not None else 0,
+        indices, indices.stride(0), indices.shape[1], lens,
+        entries, rows, max(compress_ratio, 1),
+        WINDOW=window, MODE=mode, BLOCK_REQS=_BLOCK_REQS, BLOCK_COLUMNS=_BLOCK_COLUMNS,
+    )  # fmt: skip
