@@ -17,7 +17,8 @@
 #   bash scripts/gpu_serve.sh nvfp4     # ... --attention-backend DSV4_NVFP4 (NVFP4: auto)
 #   bash scripts/gpu_serve.sh compare   # agreement table, tokens/s, preemptions, prefix hits
 #
-# SKIP_PHASES=preemption (comma-separated phase names) leaves phases out of a round.
+# SKIP_PHASES=preemption (comma-separated phase names) leaves phases out of a round; PLAN_SEED
+# draws other prompts (a server that already served the default ones would hit its prefix cache).
 # Results (JSON, logs) go to $OUT (default ./bench_out). Servers use --num-gpu-blocks-override
 # 2400 (the same block count for every backend: a little more than vLLM's admission check needs
 # for one 4096-token request, and less than the preemption phase of
@@ -33,6 +34,19 @@ SITE=/tmp/site
 CKPT=/tmp/dsv4_tiny_ckpt
 PART=${1:?usage: gpu_serve.sh prepare|tests|bench|vllm|fp8|nvfp4|compare}
 
+stop_server() {  # name port: the server's process group, then anything still on its port
+  local pid; pid=$(cat "/tmp/serve_$1.pid")
+  kill -- -"$pid" 2>/dev/null; kill "$pid" 2>/dev/null; sleep 3
+  kill -9 -- -"$pid" 2>/dev/null; pkill -9 -f -- "--port $2( |$)" 2>/dev/null
+  pkill -9 -f "EngineCore" 2>/dev/null  # its engine process (rounds run one at a time)
+  for _ in $(seq 30); do
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$2/health', timeout=2)" \
+      2>/dev/null || { echo "server $1 stopped"; return 0; }
+    sleep 1
+  done
+  echo "WARNING: server $1 still answers on port $2" >&2
+}
+
 serve_round() {  # name port [vllm serve args...]
   local name=$1 port=$2; shift 2
   local args=("$CKPT" --port "$port" --skip-tokenizer-init --max-model-len 4096 --dtype bfloat16
@@ -44,15 +58,14 @@ serve_round() {  # name port [vllm serve args...]
   local start=$(date +%s)
   python3 -m dsv4_attn.e2e.serve_check query --name "$name" --port "$port" --model "$CKPT" \
     --wait 420 --pid "$(cat /tmp/serve_$name.pid)" --out "$OUT/serve_$name.json" \
-    --skip "${SKIP_PHASES:-}" 2>&1 \
+    --skip "${SKIP_PHASES:-}" --seed "${PLAN_SEED:-2026}" 2>&1 \
     | tee "$OUT/query_$name.log"
   local rc=${PIPESTATUS[0]}
   echo "round $name: $(( $(date +%s) - start )) s, query exit $rc"
   grep -E "Traceback|Error|error" "$OUT/serve_$name.log" | grep -v -i "warn" | head -8
   grep -E "Capturing CUDA graphs|Graph capturing finished|GPU KV cache size|Maximum concurrency" \
     "$OUT/serve_$name.log" | tail -5
-  kill -- -"$(cat /tmp/serve_$name.pid)" 2>/dev/null; sleep 3
-  kill -9 -- -"$(cat /tmp/serve_$name.pid)" 2>/dev/null
+  stop_server "$name" "$port"
   return "$rc"
 }
 

@@ -293,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     q.add_argument("--pid", type=int, help="the server's pid: stop waiting if it exits")
     q.add_argument("--out", required=True)
     q.add_argument("--skip", default="", help="phases not to send, comma-separated")
+    q.add_argument("--seed", type=int, default=2026, help="prompt seed (another: no cache hits)")
     c = sub.add_parser("compare", help="compare servers' records with the first one")
     c.add_argument("records", nargs="+")
     c.add_argument("--json")
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         waited = server.wait(args.wait, args.pid)
         print(f"{args.name}: up after {waited:.0f} s", flush=True)
         skip = {phase for phase in args.skip.split(",") if phase}
-        plan = [r for r in request_plan() if r.phase not in skip]
+        plan = [r for r in request_plan(args.seed) if r.phase not in skip]
         record = {"name": args.name, "skipped": sorted(skip), **query(server, plan)}
         Path(args.out).write_text(json.dumps(record))
         if record["errors"]:
