@@ -74,17 +74,19 @@ def _qnorm_rope_nvfp4_insert_kernel(
         dst = q_out_ptr + (t.to(tl.int64) * padded_heads + head[:, None]) * 512
         tl.store(dst + col[None, :], bf16_rne(y), mask=head[:, None] < padded_heads)
     elif t < num_slots:
-        # KV: RoPE on the last 64 values, NVFP4 encode, store at the token's slot.
+        # KV: RoPE on the last 64 values, NVFP4 encode, store at the token's slot. The row and
+        # its cos/sin are loaded before the slot test, so the loads overlap instead of queueing
+        # behind the slot's (the step is latency-bound at decode sizes).
         slot = tl.load(slots_ptr + t)
+        pair = tl.arange(0, 32)
+        cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + pair).to(tl.float32)
+        sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + 32 + pair).to(tl.float32)
+        rope_even_col = 448 + 2 * pair
+        row = kv_ptr + t.to(tl.int64) * kv_stride_t
+        even, odd = load_nope_pairs(row)
+        k_even = tl.load(row + rope_even_col).to(tl.float32)
+        k_odd = tl.load(row + rope_even_col + 1).to(tl.float32)
         if slot >= 0:
-            pair = tl.arange(0, 32)
-            cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + pair).to(tl.float32)
-            sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + 32 + pair).to(tl.float32)
-            rope_even_col = 448 + 2 * pair
-            row = kv_ptr + t.to(tl.int64) * kv_stride_t
-            even, odd = load_nope_pairs(row)
-            k_even = tl.load(row + rope_even_col).to(tl.float32)
-            k_odd = tl.load(row + rope_even_col + 1).to(tl.float32)
             r_even, r_odd = _rotate(k_even, k_odd, cos, sin)
             store_nvfp4_row(cache_ptr, page_stride, block_size, slot, even, odd,
                             bf16_rne(r_even), bf16_rne(r_odd))  # fmt: skip
@@ -143,12 +145,13 @@ def _store_staged_rows_kernel(
 ):
     t = tl.program_id(0)
     slot = tl.load(write_slots_ptr + t)
+    # The row is read whether or not it has a slot: its load overlaps the slot's.
+    row = rows_ptr + t.to(tl.int64) * rows_stride
+    even, odd = load_nope_pairs(row)
+    pair = tl.arange(0, 32)
+    rope_even = tl.load(row + 448 + 2 * pair)
+    rope_odd = tl.load(row + 449 + 2 * pair)
     if slot >= 0:
-        row = rows_ptr + t.to(tl.int64) * rows_stride
-        even, odd = load_nope_pairs(row)
-        pair = tl.arange(0, 32)
-        rope_even = tl.load(row + 448 + 2 * pair)
-        rope_odd = tl.load(row + 449 + 2 * pair)
         store_nvfp4_row(cache_ptr, page_stride, block_size, slot, even, odd, rope_even, rope_odd)
 
 
@@ -159,7 +162,8 @@ def store_staged_rows(
     (CUDA).
 
     Args:
-        rows: ``bf16 [>= T, 512]`` one staged row per token (only rows with a slot are read).
+        rows: ``bf16 [>= T, 512]`` one staged row per token (rows without a slot are read but
+            not used: any values).
         write_slots: ``int64 [T]`` compressed-cache slot per token, -1 = none.
         cache: ``uint8 [num_blocks, >= page_bytes]`` NVFP4 pages of ``block_size`` rows.
     """

@@ -33,8 +33,11 @@ from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 
 __all__ = [
     "PrefillChunk",
+    "attend",
+    "gather_lens",
     "gather_rows",
     "index_lists",
+    "index_width",
     "peak_workspace_shapes",
     "plan_chunks",
     "rows_budget",
