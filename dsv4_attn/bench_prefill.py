@@ -18,7 +18,11 @@ import torch
 
 from dsv4_attn import fmha_ops
 from dsv4_attn.benchmarking import format_table, measure_ceilings, time_cuda_us, write_json
-from dsv4_attn.prefill_cases import make_dense_case, make_v4_sparse_case
+from dsv4_attn.prefill_cases import (
+    make_dense_case,
+    make_random_sparse_case,
+    make_v4_sparse_case,
+)
 
 COLUMNS = [
     ("kind", "kind", "s"),
@@ -34,6 +38,9 @@ COLUMNS = [
     ("sdpa_tflops", "sdpa TF/s", ".1f"),
     ("vs_sdpa", "x sdpa", ".2f"),
     ("target", "target", "s"),
+    ("flashmla_us", "FlashMLA us", ".0f"),
+    ("vs_flashmla", "x FlashMLA", ".2f"),
+    ("max_abs_diff_vs_flashmla", "max|d| FM", ".4f"),
 ]
 
 
@@ -108,10 +115,51 @@ def dense_rows(dims, heads, seqlen: int, reps: int, ceiling: float) -> list[dict
     return rows
 
 
-def sparse_rows(configs, tokens: int, reps: int, ceiling: float) -> list[dict]:
+def _flash_mla():
+    """FlashMLA's module when importable (the anchor, ``../shared/anchors/``), else None."""
+    try:
+        import flash_mla
+    except ImportError as exc:
+        print(f"flash_mla is not importable ({exc}): timing ours only", flush=True)
+        return None
+    return flash_mla
+
+
+def _flash_mla_sparse(flash_mla, case, heads: int):
+    """FlashMLA's sparse prefill on the same rows and lists (lists padded to its tile of 128
+    with -1; per-token lengths passed as topk_length)."""
+    T, K = case.indices.shape
+    padded = -(-K // 128) * 128
+    indices = torch.full((T, 1, padded), -1, dtype=torch.int32, device=case.q.device)
+    counted = torch.arange(K, device=case.q.device)[None] < case.lens[:, None]
+    indices[:, 0, :K] = torch.where(counted, case.indices, -1)
+    kv = case.kv.view(-1, 1, case.kv.shape[-1])
+
+    def call():
+        return flash_mla.flash_mla_sparse_fwd(case.q, kv, indices, case.scale, 512, case.sink,
+                                              case.lens)  # fmt: skip
+
+    return call
+
+
+def _sparse_configs(tokens: int) -> list[tuple[str, int, object]]:
+    """(name, heads, case maker): the issue's shapes (s_kv 32K, pure top-k) and the layouts the
+    backend runs (window 128 + top-k, the window first)."""
+    return [
+        ("topk512-skv32k", 64, lambda: make_random_sparse_case(
+            tokens, 64, 32768, 512, lens="full", hole_fraction=0.0, device="cuda", seed=1)),
+        ("topk1024-skv32k", 128, lambda: make_random_sparse_case(
+            tokens, 128, 32768, 1024, lens="full", hole_fraction=0.0, device="cuda", seed=2)),
+        ("v4flash", 64, lambda: make_v4_sparse_case(tokens, 64, 512, device="cuda", seed=512)),
+        ("v4pro", 128, lambda: make_v4_sparse_case(tokens, 128, 1024, device="cuda", seed=1024)),
+    ]  # fmt: skip
+
+
+def sparse_rows(tokens: int, reps: int, ceiling: float, against: str | None) -> list[dict]:
+    flash_mla = _flash_mla() if against == "flashmla" else None
     rows = []
-    for name, h, topk in configs:
-        case = make_v4_sparse_case(tokens, h, topk, device="cuda", seed=topk)
+    for name, h, make in _sparse_configs(tokens):
+        case = make()
         args = case.args()
 
         def call(args=args):
@@ -120,27 +168,34 @@ def sparse_rows(configs, tokens: int, reps: int, ceiling: float) -> list[dict]:
         t = time_cuda_us(call, reps=reps)["median_us"]
         flops = case.flops()
         tflops = flops / (t * 1e6)
-        rows.append(
-            {
-                "kind": f"sparse-{name}",
-                "D": case.q.shape[-1],
-                "H": h,
-                "Hk": 1,
-                "tokens": tokens,
-                "K": case.indices.shape[1],
-                "valid_entries": case.num_valid(),
-                "median_us": t,
-                "flops": flops,
-                "tflops": tflops,
-                "of_ceiling": tflops / ceiling,
-                "sdpa_us": None,
-                "sdpa_tflops": None,
-                "vs_sdpa": None,
-                "target": ">=450",
-                "meets_target": tflops >= 450,
-            }
-        )
-        print(f"sparse {name}: {t:.0f} us, {tflops:.1f} TFLOP/s", flush=True)
+        row = {
+            "kind": f"sparse-{name}",
+            "D": case.q.shape[-1],
+            "H": h,
+            "Hk": 1,
+            "tokens": tokens,
+            "K": case.indices.shape[1],
+            "valid_entries": case.num_valid(),
+            "median_us": t,
+            "flops": flops,
+            "tflops": tflops,
+            "of_ceiling": tflops / ceiling,
+            "sdpa_us": None,
+            "sdpa_tflops": None,
+            "vs_sdpa": None,
+            "target": ">=1.1x flashmla",
+        }
+        if flash_mla is not None:
+            fm_call = _flash_mla_sparse(flash_mla, case, h)
+            fm_out = fm_call()[0]
+            ours = call()[0]
+            fm_t = time_cuda_us(fm_call, reps=reps)["median_us"]
+            diff = (ours.float() - fm_out.float()).abs().max().item()
+            row.update(flashmla_us=fm_t, flashmla_tflops=flops / (fm_t * 1e6),
+                       vs_flashmla=fm_t / t, meets_target=fm_t / t >= 1.1,
+                       max_abs_diff_vs_flashmla=diff)  # fmt: skip
+        rows.append(row)
+        print(f"sparse {name}: {row}", flush=True)
         del case, args
         torch.cuda.empty_cache()
     return rows
@@ -155,6 +210,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-dense", action="store_true")
     parser.add_argument("--skip-sparse", action="store_true")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument(
+        "--against",
+        choices=["flashmla"],
+        help="also time FlashMLA's sparse "
+        "prefill on the same rows and lists (imported when present)",
+    )
     parser.add_argument("--json", default="bench_prefill.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -166,8 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_dense:
         rows += dense_rows(args.dims, args.heads, args.seqlen, args.reps, ceilings.bf16_tflops)
     if not args.skip_sparse:
-        configs = [("v4flash", 64, 512), ("v4pro", 128, 1024)]
-        rows += sparse_rows(configs, args.tokens, args.reps, ceilings.bf16_tflops)
+        rows += sparse_rows(args.tokens, args.reps, ceilings.bf16_tflops, args.against)
     for row in rows:
         for key, value in row.items():
             if isinstance(value, float) and not math.isfinite(value):
