@@ -34,14 +34,18 @@ SITE=/tmp/site
 CKPT=/tmp/dsv4_tiny_ckpt
 PART=${1:?usage: gpu_serve.sh prepare|tests|bench|vllm|fp8|nvfp4|compare}
 
-stop_server() {  # name port: the server's process group, then anything still on its port
-  local pid; pid=$(cat "/tmp/serve_$1.pid")
-  kill -- -"$pid" 2>/dev/null; kill "$pid" 2>/dev/null; sleep 3
-  kill -9 -- -"$pid" 2>/dev/null; pkill -9 -f -- "--port $2( |$)" 2>/dev/null
-  pkill -9 -f "EngineCore" 2>/dev/null  # its engine process (rounds run one at a time)
+stop_server() {  # name port: every process of the server's session (its engine included)
+  # The session id is read from the process serving the port: setsid may fork, so the pid the
+  # launch recorded need not be the server's, and the engine's own title no longer says "vllm".
+  local pattern="vllm serve .*--port $2( |$)" sids
+  sids=$(pgrep -f -- "$pattern" | xargs -r ps -o sid= -p | sort -u)
+  pkill -f -- "$pattern" 2>/dev/null; sleep 3
+  local own; own=$(ps -o sid= -p $$ | tr -d ' ')
+  for sid in $sids; do [ "$sid" = "$own" ] || pkill -9 -s "$sid" 2>/dev/null; done
+  pkill -9 -f -- "$pattern" 2>/dev/null
   for _ in $(seq 30); do
     python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$2/health', timeout=2)" \
-      2>/dev/null || { echo "server $1 stopped"; return 0; }
+      2>/dev/null || { echo "server $1 stopped (sessions: ${sids//$'\n'/ })"; return 0; }
     sleep 1
   done
   echo "WARNING: server $1 still answers on port $2" >&2
