@@ -18,7 +18,7 @@ import math
 import torch
 
 from dsv4_attn import fallback, kv_cache
-from dsv4_attn.benchmarking import (
+from dsv4_attn.bench.timing import (
     decode_roofline,
     format_table,
     measure_ceilings,

@@ -26,7 +26,7 @@ import argparse
 import torch
 
 from dsv4_attn import kv_cache, ops
-from dsv4_attn.benchmarking import measure_ceilings, report, time_cuda_us
+from dsv4_attn.bench.timing import measure_ceilings, report, time_cuda_us
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.scope import KVScope
 from dsv4_attn.testing import random_rows

@@ -14,7 +14,7 @@ import itertools
 import torch
 
 from dsv4_attn import fallback
-from dsv4_attn.benchmarking import (
+from dsv4_attn.bench.timing import (
     decode_roofline,
     measure_ceilings,
     report,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsv4_attn.benchmarking import Ceilings, decode_roofline, format_table
+from dsv4_attn.bench.timing import Ceilings, decode_roofline, format_table
 from dsv4_attn.testing import make_decode_case
 
 

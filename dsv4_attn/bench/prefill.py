@@ -17,7 +17,7 @@ import os
 import torch
 
 from dsv4_attn import fmha_ops
-from dsv4_attn.benchmarking import format_table, measure_ceilings, time_cuda_us, write_json
+from dsv4_attn.bench.timing import format_table, measure_ceilings, time_cuda_us, write_json
 from dsv4_attn.prefill_cases import (
     make_dense_case,
     make_random_sparse_case,

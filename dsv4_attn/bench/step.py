@@ -28,7 +28,7 @@ import argparse
 import torch
 
 from dsv4_attn import kv_cache
-from dsv4_attn.benchmarking import Ceilings, measure_ceilings, report, time_cuda_us
+from dsv4_attn.bench.timing import Ceilings, measure_ceilings, report, time_cuda_us
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.scope import KVScope
 
