@@ -234,3 +234,41 @@ def make_v4_sparse_case(
         _sink(heads, "random", g, device),
         head_dim**-0.5,
     )
+
+
+def make_hca_sparse_case(
+    tokens: int,
+    heads: int,
+    context: int,
+    window: int = 128,
+    ratio: int = 128,
+    head_dim: int = 512,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> SparseCase:
+    """DeepSeek-V4 HCA prefill, as the backend lays it out: the last ``tokens`` positions of a
+    ``context``-token sequence; token at position ``p`` sees every compressed entry ``e <
+    (p + 1) // ratio`` (rows ``0 .. context // ratio``), then its window ``max(0, p - window + 1)
+    .. p`` (rows after the entries: positions ``context - tokens - (window - 1) ..``), packed,
+    -1 after."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    entries = context // ratio
+    first_window = max(0, context - tokens - (window - 1))
+    q = torch.randn(tokens, heads, head_dim, generator=g, device=device)
+    kv = torch.randn(entries + context - first_window, head_dim, generator=g, device=device)
+    pos = torch.arange(context - tokens, context, device=device)[:, None]
+    count = (pos + 1) // ratio
+    start = (pos - (window - 1)).clamp(min=0)
+    wlen = pos - start + 1
+    col = torch.arange(entries + window, device=device)[None, :]
+    from_window = col - count
+    idx = torch.where(col < count, col, entries + start - first_window + from_window)
+    idx = torch.where(from_window < wlen, idx, -1)
+    return SparseCase(
+        q.to(dtype=torch.bfloat16),
+        kv.to(dtype=torch.bfloat16),
+        idx.to(dtype=torch.int32),
+        (count + wlen)[:, 0].to(dtype=torch.int32),
+        _sink(heads, "random", g, device),
+        head_dim**-0.5,
+    )
