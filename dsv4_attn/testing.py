@@ -17,7 +17,7 @@ from dsv4_attn import kv_cache
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.scope import KVScope
 
-__all__ = ["DecodeCase", "make_decode_case", "random_rows"]
+__all__ = ["DecodeCase", "make_decode_case", "random_cache", "random_rows"]
 
 _FILL_CHUNK = 1 << 16  # rows generated and written at a time
 
@@ -25,9 +25,29 @@ _FILL_CHUNK = 1 << 16  # rows generated and written at a time
 def random_rows(n: int, generator: torch.Generator, device: torch.device | str = "cpu"):
     """bf16 ``[n, 512]`` rows shaped like DeepSeek-V4 KV rows after RMSNorm: nope values with a
     per-channel spread of magnitudes, RoPE values of order 1."""
-    channel_scale = torch.exp(torch.randn(HEAD_DIM, generator=generator) * 0.5)
-    rows = torch.randn(n, HEAD_DIM, generator=generator) * channel_scale
+    on = generator.device  # drawn where the generator lives, then moved
+    channel_scale = torch.exp(torch.randn(HEAD_DIM, generator=generator, device=on) * 0.5)
+    rows = torch.randn(n, HEAD_DIM, generator=generator, device=on) * channel_scale
     return rows.to(device=device, dtype=torch.bfloat16)
+
+
+def random_cache(
+    num_rows: int,
+    block_size: int,
+    fmt: KVFormat,
+    generator: torch.Generator,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """A paged cache (``uint8 [num_blocks, page_bytes]``) of at least ``num_rows`` rows of
+    ``block_size`` per page, every slot holding one of :func:`random_rows`."""
+    num_blocks = max(1, -(-num_rows // block_size))
+    cache = kv_cache.allocate(num_blocks, block_size, fmt, device=device)
+    total = num_blocks * block_size
+    for start in range(0, total, _FILL_CHUNK):
+        slots = torch.arange(start, min(total, start + _FILL_CHUNK))
+        kv_cache.write(cache, slots.to(device), random_rows(len(slots), generator, device), fmt,
+                       block_size)  # fmt: skip
+    return cache
 
 
 @dataclass
@@ -116,11 +136,8 @@ def make_decode_case(
     def scope(width: int, bs: int):
         rows_per_token = max(width, 1)
         num_slots = T * rows_per_token if distinct else max(4 * width, bs)
-        num_blocks = -(-num_slots // bs)
-        cache = kv_cache.allocate(num_blocks, bs, fmt, device=device)
-        for start in range(0, num_blocks * bs, _FILL_CHUNK):
-            slots = torch.arange(start, min(num_blocks * bs, start + _FILL_CHUNK))
-            kv_cache.write(cache, slots.to(device), random_rows(len(slots), gen, device), fmt, bs)
+        cache = random_cache(num_slots, bs, fmt, gen, device)
+        num_blocks = cache.shape[0]
         indices = _slot_lists(T, width, rows_per_token, num_blocks * bs, hole_rate, gen, distinct)
         if lens == "full":
             scope_lens = torch.full((T,), width, dtype=torch.int32)

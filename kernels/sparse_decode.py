@@ -15,7 +15,6 @@ import math
 import torch
 
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
-from dsv4_attn.scope import KVScope
 
 __all__ = [
     "SUPPORTED_HEAD_COUNTS",
@@ -347,10 +346,10 @@ def sparse_attention(
         return out, lse
     if T > MAX_GRID_TOKENS:  # tokens are the grid's z axis: launch in slices
         for t0 in range(0, T, MAX_GRID_TOKENS):
-            rows = slice(t0, min(T, t0 + MAX_GRID_TOKENS))
-            sparse_attention(q[rows], _rows_of(window, rows), sink, scale,
-                             _rows_of(extra, rows) if extra is not None else None,
-                             num_splits=num_splits, out=out[rows], lse=lse[rows],
+            t1 = min(T, t0 + MAX_GRID_TOKENS)
+            sparse_attention(q[t0:t1], window.tokens(t0, t1), sink, scale,
+                             extra.tokens(t0, t1) if extra is not None else None,
+                             num_splits=num_splits, out=out[t0:t1], lse=lse[t0:t1],
                              workspace=workspace)  # fmt: skip
         return out, lse
     capacity = key_capacity(window, extra)
@@ -378,11 +377,6 @@ def sparse_attention(
     combine = combine_cache.get(combine_config, lambda: build_combine_kernel(combine_config))
     combine(o_part, lse_part, sink, out, lse)
     return out, lse
-
-
-def _rows_of(scope: KVScope, rows: slice) -> KVScope:
-    return KVScope(scope.cache, scope.fmt, scope.block_size, scope.indices[rows],
-                   scope.lens[rows])  # fmt: skip
 
 
 def _workspace_views(workspace, o_shape, lse_shape) -> tuple[torch.Tensor, torch.Tensor]:

@@ -126,7 +126,7 @@ def _flash_mla():
     return flash_mla
 
 
-def _flash_mla_sparse(flash_mla, case, heads: int):
+def _flash_mla_sparse(flash_mla, case):
     """FlashMLA's sparse prefill on the same rows and lists (lists padded to its tile of 128
     with -1; per-token lengths passed as topk_length)."""
     T, K = case.indices.shape
@@ -191,7 +191,7 @@ def sparse_rows(tokens: int, reps: int, ceiling: float, against: str | None) -> 
             "target": ">=1.1x flashmla",
         }
         if flash_mla is not None:
-            fm_call = _flash_mla_sparse(flash_mla, case, h)
+            fm_call = _flash_mla_sparse(flash_mla, case)
             try:
                 fm_out = fm_call()[0]
             except RuntimeError as exc:  # a shape FlashMLA refuses: say so, time the rest

@@ -25,11 +25,11 @@ import argparse
 
 import torch
 
-from dsv4_attn import kv_cache, ops
+from dsv4_attn import ops
 from dsv4_attn.bench.timing import measure_ceilings, report, time_cuda_us
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.scope import KVScope
-from dsv4_attn.testing import random_rows
+from dsv4_attn.testing import random_cache
 
 __all__ = ["main"]
 
@@ -37,15 +37,6 @@ WINDOW = 128
 SWA_BLOCK = 64
 CACHE_BLOCK = 256
 KINDS = {"swa": 1, "csa": 4, "hca": 128}
-
-
-def _filled_cache(num_rows: int, block_size: int, fmt: KVFormat, gen) -> torch.Tensor:
-    blocks = max(1, -(-num_rows // block_size))
-    cache = kv_cache.allocate(blocks, block_size, fmt, device="cuda")
-    for start in range(0, blocks * block_size, 1 << 17):
-        slots = torch.arange(start, min(blocks * block_size, start + (1 << 17)), device="cuda")
-        kv_cache.write(cache, slots, random_rows(len(slots), gen, "cuda"), fmt, block_size)
-    return cache
 
 
 class _Prompt:
@@ -59,7 +50,7 @@ class _Prompt:
         self.fmt, self.P, self.ratio, self.topk = fmt, P, ratio, topk
         self.q = (torch.randn(P, heads, HEAD_DIM, generator=gen) * 2).to(dev, torch.bfloat16)
         self.sink = torch.randn(heads, generator=gen).to(dev)
-        self.swa = _filled_cache(P, SWA_BLOCK, fmt, gen)
+        self.swa = random_cache(P, SWA_BLOCK, fmt, gen, dev)
         self.swa_table = torch.arange(self.swa.shape[0], dtype=torch.int32, device=dev)[None]
         pos = torch.arange(P, device=dev)
         # Old path: each token's window slots (the block table is the identity: slot = position).
@@ -73,7 +64,7 @@ class _Prompt:
         self.compressed = None
         if ratio > 1:
             per_page = CACHE_BLOCK // ratio
-            cache = _filled_cache(max(1, P // ratio), per_page, fmt, gen)
+            cache = random_cache(max(1, P // ratio), per_page, fmt, gen, dev)
             table = torch.arange(cache.shape[0], dtype=torch.int32, device=dev)[None]
             self.compressed = (cache, table, per_page, ratio)
             count = (pos + 1) // ratio
@@ -118,12 +109,8 @@ class _Prompt:
     def old(self) -> None:
         for step in self.steps:
             t = step["tokens"]
-            window = KVScope(self.swa, self.fmt, SWA_BLOCK, self.window.indices[t],
-                             self.window.lens[t])  # fmt: skip
-            extra = None
-            if self.extra is not None:
-                extra = KVScope(self.extra.cache, self.fmt, self.extra.block_size,
-                                self.extra.indices[t], self.extra.lens[t])  # fmt: skip
+            window = self.window.tokens(t.start, t.stop)
+            extra = self.extra.tokens(t.start, t.stop) if self.extra is not None else None
             ops.sparse_attention(self.q[t], window, self.sink, HEAD_DIM**-0.5, extra,
                                  out=self.out_old[t], check_values=False)  # fmt: skip
 

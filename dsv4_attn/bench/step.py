@@ -27,10 +27,10 @@ import argparse
 
 import torch
 
-from dsv4_attn import kv_cache
 from dsv4_attn.bench.timing import Ceilings, measure_ceilings, report, time_cuda_us
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.scope import KVScope
+from dsv4_attn.testing import random_cache
 
 __all__ = ["main"]
 
@@ -70,11 +70,12 @@ class _Step:
             + pos.view(batch, q_len) % SWA_BLOCK
         ).flatten()
         self.cache_slots = self.swa_slots.clone()  # only their sign (valid) matters here
-        self.swa_cache = self._filled_cache(batch * swa_blocks, SWA_BLOCK, gen)
+        self.swa_cache = random_cache(batch * swa_blocks * SWA_BLOCK, SWA_BLOCK, fmt, gen, dev)
         self.compressed = {
-            ratio: self._filled_cache(batch * cache_blocks, CACHE_BLOCK // ratio, gen)
+            ratio: random_cache(batch * cache_blocks * (CACHE_BLOCK // ratio), CACHE_BLOCK // ratio,
+                                fmt, gen, dev)
             for ratio in (4, 128)
-        }
+        }  # fmt: skip
         self.q = (torch.randn(T, heads, HEAD_DIM, generator=gen, device=dev) * 2).to(torch.bfloat16)
         self.kv = torch.randn(T, HEAD_DIM, generator=gen, device=dev).to(torch.bfloat16)
         self.cos_sin = torch.randn(context + 8, 64, generator=gen, device=dev)
@@ -100,16 +101,6 @@ class _Step:
         self.step_metadata = step_metadata
         self.metadata()  # the lists the attention reads
         self.slots()
-
-    def _filled_cache(self, num_blocks, block_size, gen):
-        cache = kv_cache.allocate(num_blocks, block_size, self.fmt, device="cuda")
-        chunk = 1 << 18
-        total = num_blocks * block_size
-        for start in range(0, total, chunk):
-            slots = torch.arange(start, min(total, start + chunk), device="cuda")
-            rows = torch.randn(len(slots), HEAD_DIM, generator=gen, device="cuda")
-            kv_cache.write(cache, slots, rows.to(torch.bfloat16), self.fmt, block_size)
-        return cache
 
     # The pieces of a step ------------------------------------------------------------------
 

@@ -18,8 +18,8 @@ from dsv4_attn.fused.nvfp4 import (
     DATA_ROW_BYTES,
     NOPE_BYTES,
     SCALE_ROW_BYTES,
-    _e4m3_value,
     bf16_rne,
+    e4m3_value,
 )
 from dsv4_attn.kv_cache import HEAD_DIM, NOPE_DIM
 
@@ -67,7 +67,7 @@ def _gather_nvfp4_kernel(
         block_code = tl.load(scales + byte // 8, mask=real, other=0).to(tl.int32)
         exponent = tl.load(scales + 28).to(tl.int32) - 127
         token_scale = tl.where(exponent >= -126, (exponent + 127) << 23, 1 << 22)
-        step = _e4m3_value(block_code) * token_scale.to(tl.float32, bitcast=True)
+        step = e4m3_value(block_code) * token_scale.to(tl.float32, bitcast=True)
         low = bf16_rne(_e2m1_value(packed & 15) * step)
         high = bf16_rne(_e2m1_value(packed >> 4) * step)
         values = tl.reshape(tl.join(low, high), (512,))

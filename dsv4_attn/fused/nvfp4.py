@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["bf16_rne", "load_nope_pairs", "store_nvfp4_row"]
+__all__ = ["bf16_rne", "e4m3_value", "load_nope_pairs", "store_nvfp4_row"]
 
 # Byte geometry of an NVFP4 row (dsv4_attn.kv_cache), as compile-time constants of the kernels.
 NOPE_BLOCKS = tl.constexpr(28)  # e4m3 scales per row (448 / 16)
@@ -47,7 +47,7 @@ def load_nope_pairs(row_ptr):
 
 
 @triton.jit
-def _e4m3_value(code):
+def e4m3_value(code):
     """float32 value of non-negative e4m3 codes (int32 0..126), from bits."""
     exponent = code >> 3
     mantissa = code & 7
@@ -89,10 +89,10 @@ def store_nvfp4_row(cache_ptr, page_stride, block_size, slot, even, odd, rope_ev
     hi = tl.full([32], 126, dtype=tl.int32)
     for _ in tl.static_range(7):
         mid = (lo + hi) >> 1
-        enough = _e4m3_value(mid) * token_scale * 6.0 >= block_amax
+        enough = e4m3_value(mid) * token_scale * 6.0 >= block_amax
         hi = tl.where(enough, mid, hi)
         lo = tl.where(enough, lo, mid + 1)
-    step = (_e4m3_value(lo) * token_scale)[:, None]
+    step = (e4m3_value(lo) * token_scale)[:, None]
     packed = _e2m1_nibbles(even, step) | (_e2m1_nibbles(odd, step) << 4)
 
     slot = slot.to(tl.int64)

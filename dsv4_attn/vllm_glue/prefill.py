@@ -141,9 +141,9 @@ def _read_run(
     """Torch path: ``out[c, i] = row first[c] + i`` of request ``c`` for ``i < count[c]``
     (zeros past it)."""
     C, width = out.shape[:2]
-    for i0 in range(0, width, max(1, _CPU_ROWS_PER_READ // max(C, 1))):
-        i = torch.arange(i0, min(width, i0 + max(1, _CPU_ROWS_PER_READ // max(C, 1))),
-                         device=out.device)  # fmt: skip
+    step = max(1, _CPU_ROWS_PER_READ // max(C, 1))
+    for i0 in range(0, width, step):
+        i = torch.arange(i0, min(width, i0 + step), device=out.device)
         use = i[None, :] < count[:, None]
         row = (first[:, None] + i[None, :]).clamp(min=0)
         page = block_table.gather(1, (row // block_size).clamp(max=block_table.shape[1] - 1))
