@@ -8,12 +8,17 @@ Both cache formats (``dsv4_attn.kv_cache``) decode exactly to bf16, so these hel
   bf16 multiply by 2^120 restores it and a second by 2^(e - 127) applies the block scale. Both
   products are exact (powers of two; in range for every scale the writer produces).
 * NVFP4: value = e2m1 * s_b * 2^(u - 127), ``s_b`` e4m3 per 16 values, ``u`` UE8M0 per token.
-  A nibble ``s eem`` becomes the bf16 ``s 0000000 eem000000``, i.e. the value times 2^-126;
-  a multiply by 2^126 restores it and one by s_b * 2^(u - 127) (exact in bf16: a 4-bit
-  significand) scales it. The e2m1 x scale product has at most 6 significant bits: exact.
+  A nibble ``s eem`` becomes the bf16 ``s 0000000 eem000000``, i.e. the value times 2^-126.
+  A first multiply by A = s_b * 2^118 (a normal bf16 for every e4m3 s_b, exact: 4-bit
+  significand) gives e2m1 * s_b * 2^-8, a normal bf16 with at most 6 significant bits: exact.
+  A second by B = 2^(u - 119) (a power of two, normal for 0 <= u <= 246) rounds once to the
+  decoded value, as the codec's float32 product rounded to bf16 does, subnormal results included.
+  (Folding s_b and 2^(u - 127) into one bf16 first would round s_b * G when it is a bf16
+  subnormal, i.e. for u <= 2.) The writer produces u <= 244 for finite bf16 rows.
 
 Cost per 16 values (one lane): FP8 ~32 integer ops + 16 bf16x2 multiplies; NVFP4 ~26 integer ops
-+ 16 multiplies. Plain Python functions: they are traced inline into the calling kernel.
++ 16 multiplies. ``tests/test_dequant.py`` checks both recipes against the codecs on every code
+and scale. Plain Python functions: they are traced inline into the calling kernel.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from dsv4_attn.kernels.ptx_ops import bits_to_f32, cvt_bf16x2_f32, mul_bf16x2, prmt
 
 BF16X2_2POW120 = 0x7B807B80  # bf16 2^120 in both halves
-BF16X2_2POW126 = 0x7E807E80  # bf16 2^126 in both halves
+NVFP4_BLOCK_SCALE_SHIFT = 118  # A = s_b * 2^118, B = 2^(u - 119): see the module docstring
 
 
 def fp8_block_scale_bf16x2(e: Uint32) -> Uint32:
@@ -82,16 +87,31 @@ def _f16_lo_to_f32(x: Uint32, *, loc=None, ip=None) -> Float32:
     )
 
 
-def nvfp4_scale_bf16x2(block_scale: Uint32, token_scale: Uint32) -> Uint32:
-    """e4m3 byte ``s_b`` and UE8M0 byte ``u`` -> packed bf16 pair s_b * 2^(u - 127) (u >= 1)."""
+def nvfp4_block_scale_bf16x2(block_scale: Uint32) -> Uint32:
+    """e4m3 byte ``s_b`` (0..0x7E) -> packed bf16 pair s_b * 2^118 (exact, always normal)."""
     sb = _f16_lo_to_f32(_e4m3x2_to_f16x2(block_scale))  # exact, subnormals included
-    g = bits_to_f32(token_scale << 23)
-    s = sb * g
-    return cvt_bf16x2_f32(s, s)
+    a = sb * bits_to_f32(Uint32((127 + NVFP4_BLOCK_SCALE_SHIFT) << 23))
+    return cvt_bf16x2_f32(a, a)
 
 
-def dequant_nvfp4_16(words: tuple, scale2: Uint32) -> list:
-    """16 e2m1 values (2 u32 words, value 2j in the low nibble) -> 8 packed bf16 pairs."""
+def nvfp4_token_scale_bf16x2(token_scale: Uint32) -> Uint32:
+    """UE8M0 byte ``u`` (0..246) -> packed bf16 pair 2^(u - 119), the factor that turns
+    e2m1 * s_b * 2^-8 into e2m1 * s_b * 2^(u - 127)."""
+    field = token_scale + (127 - 119)
+    return (field << 7) | (field << 23)
+
+
+def _e2m1x2_to_bf16x2_scaled_down(w: Uint32) -> Uint32:
+    """``w`` holds two e2m1 nibbles in bits 0-3 and 16-19: bf16 pair (value * 2^-126)."""
+    return ((w & 0x00070007) << 6) | ((w & 0x00080008) << 12)
+
+
+def dequant_nvfp4_16(words: tuple, block_scale2: Uint32, token_scale2: Uint32) -> list:
+    """16 e2m1 values (2 u32 words, value 2j in the low nibble) -> 8 packed bf16 pairs.
+
+    ``block_scale2`` from :func:`nvfp4_block_scale_bf16x2`, ``token_scale2`` from
+    :func:`nvfp4_token_scale_bf16x2` (0 gives a zero row).
+    """
     out = []
     for x in words:
         xs = x >> 4
@@ -99,7 +119,6 @@ def dequant_nvfp4_16(words: tuple, scale2: Uint32) -> list:
             # Low half takes byte k of x (nibble 2k at bits 0-3); high half byte k of x >> 4
             # (nibble 2k+1 at bits 16-19).
             w = prmt(x, xs, k | (k << 4) | ((4 + k) << 8) | ((4 + k) << 12))
-            v = ((w & 0x00070007) << 6) | ((w & 0x00080008) << 12)
-            v = mul_bf16x2(v, Uint32(BF16X2_2POW126))
-            out.append(mul_bf16x2(v, scale2))
+            v = mul_bf16x2(_e2m1x2_to_bf16x2_scaled_down(w), block_scale2)
+            out.append(mul_bf16x2(v, token_scale2))
     return out

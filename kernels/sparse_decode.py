@@ -33,9 +33,11 @@ __all__ = [
 SUPPORTED_HEAD_COUNTS = (8, 16, 32, 64, 128)
 BLOCK_H = 64
 BLOCK_N = 64
-# A split should read at least this many key tiles: each split also writes and the combine
-# reads back a 64 x 512 fp32 partial per head block (128 KB), about 3.5 tiles of FP8 rows.
-MIN_TILES_PER_SPLIT = 2
+# Split-KV limits (from a sweep of forced split counts on the H100, BENCHMARKS.md 2026-11-23c):
+# a split of one tile still pays off at T = 2, while past ~32 splits writing and combining the
+# fp32 partials (128 KB per split and 64-head block) costs more than the split saves.
+MIN_TILES_PER_SPLIT = 1
+MAX_SPLITS = 32
 MAX_GRID_TOKENS = 65535  # CUDA's limit on a grid's z axis, which carries the tokens
 _MAX_PACKED_SLOTS = 1 << 30  # the kernel packs (slot, scope) into one int32
 _FORMATS = {KVFormat.FP8_DS_MLA: "fp8_ds_mla", KVFormat.NVFP4: "nvfp4"}
@@ -61,6 +63,9 @@ def kernel_stack_error() -> str | None:
 
 
 def _cache_reason(name: str, cache: torch.Tensor, block_size: int) -> str | None:
+    if cache.shape[0] == 0:
+        # The kernel reads slot 0 in place of a key without a slot (and discards it).
+        return f"{name}.cache has no pages"
     if cache.stride(1) != 1 or cache.stride(0) % 16 or cache.data_ptr() % 16:
         return f"{name}.cache pages must be 16-byte aligned with contiguous bytes"
     if cache.shape[0] * block_size >= _MAX_PACKED_SLOTS:
@@ -124,15 +129,18 @@ def plan_splits(
 
     ``key_capacity`` is the widest key list a token can have (``indices.shape[1]`` plus
     ``extra_indices.shape[1]``). Without splitting there is one CTA per (token, 64-head block);
-    when those fill less than ~80% of the SMs, each token's key tiles are split so the grid covers
-    about one wave, but never below :data:`MIN_TILES_PER_SPLIT` tiles per split.
+    when those fill less than ~80% of the SMs, each token's key tiles are split so the grid
+    fills at most one wave (a second wave of short CTAs costs more than it saves), with at most
+    :data:`MAX_SPLITS` splits of at least :data:`MIN_TILES_PER_SPLIT` tiles.
     """
     tiles = max(1, math.ceil(key_capacity / BLOCK_N))
     ctas = num_tokens * math.ceil(num_heads / BLOCK_H)
-    if ctas >= 0.8 * num_sms or tiles < 2 * MIN_TILES_PER_SPLIT:
+    if ctas >= 0.8 * num_sms:
         return 1, tiles
-    want = min(math.ceil(num_sms / ctas), tiles // MIN_TILES_PER_SPLIT)
-    tiles_per_split = math.ceil(tiles / max(1, want))
+    want = min(num_sms // ctas, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS)
+    if want <= 1:
+        return 1, tiles
+    tiles_per_split = math.ceil(tiles / want)
     return math.ceil(tiles / tiles_per_split), tiles_per_split
 
 

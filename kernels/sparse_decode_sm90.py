@@ -13,25 +13,26 @@ Math per CTA (heads are the M dimension of every MMA, as in MQA all heads share 
 Warp roles (384 threads, ``setmaxnreg`` per warpgroup):
     WG0 (threads 0..127,   208 regs): S = QK^T, mask, online softmax, P -> registers and SMEM,
                                       O[:, 0:256] += P V[:, 0:256] (RS wgmma, P from registers)
-    WG1 (threads 128..255, 168 regs): O[:, 256:512] += P V[:, 256:512] (SS wgmma, P from SMEM:
+    WG1 (threads 128..255, 160 regs): O[:, 256:512] += P V[:, 256:512] (SS wgmma, P from SMEM:
                                       "SMEM-P"), rescaling by the row factor WG0 publishes
-    WG2 (threads 256..383, 128 regs): producer: streams each key's data and scale rows from the
-                                      paged cache into a per-warp SMEM ring by cp.async (slot ids
-                                      loaded two tiles ahead, rows prefetched into L2 one tile
-                                      ahead), dequantizes the nope values to bf16 and stores the
-                                      row, RoPE included, swizzled into the K/V stage
-    208 + 168 + 128 = 504 = 3 x 168, the registers the CTA launches with (64 K / 384 threads).
+    WG2 (threads 256..383, 136 regs): producer: four lanes per key, eight keys per warp at a
+                                      time, each lane loads a quarter of the key's data row and
+                                      its scale row into registers (16-byte FP8 / 8-byte NVFP4
+                                      non-coherent loads, both rounds of a tile issued at once),
+                                      dequantizes its 112 nope values to bf16 and stores them with
+                                      16 RoPE values, swizzled, into the K/V stage; slot ids are
+                                      loaded two tiles ahead, rows prefetched into L2 one ahead
+    208 + 160 + 136 = 504 = 3 x 168, the registers the CTA launches with (64 K / 384 threads).
     Register use per thread: WG0 holds O_L (64x256 fp32 / 128 = 128), S (32), P (16 bf16 pairs);
-    WG1 holds O_R (128).
+    WG1 holds O_R (128); a producer lane up to 2 x 38 words of loaded rows (FP8).
 
-Shared memory (bytes): Q 65,536 | K/V 2 stages x 65,536 | P 8,192 | producer ring 18,944 (FP8:
-    4 warps x 8 slots x 592) or 24,576 (NVFP4: 4 x 16 x 384) | key bias, row factors, row stats,
-    mbarriers ~1.3 K  =  225,280 (FP8) / 231,424 (NVFP4) of the 232,448 a CTA may use. The
-    producer fills stage i % 2 while both MMA warpgroups read the other.
+Shared memory (bytes): Q 65,536 | K/V 2 stages x 65,536 | P 8,192 | key bias, row factors, row
+    stats, mbarriers ~1.3 K  =  ~206 K of the 232,448 a CTA may use. The producer fills stage
+    i % 2 while both MMA warpgroups read the other.
 
 Synchronisation: mbarrier ``full[s]`` (128 producer arrivals) / ``empty[s]`` (256 MMA arrivals) per
 K/V stage; named barriers between WG0 and WG1 for P and the row factors (``P_FULL``,
-``P_EMPTY``), one for Q, one for the final row statistics; cp.async groups per key in the ring.
+``P_EMPTY``), one for Q, one for the final row statistics.
 
 Outputs: with one split, ``out`` bf16 ``[T, H, 512]`` (sink applied) and ``lse`` fp32 ``[T, H]``;
 with several, fp32 partials ``[S, T, H, 512]`` normalized per split plus their natural-log lse
@@ -47,7 +48,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warp, warpgroup
 
 from dsv4_attn.kernels import ptx_ops
@@ -55,7 +56,8 @@ from dsv4_attn.kernels.dequant import (
     dequant_fp8_16,
     dequant_nvfp4_16,
     fp8_block_scale_bf16x2,
-    nvfp4_scale_bf16x2,
+    nvfp4_block_scale_bf16x2,
+    nvfp4_token_scale_bf16x2,
 )
 
 __all__ = ["BLOCK_H", "BLOCK_N", "HEAD_DIM", "SparseDecodeConfig", "SparseDecodeSm90"]
@@ -67,7 +69,8 @@ BLOCK_N = 64  # keys per tile
 NUM_STAGES = 2
 KEYS_PER_PRODUCER_WARP = BLOCK_N // 4
 NUM_P_BUFFERS = 1  # P / row-factor buffers between WG0 and WG1
-KEYS_PER_STEP = 2  # keys the producer dequantizes between two ring waits
+LANES_PER_KEY = 4  # producer lanes that share one key's rows
+ROUNDS = KEYS_PER_PRODUCER_WARP * LANES_PER_KEY // 32  # keys a producer lane stages per tile
 
 # Per-format row geometry (bytes), as documented in dsv4_attn.kv_cache.
 FP8_DATA_ROW = 576
@@ -83,7 +86,7 @@ BAR_P_EMPTY = 4  # + buffer (4, 5)
 BAR_STATS = 6
 MMA_THREADS = 256
 
-WG0_REGS, WG1_REGS, PRODUCER_REGS = 208, 168, 128
+WG0_REGS, WG1_REGS, PRODUCER_REGS = 208, 160, 136
 # Registers each thread starts with: 64 K / 384 threads, rounded down to a multiple of 8. The
 # CTA's register pool is what it launched with (3 x 128 x 168), so the three counts may sum to at
 # most 3 x 168 = 504 (more and setmaxnreg.inc waits forever); setmaxnreg.dec may only lower and
@@ -148,10 +151,6 @@ class SparseDecodeSm90:
         self.is_fp8 = config.fmt == "fp8_ds_mla"
         self.data_row = FP8_DATA_ROW if self.is_fp8 else NVFP4_DATA_ROW
         self.scale_row = FP8_SCALE_ROW if self.is_fp8 else NVFP4_SCALE_ROW
-        # Producer ring: keys in flight per warp, and bytes per slot (data + scale row, rounded
-        # up to 16 B). 4 warps x 8 x 592 B (FP8) or 4 x 16 x 384 B (NVFP4) of shared memory.
-        self.ring_slots = 8 if self.is_fp8 else 16
-        self.ring_slot_bytes = -(-(self.data_row + self.scale_row) // 16) * 16
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -198,9 +197,6 @@ class SparseDecodeSm90:
             row_factor: cute.struct.MemRange[Float32, BLOCK_H * NUM_P_BUFFERS]
             row_sum: cute.struct.MemRange[Float32, BLOCK_H]
             row_max: cute.struct.MemRange[Float32, BLOCK_H]
-            ring: cute.struct.Align[
-                cute.struct.MemRange[Uint8, 4 * self.ring_slots * self.ring_slot_bytes], 16
-            ]
             sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
@@ -270,7 +266,7 @@ class SparseDecodeSm90:
                 mLens, mELens, token, split, tiles_per_split
             )
             self.producer(
-                mCache, mIdx, mECache, mEIdx, sK, storage.ring.data_ptr().toint(), key_bias,
+                mCache, mIdx, mECache, mEIdx, sK, key_bias,
                 full_bar, empty_bar,
                 token, n_window, key_begin, key_end, n_tiles, tidx - 256,
             )  # fmt: skip
@@ -347,7 +343,6 @@ class SparseDecodeSm90:
         mECache: cute.Tensor | None,
         mEIdx: cute.Tensor | None,
         sK: cute.Tensor,
-        ring_base: Int32,
         key_bias: cute.Tensor,
         full_bar,
         empty_bar,
@@ -360,118 +355,75 @@ class SparseDecodeSm90:
     ):
         """Gather, dequantize and stage one 64-key tile per iteration.
 
-        Warp w stages keys 16w..16w+15 of a tile, one key per step: the key's rows arrive in a
-        ring slot by cp.async; lane l < 28 turns nope values 16l..16l+15 into bf16, lanes 28..31
-        copy 16 RoPE values each, so every lane writes the 32 bytes of bf16 columns
-        16l..16l+15 of the key's SMEM row.
+        Warp w stages keys 16w..16w+15 of a tile in two rounds of 8 keys; in a round, the four
+        lanes ``4k..4k+3`` share key k (``part`` = lane % 4): each loads a quarter of the key's
+        rows into registers with 16-byte (FP8) or 8-byte (NVFP4) loads, dequantizes its 112
+        nope values and stores them, with its 16 RoPE values, into the key's SMEM row. Both
+        rounds' loads are issued before the first dequantization; slot ids are loaded two tiles
+        ahead and the next tile's rows prefetched into L2 while this tile is staged.
         """
         pwarp = cute.arch.make_warp_uniform(ptid // 32)
         lane = ptid & 31
+        part = lane & 3
+        parity = (lane >> 2) & 1  # of the lane's keys (rows row0 + 8 r)
         sK_base = sK.iterator.toint()
-        cache_base = mCache.iterator.toint()
-        page_stride = Int64(mCache.stride[0])
-        ecache_base = cache_base
-        epage_stride = page_stride
+        bases = [mCache.iterator.toint(), Int64(mCache.stride[0])]
         if const_expr(self.cfg.has_extra):
-            ecache_base = mECache.iterator.toint()
-            epage_stride = Int64(mECache.stride[0])
+            bases += [mECache.iterator.toint(), Int64(mECache.stride[0])]
+        else:
+            bases += bases
+        # Key of this lane in round r of tile t: key0 + 64 t + 8 r.
+        key0 = key_begin + pwarp * KEYS_PER_PRODUCER_WARP + (lane >> 2)
+        row0 = pwarp * KEYS_PER_PRODUCER_WARP + (lane >> 2)
 
-        # Slot ids are loaded two tiles ahead and rows prefetched into L2 one tile ahead; the rows
-        # themselves stream through a per-warp ring of RING slots by cp.async (no registers
-        # held), RING keys ahead of the key being dequantized.
-        ring_slots, slot_bytes = self.ring_slots, self.ring_slot_bytes
-        ring = ring_base + pwarp * (ring_slots * slot_bytes)
-        key0 = key_begin + pwarp * KEYS_PER_PRODUCER_WARP + lane
-        packed = self.load_slot(mIdx, mEIdx, token, n_window, key0, key_end, lane)
-        packed_next = self.load_slot(mIdx, mEIdx, token, n_window, key0 + BLOCK_N, key_end, lane)
-        self.prefetch_rows(packed, lane, cache_base, page_stride, ecache_base, epage_stride)
-        for j in cutlass.range_constexpr(ring_slots):
-            self.fetch_row(cute.arch.shuffle_sync(packed, j), ring + j * slot_bytes, lane,
-                           cache_base, page_stride, ecache_base, epage_stride)  # fmt: skip
-            cute.arch.cp_async_commit_group()
+        slots = self.round_slots(mIdx, mEIdx, token, n_window, key0, key_end)
+        slots_next = self.round_slots(mIdx, mEIdx, token, n_window, key0 + BLOCK_N, key_end)
+        for r in cutlass.range_constexpr(ROUNDS):
+            self.prefetch_key(slots[r], part, *bases)
         for tile in cutlass.range(n_tiles, unroll=1):
             stage = tile % NUM_STAGES
-            packed_next2 = self.load_slot(
-                mIdx, mEIdx, token, n_window, key0 + (tile + 2) * BLOCK_N, key_end, lane
+            loaded = [self.load_key(slots[r], part, parity, *bases) for r in range(ROUNDS)]
+            slots_next2 = self.round_slots(
+                mIdx, mEIdx, token, n_window, key0 + (tile + 2) * BLOCK_N, key_end
             )
-            self.prefetch_rows(packed_next, lane, cache_base, page_stride, ecache_base,
-                               epage_stride)  # fmt: skip
+            for r in cutlass.range_constexpr(ROUNDS):
+                self.prefetch_key(slots_next[r], part, *bases)
             if tile >= NUM_STAGES:
                 cute.arch.mbarrier_wait(empty_bar + stage, ((tile // NUM_STAGES) + 1) % 2)
             stage_base = sK_base + stage * (BLOCK_N * HEAD_DIM * 2)
-            # Two keys per step (more independent work between the waits), a rolled loop (the
-            # unrolled tile body would not fit the instruction cache next to the MMA code).
-            for step in cutlass.range(KEYS_PER_PRODUCER_WARP // KEYS_PER_STEP, unroll=1):
-                j0 = step * KEYS_PER_STEP
-                cute.arch.cp_async_wait_group(ring_slots - KEYS_PER_STEP)
-                cute.arch.sync_warp()  # every lane's copies of these rows have landed
-                for u in cutlass.range_constexpr(KEYS_PER_STEP):
-                    j = j0 + u
-                    slot = ring + (j & (ring_slots - 1)) * slot_bytes
-                    valid = cute.arch.shuffle_sync(packed, j) >= 0
-                    row = pwarp * KEYS_PER_PRODUCER_WARP + j
-                    self.store_row(self.read_row(slot, lane), valid, row, stage, lane,
-                                   stage_base, key_bias)  # fmt: skip
-                cute.arch.sync_warp()  # every lane has read the slots: refill them
-                for u in cutlass.range_constexpr(KEYS_PER_STEP):
-                    j = j0 + u
-                    slot = ring + (j & (ring_slots - 1)) * slot_bytes
-                    # the key ring_slots ahead: later in this tile, or in the next one
-                    ahead_here = cute.arch.shuffle_sync(packed, (j + ring_slots) & 15)
-                    ahead_next = cute.arch.shuffle_sync(packed_next, (j + ring_slots) & 15)
-                    ahead = Int32(
-                        cutlass.select_(
-                            j + ring_slots < KEYS_PER_PRODUCER_WARP, ahead_here, ahead_next
-                        )
+            for r in cutlass.range_constexpr(ROUNDS):
+                self.store_key(loaded[r], slots[r] >= 0, row0 + r * 8, part, parity, stage_base)
+                if part == 0:
+                    key_bias[row0 + r * 8, stage] = Float32(
+                        cutlass.select_(slots[r] >= 0, Float32(0.0), Float32(-math.inf))
                     )
-                    self.fetch_row(ahead, slot, lane, cache_base, page_stride, ecache_base,
-                                   epage_stride)  # fmt: skip
-                    cute.arch.cp_async_commit_group()
             cute.arch.fence_view_async_shared()
             cute.arch.mbarrier_arrive(full_bar + stage)
-            packed = packed_next
-            packed_next = packed_next2
-        ptx_ops.cp_async_wait_all()
+            slots = slots_next
+            slots_next = slots_next2
 
     @cute.jit
-    def prefetch_rows(self, packed, lane, cache_base, page_stride, ecache_base, epage_stride):
-        """Prefetch into L2 the rows of the 16 keys whose slot ids lanes 0..15 hold.
-
-        Lane l takes key l % 16; lanes 0..15 prefetch the first 128-byte lines of its data row,
-        lanes 16..31 the remaining lines and its scale row (one ``prefetch`` per line).
-        """
-        own = cute.arch.shuffle_sync(packed, lane & 15)
-        if own >= 0:
-            data_addr, scale_addr = self.row_addresses(
-                own, cache_base, page_stride, ecache_base, epage_stride
-            )
-            # Line starts covering [row, row + data_row): every 128 B, plus the last byte.
-            offsets = [*range(0, self.data_row, 128), self.data_row - 1]
-            first = offsets[: len(offsets) // 2]
-            second = offsets[len(offsets) // 2 :]
-            if lane < 16:
-                for off in first:
-                    ptx_ops.prefetch_l2(data_addr + off)
-            else:
-                for off in second:
-                    ptx_ops.prefetch_l2(data_addr + off)
-                ptx_ops.prefetch_l2(scale_addr)
+    def round_slots(self, mIdx, mEIdx, token, n_window, key, key_end) -> tuple:
+        """Packed slots of a lane's keys in the rounds of one tile (``key``, ``key + 8``)."""
+        return tuple(
+            self.load_slot(mIdx, mEIdx, token, n_window, key + r * 8, key_end)
+            for r in range(ROUNDS)
+        )
 
     @cute.jit
-    def load_slot(self, mIdx, mEIdx, token, n_window, key, key_end, lane) -> Int32:
-        """Lane l < 16: ``slot * 2 + is_extra`` of key ``key`` of the token, or -1 if none."""
+    def load_slot(self, mIdx, mEIdx, token, n_window, key, key_end) -> Int32:
+        """``slot * 2 + is_extra`` of key ``key`` of the token, or -1 if it has none."""
         packed = Int32(-1)
-        if lane < 16:  # noqa: SIM102 (DSL branches: no `and` on traced values)
-            if key < key_end:
-                if key < n_window:
-                    slot = Int32(mIdx[token, key])
+        if key < key_end:
+            if key < n_window:
+                slot = Int32(mIdx[token, key])
+                if slot >= 0:
+                    packed = slot * 2
+            else:
+                if const_expr(self.cfg.has_extra):
+                    slot = Int32(mEIdx[token, key - n_window])
                     if slot >= 0:
-                        packed = slot * 2
-                else:
-                    if const_expr(self.cfg.has_extra):
-                        slot = Int32(mEIdx[token, key - n_window])
-                        if slot >= 0:
-                            packed = slot * 2 + 1
+                        packed = slot * 2 + 1
         return packed
 
     @cute.jit
@@ -517,76 +469,87 @@ class SparseDecodeSm90:
         return data_addr, scale_addr
 
     @cute.jit
-    def fetch_row(self, packed, slot, lane, cache_base, page_stride, ecache_base, epage_stride):
-        """cp.async one key's data row and scale row into a ring slot (zeros if ``packed`` < 0).
+    def prefetch_key(self, packed, part, cache_base, page_stride, ecache_base, epage_stride):
+        """Prefetch into L2 the lines of a key's data and scale rows, shared by its 4 lanes.
 
-        FP8 slot (592 B): data row [0, 576) in 36 chunks of 16 B, scale row [576, 584).
-        NVFP4 slot (384 B): data row [0, 352) in 22 chunks, scale row [352, 384) in 2 chunks.
-        An invalid key copies 0 source bytes, so its slot reads back as zeros (a zero row).
+        The lines to touch are the data row's every 128 bytes, its last byte and the scale row;
+        lane ``part`` takes items ``part`` and ``part + 4`` of that list.
         """
-        valid = packed >= 0
+        if packed >= 0:
+            data_addr, scale_addr = self.row_addresses(
+                packed, cache_base, page_stride, ecache_base, epage_stride
+            )
+            offsets = [*range(0, self.data_row, 128), self.data_row - 1]
+            n_items = len(offsets) + 1  # + the scale row
+            for j in cutlass.range_constexpr(2):
+                item = part + 4 * j
+                if item < n_items:
+                    line = cutlass.min(item * 128, self.data_row - 1)
+                    addr = Int64(cutlass.select_(item < n_items - 1, data_addr + line, scale_addr))
+                    ptx_ops.prefetch_l2(addr)
+
+    @cute.jit
+    def load_key(self, packed, part, parity, cache_base, page_stride, ecache_base, epage_stride):
+        """Registers of lane ``part``'s quarter of a key: ``(nope, rope, scales)``.
+
+        FP8: nope chunk d (d < 7) = bytes 64d + 16 part .. +15 (values 64d + 16 part ..), 4 words;
+        NVFP4: bytes 32d + 8 part .. +7 (the same 16 values), 2 words. RoPE: the 16-byte chunks
+        ``rope_chunk(part, parity, 0/1)`` of the 128 RoPE bytes. Scales: the whole scale row (FP8 2
+        words, NVFP4 8). A key without a slot (``packed`` < 0) reads slot 0 of the window
+        cache instead; :meth:`store_key` zeroes it.
+        """
         data_addr, scale_addr = self.row_addresses(
             cutlass.max(packed, 0), cache_base, page_stride, ecache_base, epage_stride
         )
-        size16 = Int32(cutlass.select_(valid, Int32(16), Int32(0)))
+        rope_at = NOPE_DIM if const_expr(self.is_fp8) else NVFP4_NOPE_BYTES
         if const_expr(self.is_fp8):
-            ptx_ops.cp_async_16(slot + lane * 16, data_addr + lane * 16, size16)
-            if lane < 4:
-                ptx_ops.cp_async_16(slot + 512 + lane * 16, data_addr + 512 + lane * 16, size16)
-            elif lane == 4:
-                size8 = Int32(cutlass.select_(valid, Int32(8), Int32(0)))
-                ptx_ops.cp_async_8(slot + FP8_DATA_ROW, scale_addr, size8)
+            nope = [ptx_ops.ld_global_nc_v4(data_addr + 64 * d + 16 * part) for d in range(7)]
+            scales = ptx_ops.ld_global_nc_v2(scale_addr)
         else:
-            if lane < 24:
-                src = Int64(
-                    cutlass.select_(lane < 22, data_addr + lane * 16, scale_addr + (lane - 22) * 16)
-                )
-                ptx_ops.cp_async_16(slot + lane * 16, src, size16)
+            nope = [ptx_ops.ld_global_nc_v2(data_addr + 32 * d + 8 * part) for d in range(7)]
+            scales = (
+                *ptx_ops.ld_global_nc_v4(scale_addr),
+                *ptx_ops.ld_global_nc_v4(scale_addr + 16),
+            )
+        rope = [
+            ptx_ops.ld_global_nc_v4(data_addr + rope_at + 16 * self.rope_chunk(part, parity, c))
+            for c in range(2)
+        ]
+        return nope, rope, scales
 
-    @cute.jit
-    def read_row(self, slot, lane):
-        """Lane l's share of a ring slot: ``(a, b, s0, s1)``.
+    @staticmethod
+    def rope_chunk(part, parity, c):
+        """16-byte RoPE chunk (0..7) a lane handles in its ``c``-th copy (load and store).
 
-        ``a`` (16 B): FP8 nope bytes 16l..16l+15, NVFP4 nope bytes 16(l//2)..+15 (two lanes read
-        the same 16 bytes), RoPE lanes (l >= 28) their first 16 RoPE bytes; ``b``: the other 16
-        RoPE bytes (read by every lane, used by l >= 28); ``s0``/``s1``: the scale bytes.
+        Lanes of odd keys (``parity`` 1) take their two chunks in the other order, so each
+        8-lane phase of a store (keys 2i and 2i+1) covers 8 distinct 16-byte bank groups.
         """
-        nope_lane = cutlass.min(lane, 27)
-        rope_lane = cutlass.max(lane, 28) - 28
-        if const_expr(self.is_fp8):
-            rope = slot + NOPE_DIM + rope_lane * 32
-            nope = slot + nope_lane * 16
-            s0 = ptx_ops.ld_shared_u8(slot + FP8_DATA_ROW + (nope_lane >> 2))
-            s1 = Uint32(0)
-        else:
-            rope = slot + NVFP4_NOPE_BYTES + rope_lane * 32
-            nope = slot + (nope_lane >> 1) * 16
-            s0 = ptx_ops.ld_shared_u8(slot + NVFP4_DATA_ROW + nope_lane)
-            s1 = ptx_ops.ld_shared_u8(slot + NVFP4_DATA_ROW + 28)
-        a = ptx_ops.ld_shared_v4(Int32(cutlass.select_(lane < 28, nope, rope)))
-        b = ptx_ops.ld_shared_v4(rope + 16)
-        return a, b, s0, s1
+        return part + 4 * (c ^ parity)
 
     @cute.jit
-    def store_row(self, loaded, valid, row, stage, lane, stage_base, key_bias):
-        """Dequantize one key (nope lanes) or copy its RoPE (lanes 28..31) into SMEM row ``row``."""
-        a, b, s0, s1 = loaded
-        if const_expr(self.is_fp8):
-            deq = dequant_fp8_16(a, fp8_block_scale_bf16x2(s0))
-        else:
-            odd = (lane & 1) == 1
-            w0 = Uint32(cutlass.select_(odd, a[2], a[0]))
-            w1 = Uint32(cutlass.select_(odd, a[3], a[1]))
-            deq = dequant_nvfp4_16((w0, w1), nvfp4_scale_bf16x2(s0, s1))
-        is_nope = lane < 28
-        raw = (a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3])
-        out = [Uint32(cutlass.select_(is_nope, deq[i], raw[i])) for i in range(8)]
-        # (2-way bank conflicts between lanes 4k..4k+3 and 4k+4..4k+7: cheaper than the selects
-        # that would reorder the halves.)
-        ptx_ops.st_shared_v4(stage_base + _swizzled_offset(row, lane * 16), *out[:4])
-        ptx_ops.st_shared_v4(stage_base + _swizzled_offset(row, lane * 16 + 8), *out[4:])
-        if lane == 0:
-            key_bias[row, stage] = Float32(cutlass.select_(valid, Float32(0.0), Float32(-math.inf)))
+    def store_key(self, loaded, valid, row, part, parity, stage_base):
+        """Dequantize a lane's quarter of one key into K/V stage row ``row`` (zeros if invalid)."""
+        nope, rope, scales = loaded
+        zero = Uint32(0)
+        if const_expr(not self.is_fp8):
+            token_scale2 = Uint32(
+                cutlass.select_(valid, nvfp4_token_scale_bf16x2(scales[7] & 0xFF), zero)
+            )
+        for d in cutlass.range_constexpr(7):
+            col = 64 * d + 16 * part
+            if const_expr(self.is_fp8):
+                e = (scales[d // 4] >> (8 * (d % 4))) & 0xFF
+                scale2 = Uint32(cutlass.select_(valid, fp8_block_scale_bf16x2(e), zero))
+                deq = dequant_fp8_16(nope[d], scale2)
+            else:
+                block_scale2 = nvfp4_block_scale_bf16x2((scales[d] >> (part * 8)) & 0xFF)
+                deq = dequant_nvfp4_16(nope[d], block_scale2, token_scale2)
+            ptx_ops.st_shared_v4(stage_base + _swizzled_offset(row, col), *deq[:4])
+            ptx_ops.st_shared_v4(stage_base + _swizzled_offset(row, col + 8), *deq[4:])
+        for c in cutlass.range_constexpr(2):
+            words = [Uint32(cutlass.select_(valid, w, zero)) for w in rope[c]]
+            col = NOPE_DIM + 8 * self.rope_chunk(part, parity, c)
+            ptx_ops.st_shared_v4(stage_base + _swizzled_offset(row, col), *words)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit

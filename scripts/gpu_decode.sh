@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-shot GPU check of the sparse-decode kernel (issue 4) on a Hopper machine, from the repo root:
 #   1. the GPU tests of tests/test_sparse_decode.py (kernel vs the float64 reference);
-#   2. the decode benchmark (python -m dsv4_attn.bench decode), table + JSON.
+#   2. the decode benchmark (python -m dsv4_attn.bench decode), table + JSON; against FlashMLA
+#      (--against flashmla) when flash_mla is importable.
 # Logs and JSON land under $OUT (default ./bench_out). Needs torch with CUDA, nvidia-cutlass-dsl
 # 4.8.0 and apache-tvm-ffi. Set DSV4_ATTN_KERNEL_CACHE_DIR to a folder of precompiled kernels
 # (python -m dsv4_attn.kernels.precompile) to skip compiling on the GPU machine.
@@ -42,7 +43,14 @@ timeout "$TEST_TIMEOUT" $PY -m pytest -m gpu tests/test_sparse_decode.py -q -p n
   -rf $PYTEST_ARGS 2>&1 | tee "$OUT/pytest_gpu_decode.log"
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_gpu_decode.log"
 
-timeout "$BENCH_TIMEOUT" $PY -m dsv4_attn.bench decode --json "$OUT/bench_decode.json" \
-  2>&1 | tee "$OUT/bench_decode.log"
+# With FlashMLA built from ../shared/anchors (PYTHONPATH=/tmp/fmb/fm), the ratio table against it;
+# without, the table against the SDPA fallback.
+if $PY -c "import flash_mla" 2>/dev/null; then
+  timeout "$BENCH_TIMEOUT" $PY -m dsv4_attn.bench decode --against flashmla \
+    --json "$OUT/bench_decode_vs_flashmla.json" 2>&1 | tee "$OUT/bench_decode.log"
+else
+  timeout "$BENCH_TIMEOUT" $PY -m dsv4_attn.bench decode --json "$OUT/bench_decode.json" \
+    2>&1 | tee "$OUT/bench_decode.log"
+fi
 echo "bench exit: ${PIPESTATUS[0]}"
 grep -E "passed|failed|error" "$OUT/pytest_gpu_decode.log" | tail -3

@@ -35,16 +35,19 @@ def test_plan_splits_covers_every_tile_once(tokens, heads, capacity):
     ctas = tokens * math.ceil(heads / 64)
     if splits > 1:
         assert per_split >= sparse_decode.MIN_TILES_PER_SPLIT
-        assert ctas * splits <= 2 * 132  # about one wave, not many
+        assert ctas * splits <= 132  # one wave at most
+        assert splits <= sparse_decode.MAX_SPLITS
     if ctas >= 0.8 * 132:
         assert splits == 1
 
 
 def test_plan_splits_fills_small_batches():
-    # V4-Flash at one token: 10 tiles of keys, one 64-head block -> 5 splits of 2 tiles.
-    assert sparse_decode.plan_splits(1, 64, 640, num_sms=132) == (5, 2)
-    # HCA at 1M context, one token: 130 tiles -> 65 splits.
-    assert sparse_decode.plan_splits(1, 64, 8320, num_sms=132) == (65, 2)
+    # V4-Flash at one token: 10 tiles of keys, one 64-head block -> 10 splits of 1 tile.
+    assert sparse_decode.plan_splits(1, 64, 640, num_sms=132) == (10, 1)
+    # HCA at 1M context, one token: 130 tiles, at most 32 splits -> 26 splits of 5 tiles.
+    assert sparse_decode.plan_splits(1, 64, 8320, num_sms=132) == (26, 5)
+    # 64 tokens: two splits fill one wave (three would start a second).
+    assert sparse_decode.plan_splits(64, 64, 640, num_sms=132) == (2, 5)
     assert sparse_decode.plan_splits(256, 64, 640, num_sms=132) == (1, 10)
 
 
@@ -240,6 +243,80 @@ def test_single_key_returns_the_dequantized_row_exactly(fmt):
     assert torch.equal(out, rows[:, None, :].expand(T, H, HEAD_DIM))
     scores = (q.double() * rows[:, None, :].double()).sum(-1) * HEAD_DIM**-0.5
     assert torch.allclose(lse.double(), scores, atol=1e-3, rtol=1e-4)
+
+
+def _every_code_cache(fmt, block_size, device):
+    """A cache whose rows cycle through every nope code and a sweep of scale bytes.
+
+    FP8: nope byte i of row r is the (i + r)-th of the 254 non-NaN e4m3 codes, block b's UE8M0
+    byte is 1 + (7 r + b) % 200 (every scale from 2^-126 to 2^73: larger ones would overflow
+    q.k in float32, not the dequantization). NVFP4: nope byte i of row r is (i + r) % 256
+    (every pair of e2m1 nibbles), block scale b is (28 r + b) % 127 (every non-negative e4m3),
+    the token byte is r % 201. RoPE values are random. Returns (cache, number of rows).
+    """
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    if fmt == KVFormat.FP8_DS_MLA:
+        n, data_row, scale_row = 254, 576, 8
+        codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+        r = torch.arange(n)[:, None]
+        nope = codes[(torch.arange(448)[None, :] + r) % 254]
+        scales = torch.zeros(n, scale_row, dtype=torch.uint8)
+        scales[:, :7] = (1 + (7 * r + torch.arange(7)[None, :]) % 200).to(torch.uint8)
+    else:
+        n, data_row, scale_row = 256, 352, 32
+        r = torch.arange(n)[:, None]
+        nope = ((torch.arange(224)[None, :] + r) % 256).to(torch.uint8)
+        scales = torch.zeros(n, scale_row, dtype=torch.uint8)
+        scales[:, :28] = ((28 * r + torch.arange(28)[None, :]) % 127).to(torch.uint8)
+        scales[:, 28] = (r[:, 0] % 201).to(torch.uint8)
+    rope = torch.randn(n, 64, generator=gen).to(torch.bfloat16).view(torch.uint8)
+    data = torch.cat([nope, rope], dim=1)
+    num_blocks = math.ceil(n / block_size)
+    cache = kv_cache.allocate(num_blocks, block_size, fmt, device="cpu")
+    pages_data = cache[:, : block_size * data_row].view(num_blocks, block_size, data_row)
+    pages_scale = cache[:, block_size * data_row : block_size * (data_row + scale_row)]
+    pages_scale = pages_scale.view(num_blocks, block_size, scale_row)
+    slots = torch.arange(n)
+    pages_data[slots // block_size, slots % block_size] = data
+    pages_scale[slots // block_size, slots % block_size] = scales
+    return cache.to(device), n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
+def test_every_code_and_scale_dequantizes_exactly(fmt):
+    """One key per token, no sink: the output is the key's row, bit for bit as the codec reads
+    it, for every nope code and a sweep of scales (bf16-subnormal results included)."""
+    _needs_hopper()
+    device = torch.device("cuda")
+    cache, n = _every_code_cache(fmt, 64, device)
+    gen = torch.Generator(device=device).manual_seed(5)
+    idx = torch.arange(n, device=device, dtype=torch.int32)[:, None]
+    lens = torch.ones(n, dtype=torch.int32, device=device)
+    q = torch.randn(n, 8, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
+    out = torch.full((n, 8, HEAD_DIM), float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.empty(n, 8, device=device)
+    window = KVScope(cache, fmt, 64, idx, lens)
+    sparse_decode.sparse_attention(q, window, None, HEAD_DIM**-0.5, out=out, lse=lse)
+    rows = kv_cache.read(cache, idx[:, 0], fmt, 64)
+    assert torch.isfinite(rows).all()
+    # Values, not bit patterns: a -0 row value comes back as +0 (the MMA accumulates from +0).
+    mismatch = (out != rows[:, None, :]).any(dim=1)
+    assert not mismatch.any(), (
+        f"{int(mismatch.sum())} values differ, first at {mismatch.nonzero()[:4].tolist()}"
+    )
+
+
+@pytest.mark.gpu
+def test_a_cache_without_pages_is_refused():
+    _needs_hopper()
+    q = torch.zeros(1, 64, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    cache = kv_cache.allocate(1, 64, KVFormat.NVFP4, device="cuda")[:0]  # a 0-page view
+    idx = torch.full((1, 4), -1, dtype=torch.int32, device="cuda")
+    window = KVScope(
+        cache, KVFormat.NVFP4, 64, idx, torch.zeros(1, dtype=torch.int32, device="cuda")
+    )
+    assert sparse_decode.unsupported_reason(q, window, None, None) == "window.cache has no pages"
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@ import os
 import torch
 
 from dsv4_attn import fmha_ops
+from dsv4_attn.bench.anchors import import_flash_mla
 from dsv4_attn.bench.timing import format_table, measure_ceilings, time_cuda_us, write_json
 from dsv4_attn.prefill_cases import (
     make_dense_case,
@@ -116,16 +117,6 @@ def dense_rows(dims, heads, seqlen: int, reps: int, ceiling: float) -> list[dict
     return rows
 
 
-def _flash_mla():
-    """FlashMLA's module when importable (the anchor, ``../shared/anchors/``), else None."""
-    try:
-        import flash_mla
-    except ImportError as exc:
-        print(f"flash_mla is not importable ({exc}): timing ours only", flush=True)
-        return None
-    return flash_mla
-
-
 def _flash_mla_sparse(flash_mla, case):
     """FlashMLA's sparse prefill on the same rows and lists (lists padded to its tile of 128
     with -1; per-token lengths passed as topk_length)."""
@@ -161,7 +152,7 @@ def _sparse_configs(tokens: int) -> list[tuple[str, int, object]]:
 
 
 def sparse_rows(tokens: int, reps: int, ceiling: float, against: str | None) -> list[dict]:
-    flash_mla = _flash_mla() if against == "flashmla" else None
+    flash_mla = import_flash_mla() if against == "flashmla" else None
     rows = []
     for name, h, make in _sparse_configs(tokens):
         case = make()
