@@ -14,7 +14,7 @@ import os
 import time
 
 from dsv4_attn.kernels.combine import CombineConfig
-from dsv4_attn.kernels.sparse_decode_sm90 import SparseDecodeConfig
+from dsv4_attn.kernels.sparse_decode_config import SparseDecodeConfig
 
 __all__ = ["combine_variants", "decode_variants"]
 

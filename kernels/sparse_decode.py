@@ -228,7 +228,7 @@ def _caches():
 
 def decode_config(window, sink, extra, write_partial: bool):
     """The :class:`SparseDecodeConfig` (compile-cache key) of a call."""
-    from dsv4_attn.kernels.sparse_decode_sm90 import SparseDecodeConfig
+    from dsv4_attn.kernels.sparse_decode_config import SparseDecodeConfig
 
     return SparseDecodeConfig(
         fmt=_FORMATS[window.fmt],
@@ -251,7 +251,7 @@ def compile_variants(fmt: KVFormat, block_size: int, extra_block_size: int) -> N
     a sink, final output and split partials, plus the combine kernel. ``extra_block_size`` 0:
     no extra scope."""
     from dsv4_attn.kernels.combine import CombineConfig
-    from dsv4_attn.kernels.sparse_decode_sm90 import SparseDecodeConfig
+    from dsv4_attn.kernels.sparse_decode_config import SparseDecodeConfig
 
     decode_cache, combine_cache = _caches()
     for partial in (False, True):

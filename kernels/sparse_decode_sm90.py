@@ -34,6 +34,11 @@ Synchronisation: mbarrier ``full[s]`` (128 producer arrivals) / ``empty[s]`` (25
 K/V stage; named barriers between WG0 and WG1 for P and the row factors (``P_FULL``,
 ``P_EMPTY``), one for Q, one for the final row statistics.
 
+Modules: :mod:`~dsv4_attn.kernels.sparse_decode_config` (the variant key, geometry, barriers,
+register split, the SMEM swizzle), :mod:`~dsv4_attn.kernels.sparse_decode_producer` (WG2),
+:mod:`~dsv4_attn.kernels.dequant` (the bit recipes); this module holds the launch, the MMA
+warpgroups and the epilogue.
+
 Outputs: with one split, ``out`` bf16 ``[T, H, 512]`` (sink applied) and ``lse`` fp32 ``[T, H]``;
 with several, fp32 partials ``[S, T, H, 512]`` normalized per split plus their natural-log lse
 ``[S, T, H]`` (-inf for an empty split), merged by :mod:`dsv4_attn.kernels.combine`.
@@ -42,7 +47,6 @@ with several, fp32 partials ``[S, T, H, 512]`` normalized per split plus their n
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -52,81 +56,34 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warp, warpgroup
 
 from dsv4_attn.kernels import ptx_ops
-from dsv4_attn.kernels.dequant import (
-    dequant_fp8_16,
-    dequant_nvfp4_16,
-    fp8_block_scale_bf16x2,
-    nvfp4_block_scale_bf16x2,
-    nvfp4_token_scale_bf16x2,
+from dsv4_attn.kernels.sparse_decode_config import (
+    BAR_P_EMPTY,
+    BAR_P_FULL,
+    BAR_Q,
+    BAR_STATS,
+    BLOCK_H,
+    BLOCK_N,
+    FP8_DATA_ROW,
+    FP8_SCALE_ROW,
+    HEAD_DIM,
+    LAUNCH_REGS,
+    MMA_THREADS,
+    NUM_P_BUFFERS,
+    NUM_STAGES,
+    NVFP4_DATA_ROW,
+    NVFP4_SCALE_ROW,
+    PRODUCER_REGS,
+    WG0_REGS,
+    WG1_REGS,
+    SparseDecodeConfig,
+    swizzled_offset,
 )
+from dsv4_attn.kernels.sparse_decode_producer import SparseDecodeProducer
 
-__all__ = ["BLOCK_H", "BLOCK_N", "HEAD_DIM", "SparseDecodeConfig", "SparseDecodeSm90"]
-
-HEAD_DIM = 512
-NOPE_DIM = 448
-BLOCK_H = 64  # query heads per CTA (wgmma M)
-BLOCK_N = 64  # keys per tile
-NUM_STAGES = 2
-KEYS_PER_PRODUCER_WARP = BLOCK_N // 4
-NUM_P_BUFFERS = 1  # P / row-factor buffers between WG0 and WG1
-LANES_PER_KEY = 4  # producer lanes that share one key's rows
-ROUNDS = KEYS_PER_PRODUCER_WARP * LANES_PER_KEY // 32  # keys a producer lane stages per tile
-
-# Per-format row geometry (bytes), as documented in dsv4_attn.kv_cache.
-FP8_DATA_ROW = 576
-FP8_SCALE_ROW = 8
-NVFP4_DATA_ROW = 352
-NVFP4_SCALE_ROW = 32
-NVFP4_NOPE_BYTES = 224
-
-# Named barrier ids (0 is __syncthreads).
-BAR_Q = 1
-BAR_P_FULL = 2  # + buffer (2, 3)
-BAR_P_EMPTY = 4  # + buffer (4, 5)
-BAR_STATS = 6
-MMA_THREADS = 256
-
-WG0_REGS, WG1_REGS, PRODUCER_REGS = 208, 160, 136
-# Registers each thread starts with: 64 K / 384 threads, rounded down to a multiple of 8. The
-# CTA's register pool is what it launched with (3 x 128 x 168), so the three counts may sum to at
-# most 3 x 168 = 504 (more and setmaxnreg.inc waits forever); setmaxnreg.dec may only lower and
-# setmaxnreg.inc only raise a warpgroup's count.
-LAUNCH_REGS = (65536 // 384) // 8 * 8
-assert WG0_REGS + WG1_REGS + PRODUCER_REGS <= 3 * LAUNCH_REGS
-assert PRODUCER_REGS <= LAUNCH_REGS <= WG0_REGS
+__all__ = ["SparseDecodeSm90"]
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-
-
-@dataclass(frozen=True)
-class SparseDecodeConfig:
-    """Every compile-time parameter of one kernel variant (the compile-cache key)."""
-
-    fmt: str  # "fp8_ds_mla" or "nvfp4"
-    block_size: int  # tokens per page of the window cache
-    extra_block_size: int  # tokens per page of the extra cache; 0 = no extra scope
-    index_dtype: str  # "int32" or "int64" (indices and extra_indices)
-    lens_dtype: str  # "int32" or "int64" (lens and extra_lens)
-    has_sink: bool
-    write_partial: bool  # True: fp32 partials for the combine kernel; False: final bf16 output
-
-    @property
-    def has_extra(self) -> bool:
-        return self.extra_block_size > 0
-
-
-def _swizzled_offset(row, col):
-    """Byte offset of bf16 element (row, col) in a 64 x 512 K-major 128B-swizzled tile.
-
-    The tile is the CuTe layout ``tile_to_shape(K_SW128 atom (8 x 64), (64, 512))``: 1 KB atoms
-    of 8 rows x 128 B, stacked down the rows first, then across the columns (64 columns per atom
-    column); inside an atom the 16-byte chunk index is XORed with the row index (Swizzle<3,4,3>).
-    ``col`` must be a multiple of 8 (one 16-byte chunk).
-    """
-    r0 = row & 7
-    chunk = (col >> 3) & 7
-    return ((row >> 3) << 10) + ((col >> 6) << 13) + (r0 << 7) + ((chunk ^ r0) << 4)
 
 
 def _smem_layout_k_major(rows: int, cols: int, stages: int | None = None):
@@ -141,7 +98,7 @@ def _smem_layout_k_major(rows: int, cols: int, stages: int | None = None):
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
-class SparseDecodeSm90:
+class SparseDecodeSm90(SparseDecodeProducer):
     """The split-KV sparse decode kernel for one :class:`SparseDecodeConfig`."""
 
     def __init__(self, config: SparseDecodeConfig):
@@ -326,230 +283,13 @@ class SparseDecodeSm90:
             safe_head = cutlass.min(head, num_heads - 1)
             offset = (Int64(token) * num_heads + safe_head) * HEAD_DIM + col
             ptx_ops.cp_async_16(
-                s_base + _swizzled_offset(row, col),
+                s_base + swizzled_offset(row, col),
                 q_base + offset * 2,
                 Int32(cutlass.select_(in_range, Int32(16), Int32(0))),
             )
         ptx_ops.cp_async_wait_all()
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BAR_Q, number_of_threads=MMA_THREADS)
-
-    # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def producer(
-        self,
-        mCache: cute.Tensor,
-        mIdx: cute.Tensor,
-        mECache: cute.Tensor | None,
-        mEIdx: cute.Tensor | None,
-        sK: cute.Tensor,
-        key_bias: cute.Tensor,
-        full_bar,
-        empty_bar,
-        token: Int32,
-        n_window: Int32,
-        key_begin: Int32,
-        key_end: Int32,
-        n_tiles: Int32,
-        ptid: Int32,
-    ):
-        """Gather, dequantize and stage one 64-key tile per iteration.
-
-        Warp w stages keys 16w..16w+15 of a tile in two rounds of 8 keys; in a round, the four
-        lanes ``4k..4k+3`` share key k (``part`` = lane % 4): each loads a quarter of the key's
-        rows into registers with 16-byte (FP8) or 8-byte (NVFP4) loads, dequantizes its 112
-        nope values and stores them, with its 16 RoPE values, into the key's SMEM row. Both
-        rounds' loads are issued before the first dequantization; slot ids are loaded two tiles
-        ahead and the next tile's rows prefetched into L2 while this tile is staged.
-        """
-        pwarp = cute.arch.make_warp_uniform(ptid // 32)
-        lane = ptid & 31
-        part = lane & 3
-        parity = (lane >> 2) & 1  # of the lane's keys (rows row0 + 8 r)
-        sK_base = sK.iterator.toint()
-        bases = [mCache.iterator.toint(), Int64(mCache.stride[0])]
-        if const_expr(self.cfg.has_extra):
-            bases += [mECache.iterator.toint(), Int64(mECache.stride[0])]
-        else:
-            bases += bases
-        # Key of this lane in round r of tile t: key0 + 64 t + 8 r.
-        key0 = key_begin + pwarp * KEYS_PER_PRODUCER_WARP + (lane >> 2)
-        row0 = pwarp * KEYS_PER_PRODUCER_WARP + (lane >> 2)
-
-        slots = self.round_slots(mIdx, mEIdx, token, n_window, key0, key_end)
-        slots_next = self.round_slots(mIdx, mEIdx, token, n_window, key0 + BLOCK_N, key_end)
-        for r in cutlass.range_constexpr(ROUNDS):
-            self.prefetch_key(slots[r], part, *bases)
-        for tile in cutlass.range(n_tiles, unroll=1):
-            stage = tile % NUM_STAGES
-            loaded = [self.load_key(slots[r], part, parity, *bases) for r in range(ROUNDS)]
-            slots_next2 = self.round_slots(
-                mIdx, mEIdx, token, n_window, key0 + (tile + 2) * BLOCK_N, key_end
-            )
-            for r in cutlass.range_constexpr(ROUNDS):
-                self.prefetch_key(slots_next[r], part, *bases)
-            if tile >= NUM_STAGES:
-                cute.arch.mbarrier_wait(empty_bar + stage, ((tile // NUM_STAGES) + 1) % 2)
-            stage_base = sK_base + stage * (BLOCK_N * HEAD_DIM * 2)
-            for r in cutlass.range_constexpr(ROUNDS):
-                self.store_key(loaded[r], slots[r] >= 0, row0 + r * 8, part, parity, stage_base)
-                if part == 0:
-                    key_bias[row0 + r * 8, stage] = Float32(
-                        cutlass.select_(slots[r] >= 0, Float32(0.0), Float32(-math.inf))
-                    )
-            cute.arch.fence_view_async_shared()
-            cute.arch.mbarrier_arrive(full_bar + stage)
-            slots = slots_next
-            slots_next = slots_next2
-
-    @cute.jit
-    def round_slots(self, mIdx, mEIdx, token, n_window, key, key_end) -> tuple:
-        """Packed slots of a lane's keys in the rounds of one tile (``key``, ``key + 8``)."""
-        return tuple(
-            self.load_slot(mIdx, mEIdx, token, n_window, key + r * 8, key_end)
-            for r in range(ROUNDS)
-        )
-
-    @cute.jit
-    def load_slot(self, mIdx, mEIdx, token, n_window, key, key_end) -> Int32:
-        """``slot * 2 + is_extra`` of key ``key`` of the token, or -1 if it has none."""
-        packed = Int32(-1)
-        if key < key_end:
-            if key < n_window:
-                slot = Int32(mIdx[token, key])
-                if slot >= 0:
-                    packed = slot * 2
-            else:
-                if const_expr(self.cfg.has_extra):
-                    slot = Int32(mEIdx[token, key - n_window])
-                    if slot >= 0:
-                        packed = slot * 2 + 1
-        return packed
-
-    @cute.jit
-    def row_addresses(self, packed, cache_base, page_stride, ecache_base, epage_stride):
-        """(data row address, scale row address) of a packed slot (>= 0)."""
-        slot = packed >> 1
-        bs, ebs = self.cfg.block_size, self.cfg.extra_block_size
-        data_addr = Int64(0)
-        scale_addr = Int64(0)
-        if const_expr(not self.cfg.has_extra):
-            page = slot // bs
-            pos = slot - page * bs
-            page_base = cache_base + Int64(page) * page_stride
-            data_addr = page_base + pos * self.data_row
-            scale_addr = page_base + (bs * self.data_row) + pos * self.scale_row
-        elif const_expr(bs & (bs - 1) == 0 and ebs & (ebs - 1) == 0):
-            # Both page sizes powers of two: select per scope, no branch.
-            is_extra = (packed & 1) == 1
-            shift = Int32(cutlass.select_(is_extra, Int32(ebs.bit_length() - 1),
-                                          Int32(bs.bit_length() - 1)))  # fmt: skip
-            mask = Int32(cutlass.select_(is_extra, Int32(ebs - 1), Int32(bs - 1)))
-            base = Int64(cutlass.select_(is_extra, ecache_base, cache_base))
-            stride = Int64(cutlass.select_(is_extra, epage_stride, page_stride))
-            scales_at = Int32(cutlass.select_(is_extra, Int32(ebs * self.data_row),
-                                              Int32(bs * self.data_row)))  # fmt: skip
-            pos = slot & mask
-            page_base = base + Int64(slot >> shift) * stride
-            data_addr = page_base + pos * self.data_row
-            scale_addr = page_base + scales_at + pos * self.scale_row
-        else:
-            if (packed & 1) == 0:
-                page = slot // bs
-                pos = slot - page * bs
-                page_base = cache_base + Int64(page) * page_stride
-                data_addr = page_base + pos * self.data_row
-                scale_addr = page_base + (bs * self.data_row) + pos * self.scale_row
-            else:
-                page = slot // ebs
-                pos = slot - page * ebs
-                page_base = ecache_base + Int64(page) * epage_stride
-                data_addr = page_base + pos * self.data_row
-                scale_addr = page_base + (ebs * self.data_row) + pos * self.scale_row
-        return data_addr, scale_addr
-
-    @cute.jit
-    def prefetch_key(self, packed, part, cache_base, page_stride, ecache_base, epage_stride):
-        """Prefetch into L2 the lines of a key's data and scale rows, shared by its 4 lanes.
-
-        The lines to touch are the data row's every 128 bytes, its last byte and the scale row;
-        lane ``part`` takes items ``part`` and ``part + 4`` of that list.
-        """
-        if packed >= 0:
-            data_addr, scale_addr = self.row_addresses(
-                packed, cache_base, page_stride, ecache_base, epage_stride
-            )
-            offsets = [*range(0, self.data_row, 128), self.data_row - 1]
-            n_items = len(offsets) + 1  # + the scale row
-            for j in cutlass.range_constexpr(2):
-                item = part + 4 * j
-                if item < n_items:
-                    line = cutlass.min(item * 128, self.data_row - 1)
-                    addr = Int64(cutlass.select_(item < n_items - 1, data_addr + line, scale_addr))
-                    ptx_ops.prefetch_l2(addr)
-
-    @cute.jit
-    def load_key(self, packed, part, parity, cache_base, page_stride, ecache_base, epage_stride):
-        """Registers of lane ``part``'s quarter of a key: ``(nope, rope, scales)``.
-
-        FP8: nope chunk d (d < 7) = bytes 64d + 16 part .. +15 (values 64d + 16 part ..), 4 words;
-        NVFP4: bytes 32d + 8 part .. +7 (the same 16 values), 2 words. RoPE: the 16-byte chunks
-        ``rope_chunk(part, parity, 0/1)`` of the 128 RoPE bytes. Scales: the whole scale row (FP8 2
-        words, NVFP4 8). A key without a slot (``packed`` < 0) reads slot 0 of the window
-        cache instead; :meth:`store_key` zeroes it.
-        """
-        data_addr, scale_addr = self.row_addresses(
-            cutlass.max(packed, 0), cache_base, page_stride, ecache_base, epage_stride
-        )
-        rope_at = NOPE_DIM if const_expr(self.is_fp8) else NVFP4_NOPE_BYTES
-        if const_expr(self.is_fp8):
-            nope = [ptx_ops.ld_global_nc_v4(data_addr + 64 * d + 16 * part) for d in range(7)]
-            scales = ptx_ops.ld_global_nc_v2(scale_addr)
-        else:
-            nope = [ptx_ops.ld_global_nc_v2(data_addr + 32 * d + 8 * part) for d in range(7)]
-            scales = (
-                *ptx_ops.ld_global_nc_v4(scale_addr),
-                *ptx_ops.ld_global_nc_v4(scale_addr + 16),
-            )
-        rope = [
-            ptx_ops.ld_global_nc_v4(data_addr + rope_at + 16 * self.rope_chunk(part, parity, c))
-            for c in range(2)
-        ]
-        return nope, rope, scales
-
-    @staticmethod
-    def rope_chunk(part, parity, c):
-        """16-byte RoPE chunk (0..7) a lane handles in its ``c``-th copy (load and store).
-
-        Lanes of odd keys (``parity`` 1) take their two chunks in the other order, so each
-        8-lane phase of a store (keys 2i and 2i+1) covers 8 distinct 16-byte bank groups.
-        """
-        return part + 4 * (c ^ parity)
-
-    @cute.jit
-    def store_key(self, loaded, valid, row, part, parity, stage_base):
-        """Dequantize a lane's quarter of one key into K/V stage row ``row`` (zeros if invalid)."""
-        nope, rope, scales = loaded
-        zero = Uint32(0)
-        if const_expr(not self.is_fp8):
-            token_scale2 = Uint32(
-                cutlass.select_(valid, nvfp4_token_scale_bf16x2(scales[7] & 0xFF), zero)
-            )
-        for d in cutlass.range_constexpr(7):
-            col = 64 * d + 16 * part
-            if const_expr(self.is_fp8):
-                e = (scales[d // 4] >> (8 * (d % 4))) & 0xFF
-                scale2 = Uint32(cutlass.select_(valid, fp8_block_scale_bf16x2(e), zero))
-                deq = dequant_fp8_16(nope[d], scale2)
-            else:
-                block_scale2 = nvfp4_block_scale_bf16x2((scales[d] >> (part * 8)) & 0xFF)
-                deq = dequant_nvfp4_16(nope[d], block_scale2, token_scale2)
-            ptx_ops.st_shared_v4(stage_base + _swizzled_offset(row, col), *deq[:4])
-            ptx_ops.st_shared_v4(stage_base + _swizzled_offset(row, col + 8), *deq[4:])
-        for c in cutlass.range_constexpr(2):
-            words = [Uint32(cutlass.select_(valid, w, zero)) for w in rope[c]]
-            col = NOPE_DIM + 8 * self.rope_chunk(part, parity, c)
-            ptx_ops.st_shared_v4(stage_base + _swizzled_offset(row, col), *words)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit

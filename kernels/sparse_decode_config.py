@@ -1,0 +1,76 @@
+"""Compile-time configuration of the Hopper sparse-decode kernel (no CuTeDSL import needed).
+
+:class:`SparseDecodeConfig` is a kernel variant's compile-cache key; the constants fix the tile
+geometry, the cache row formats (``dsv4_attn.kv_cache``), the named barriers and the register
+split between the three warpgroups (:mod:`dsv4_attn.kernels.sparse_decode_sm90` explains the
+roles); :func:`swizzled_offset` is the SMEM address map the producer stores K/V rows through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SparseDecodeConfig", "swizzled_offset"]
+
+HEAD_DIM = 512
+NOPE_DIM = 448
+BLOCK_H = 64  # query heads per CTA (wgmma M)
+BLOCK_N = 64  # keys per tile
+NUM_STAGES = 2
+KEYS_PER_PRODUCER_WARP = BLOCK_N // 4
+NUM_P_BUFFERS = 1  # P / row-factor buffers between WG0 and WG1
+LANES_PER_KEY = 4  # producer lanes that share one key's rows
+ROUNDS = KEYS_PER_PRODUCER_WARP * LANES_PER_KEY // 32  # keys a producer lane stages per tile
+
+# Per-format row geometry (bytes), as documented in dsv4_attn.kv_cache.
+FP8_DATA_ROW = 576
+FP8_SCALE_ROW = 8
+NVFP4_DATA_ROW = 352
+NVFP4_SCALE_ROW = 32
+NVFP4_NOPE_BYTES = 224
+
+# Named barrier ids (0 is __syncthreads).
+BAR_Q = 1
+BAR_P_FULL = 2  # + buffer (2, 3)
+BAR_P_EMPTY = 4  # + buffer (4, 5)
+BAR_STATS = 6
+MMA_THREADS = 256
+
+WG0_REGS, WG1_REGS, PRODUCER_REGS = 208, 160, 136
+# Registers each thread starts with: 64 K / 384 threads, rounded down to a multiple of 8. The
+# CTA's register pool is what it launched with (3 x 128 x 168), so the three counts may sum to at
+# most 3 x 168 = 504 (more and setmaxnreg.inc waits forever); setmaxnreg.dec may only lower and
+# setmaxnreg.inc only raise a warpgroup's count.
+LAUNCH_REGS = (65536 // 384) // 8 * 8
+assert WG0_REGS + WG1_REGS + PRODUCER_REGS <= 3 * LAUNCH_REGS
+assert PRODUCER_REGS <= LAUNCH_REGS <= WG0_REGS
+
+
+@dataclass(frozen=True)
+class SparseDecodeConfig:
+    """Every compile-time parameter of one kernel variant (the compile-cache key)."""
+
+    fmt: str  # "fp8_ds_mla" or "nvfp4"
+    block_size: int  # tokens per page of the window cache
+    extra_block_size: int  # tokens per page of the extra cache; 0 = no extra scope
+    index_dtype: str  # "int32" or "int64" (indices and extra_indices)
+    lens_dtype: str  # "int32" or "int64" (lens and extra_lens)
+    has_sink: bool
+    write_partial: bool  # True: fp32 partials for the combine kernel; False: final bf16 output
+
+    @property
+    def has_extra(self) -> bool:
+        return self.extra_block_size > 0
+
+
+def swizzled_offset(row, col):
+    """Byte offset of bf16 element (row, col) in a 64 x 512 K-major 128B-swizzled tile.
+
+    The tile is the CuTe layout ``tile_to_shape(K_SW128 atom (8 x 64), (64, 512))``: 1 KB atoms
+    of 8 rows x 128 B, stacked down the rows first, then across the columns (64 columns per atom
+    column); inside an atom the 16-byte chunk index is XORed with the row index (Swizzle<3,4,3>).
+    ``col`` must be a multiple of 8 (one 16-byte chunk).
+    """
+    r0 = row & 7
+    chunk = (col >> 3) & 7
+    return ((row >> 3) << 10) + ((col >> 6) << 13) + (r0 << 7) + ((chunk ^ r0) << 4)
