@@ -22,7 +22,7 @@ from vllm.forward_context import set_forward_context
 from dsv4_attn import kv_cache, ops, reference
 from dsv4_attn.kv_cache import KVFormat
 from dsv4_attn.testing import random_rows
-from dsv4_attn.vllm_glue import kv_spec
+from dsv4_attn.vllm_glue import kv_spec, prefill
 from dsv4_attn.vllm_glue.attention import DSV4NVFP4Attention, check_supported
 from dsv4_attn.vllm_glue.metadata import (
     DSV4CompressedMetadataBuilder,
@@ -178,6 +178,37 @@ def test_forward_mqa_matches_reference(kv_dtype, ratio, batch_name, chunk_rows, 
     real = len(batch.positions())
     assert (output[real:] == 0).all(), "padding rows have no keys: output 0"
     torch.testing.assert_close(output.double(), ref, rtol=2**-7, atol=1e-3 * ref.abs().max())
+
+
+def test_prefill_chunks_are_planned_once_per_step_and_ratio(monkeypatch):
+    """The host chunk plan is made by the first layer of a step and reused by the next ones
+    (same metadata); a new step plans again. Outputs are the same either way."""
+    model = vt.tiny_model("auto")
+    layer = model.layers[128]
+    gen = torch.Generator().manual_seed(3)
+    seq_lens, query_lens = BATCHES["many_prefills"]
+    batch = vt.make_batch(gen, seq_lens, query_lens, padding=2, num_blocks=300)
+    write_step_rows(layer, batch, gen)
+    calls = []
+    real_plan = prefill.plan_chunks
+
+    def spy(*args):
+        calls.append(args)
+        return real_plan(*args)
+
+    monkeypatch.setattr(prefill, "plan_chunks", spy)
+    q = torch.randn(batch.num_tokens, layer.padded_heads, 512, generator=gen).to(torch.bfloat16)
+    outputs = [torch.full_like(q, float("nan")) for _ in range(3)]
+    metadata = build_metadata(layer, batch)
+    with set_forward_context(metadata, model.vllm_config):
+        layer.forward_mqa(q, None, batch.swa_cm.positions, outputs[0])
+        layer.forward_mqa(q, None, batch.swa_cm.positions, outputs[1])  # the next layer
+    assert len(calls) == 1
+    with set_forward_context(build_metadata(layer, batch), model.vllm_config):
+        layer.forward_mqa(q, None, batch.swa_cm.positions, outputs[2])  # the next step
+    assert len(calls) == 2
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+    assert torch.isfinite(outputs[0].float()).all()
 
 
 def test_forward_mqa_calls_ops_without_value_checks(monkeypatch):

@@ -358,10 +358,13 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         chunk (:mod:`.prefill`). Returns the end of the step's real tokens."""
         assert swa.query_start_loc_cpu is not None and swa.seq_lens_cpu is not None
         assert swa.query_start_loc is not None and swa.seq_lens is not None
-        chunks = prefill.plan_chunks(
-            swa.query_start_loc_cpu, swa.seq_lens_cpu, swa.num_decodes, swa.num_prefills,
-            self.compress_ratio, self.window_size, self._prefill_budget(),
-        )  # fmt: skip
+        plan_key = (self.compress_ratio, self.window_size, self._prefill_budget())
+        chunks = swa.prefill_plans.get(plan_key)
+        if chunks is None:
+            chunks = swa.prefill_plans[plan_key] = prefill.plan_chunks(
+                swa.query_start_loc_cpu, swa.seq_lens_cpu, swa.num_decodes, swa.num_prefills,
+                *plan_key,
+            )  # fmt: skip
         swa_pages = self.swa_pages()
         compressed_pages = self.compressed_pages() if compressed is not None else None
         vllm_caches = None

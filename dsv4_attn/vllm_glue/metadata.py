@@ -30,7 +30,7 @@ share one softmax with the attention sink, row-aligned with the step's query tok
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -298,6 +298,9 @@ class DSV4SWAMetadata(DeepseekSparseSWAMetadata):
     swa_indices: torch.Tensor | None = None  # int32 [T, window]
     swa_lens: torch.Tensor | None = None  # int32 [T]
     seq_lens_cpu: torch.Tensor | None = None  # host upper bounds of seq_lens (prefill chunking)
+    # The step's prefill chunk plans by (compress ratio, window, rows budget): every layer of a
+    # ratio plans the same chunks, so the first layer's host loop serves the others.
+    prefill_plans: dict = field(default_factory=dict)
 
 
 @dataclass
