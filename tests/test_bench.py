@@ -13,14 +13,32 @@ from dsv4_attn import bench
 
 
 def test_every_subcommand_is_a_module_with_main():
-    assert set(bench.SUBCOMMANDS) == {"decode", "prefill", "prefill-layer", "fallback", "step"}
+    assert set(bench.SUBCOMMANDS) == {
+        "decode",
+        "decode-splits",
+        "prefill",
+        "prefill-layer",
+        "fallback",
+        "step",
+    }
     for name, module in bench.SUBCOMMANDS.items():
         assert callable(importlib.import_module(module).main), name
 
 
 def test_unknown_subcommand_names_the_accepted_ones():
-    with pytest.raises(SystemExit, match=r"\{decode,prefill,prefill-layer,fallback,step\}"):
+    names = r"\{decode,decode-splits,prefill,prefill-layer,fallback,step\}"
+    with pytest.raises(SystemExit, match=names):
         bench.main(["nope"])
     result = subprocess.run([sys.executable, "-m", "dsv4_attn.bench"], capture_output=True,
                             text=True, timeout=120)  # fmt: skip
     assert result.returncode != 0 and "usage: python -m dsv4_attn.bench" in result.stderr
+
+
+def test_decode_splits_options():
+    from dsv4_attn.bench import decode_splits
+
+    args = decode_splits.parse_args(["--shapes", "v4-pro", "--tokens", "2", "--splits", "1", "9"])
+    assert (args.shapes, args.tokens, args.splits) == (["v4-pro"], [2], [1, 9])
+    assert decode_splits.parse_args([]).splits == list(decode_splits.SPLITS)
+    with pytest.raises(SystemExit):
+        decode_splits.parse_args(["--splits", "0"])

@@ -1,4 +1,5 @@
-"""Benchmarks: ``python -m dsv4_attn.bench {decode,prefill,prefill-layer,fallback,step} [options]``.
+"""Benchmarks: ``python -m dsv4_attn.bench SUBCOMMAND [options]``, one of :data:`SUBCOMMANDS`
+(decode, decode-splits, prefill, prefill-layer, fallback, step).
 
 One module per benchmark, each with a ``main(argv)`` that prints a table and writes JSON; the
 shared timing, ceilings and report helpers are in :mod:`dsv4_attn.bench.timing`.
@@ -13,6 +14,7 @@ __all__ = ["SUBCOMMANDS", "main"]
 
 SUBCOMMANDS = {
     "decode": "dsv4_attn.bench.decode",
+    "decode-splits": "dsv4_attn.bench.decode_splits",
     "prefill": "dsv4_attn.bench.prefill",
     "prefill-layer": "dsv4_attn.bench.prefill_layer",
     "fallback": "dsv4_attn.bench.fallback",
