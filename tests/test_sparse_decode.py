@@ -145,17 +145,21 @@ def _check(out, lse, ref_out, ref_lse, tol=1e-2):
         assert (lse[finite].double() - ref_lse[finite]).abs().max() <= 1e-2
 
 
-def _run_case(fmt, H, T, extra_width, sink_kind, seed, num_splits=None, extra_bs=16):
+def _run_case(fmt, H, T, extra_width, sink_kind, seed, num_splits=None, extra_bs=16,
+              index_dtype=torch.int32):  # fmt: skip
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(seed)
     window_bs = 64
+
+    def lists(K, num_slots):
+        return tuple(x.to(index_dtype) for x in _random_lists(T, K, num_slots, device, gen))
+
     cache = _random_cache(fmt, window_bs, 4096, device, gen)
-    window = KVScope(cache, fmt, window_bs, *_random_lists(T, 128, 4096, device, gen))
+    window = KVScope(cache, fmt, window_bs, *lists(128, 4096))
     extra = None
     if extra_width:
         ecache = _random_cache(fmt, extra_bs, max(2 * extra_width, 64), device, gen)
-        lists = _random_lists(T, extra_width, max(2 * extra_width, 64), device, gen)
-        extra = KVScope(ecache, fmt, extra_bs, *lists)
+        extra = KVScope(ecache, fmt, extra_bs, *lists(extra_width, max(2 * extra_width, 64)))
     q = (torch.randn(T, H, HEAD_DIM, generator=gen, device=device) * 2).to(torch.bfloat16)
     sink = _sink(sink_kind, H, device, gen)
     scale = HEAD_DIM**-0.5
@@ -215,6 +219,16 @@ def test_vllm_page_sizes(fmt, extra_bs, extra, H):
     _needs_hopper()
     seed = zlib.crc32(repr((fmt.value, extra_bs, extra, H)).encode())
     _run_case(fmt, H, 64, extra, "finite", seed=seed, extra_bs=extra_bs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
+@pytest.mark.parametrize("extra", [0, 512])
+def test_int64_slot_lists(fmt, extra):
+    """int64 indices and lens (another kernel variant) with -1 holes and partial lists."""
+    _needs_hopper()
+    seed = zlib.crc32(repr((fmt.value, extra, "int64")).encode())
+    _run_case(fmt, 64, 37, extra, "finite", seed=seed, index_dtype=torch.int64)
 
 
 @pytest.mark.gpu
