@@ -145,47 +145,52 @@ def make_case(pool: _RowPool, fmt: KVFormat, T: int, H: int, window: int, extra:
     return DecodeCase(q, window_scope, sink, HEAD_DIM**-0.5, extra_scope)
 
 
-def run(shapes, tokens, formats, reps: int, fallback_reps: int):
-    from dsv4_attn.kernels import sparse_decode
-
-    device = torch.device("cuda")
-    ceilings = measure_ceilings()
-    pool = _RowPool(device)
-    rows = []
+def cases(pool: _RowPool, formats, shapes, tokens):
+    """``(fmt, shape, T, case)`` for every format x shape x token count, in that order."""
     for fmt_name in formats:
         fmt = KVFormat.parse(fmt_name)
         for shape in shapes:
             H, window, extra = ALL_SHAPES[shape]
             for T in tokens:
-                case = make_case(pool, fmt, T, H, window, extra)
-                args = case.args()
-                scopes = (case.window, case.sink, case.extra)
-                reason = sparse_decode.unsupported_reason(case.q, *scopes)
-                if reason is not None:
-                    raise SystemExit(f"the kernel does not run {shape} T={T}: {reason}")
-                capacity = sparse_decode.key_capacity(case.window, case.extra)
-                splits, _ = sparse_decode.resolve_splits(T, H, capacity, device)
-                kernel = time_cuda_us(lambda a=args: sparse_decode.sparse_attention(*a), reps=reps)
-                slow = time_cuda_us(lambda a=args: fallback.sparse_attention(*a),
-                                    reps=fallback_reps, warmup=1)  # fmt: skip
-                t = kernel["median_us"]
-                rows.append(
-                    {
-                        "fmt": fmt.value,
-                        "shape": shape,
-                        "T": T,
-                        "H": H,
-                        "window": window,
-                        "extra": extra,
-                        "splits": splits,
-                        **kernel,
-                        **decode_roofline(case, t, ceilings),
-                        "fallback_us": slow["median_us"],
-                        "speedup": slow["median_us"] / t,
-                    }
-                )
-                print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
-                del case, args
+                yield fmt, shape, T, make_case(pool, fmt, T, H, window, extra)
+
+
+def run(shapes, tokens, formats, reps: int, fallback_reps: int):
+    from dsv4_attn.kernels import sparse_decode
+
+    device = torch.device("cuda")
+    ceilings = measure_ceilings()
+    rows = []
+    for fmt, shape, T, case in cases(_RowPool(device), formats, shapes, tokens):
+        H, window, extra = ALL_SHAPES[shape]
+        args = case.args()
+        scopes = (case.window, case.sink, case.extra)
+        reason = sparse_decode.unsupported_reason(case.q, *scopes)
+        if reason is not None:
+            raise SystemExit(f"the kernel does not run {shape} T={T}: {reason}")
+        capacity = sparse_decode.key_capacity(case.window, case.extra)
+        splits, _ = sparse_decode.resolve_splits(T, H, capacity, device)
+        kernel = time_cuda_us(lambda a=args: sparse_decode.sparse_attention(*a), reps=reps)
+        slow = time_cuda_us(lambda a=args: fallback.sparse_attention(*a),
+                            reps=fallback_reps, warmup=1)  # fmt: skip
+        t = kernel["median_us"]
+        rows.append(
+            {
+                "fmt": fmt.value,
+                "shape": shape,
+                "T": T,
+                "H": H,
+                "window": window,
+                "extra": extra,
+                "splits": splits,
+                **kernel,
+                **decode_roofline(case, t, ceilings),
+                "fallback_us": slow["median_us"],
+                "speedup": slow["median_us"] / t,
+            }
+        )
+        print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+        del case, args
     return rows, ceilings
 
 

@@ -14,9 +14,8 @@ import argparse
 
 import torch
 
-from dsv4_attn.bench.decode import ALL_SHAPES, _RowPool, make_case
+from dsv4_attn.bench.decode import ALL_SHAPES, _RowPool, cases
 from dsv4_attn.bench.timing import measure_ceilings, report, time_cuda_us
-from dsv4_attn.kv_cache import KVFormat
 
 SPLITS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 32, 64)
 COLUMNS = [
@@ -35,31 +34,25 @@ def run(shapes, tokens, formats, splits, reps: int) -> tuple[list[dict], object]
 
     device = torch.device("cuda")
     ceilings = measure_ceilings()
-    pool = _RowPool(device)
     rows = []
-    for fmt_name in formats:
-        fmt = KVFormat.parse(fmt_name)
-        for shape in shapes:
-            H, window, extra = ALL_SHAPES[shape]
-            tiles = -(-(window + extra) // sparse_decode.BLOCK_N)
-            for T in tokens:
-                args = make_case(pool, fmt, T, H, window, extra).args()
-                planned, _ = sparse_decode.resolve_splits(T, H, window + extra, device)
-                ref = sparse_decode.sparse_attention(*args)[0]
-                for s in sorted({*splits, planned}):
-                    if s > tiles:
-                        continue
-                    out = sparse_decode.sparse_attention(*args, num_splits=s)[0]
-                    timing = time_cuda_us(
-                        lambda a=args, s=s: sparse_decode.sparse_attention(*a, num_splits=s),
-                        reps=reps,
-                    )
-                    rows.append({
-                        "fmt": fmt.value, "shape": shape, "T": T, "H": H, "splits": s,
-                        "planned": planned, "median_us": timing["median_us"],
-                        "max_abs_diff": (out.float() - ref.float()).abs().max().item(),
-                    })  # fmt: skip
-                    print(rows[-1], flush=True)
+    for fmt, shape, T, case in cases(_RowPool(device), formats, shapes, tokens):
+        H, window, extra = ALL_SHAPES[shape]
+        args = case.args()
+        planned, _ = sparse_decode.resolve_splits(T, H, window + extra, device)
+        ref = sparse_decode.sparse_attention(*args)[0]
+        for s in sorted({*splits, planned}):
+            if s > -(-(window + extra) // sparse_decode.BLOCK_N):  # more splits than tiles
+                continue
+            out = sparse_decode.sparse_attention(*args, num_splits=s)[0]
+            timing = time_cuda_us(
+                lambda a=args, s=s: sparse_decode.sparse_attention(*a, num_splits=s), reps=reps
+            )
+            rows.append({
+                "fmt": fmt.value, "shape": shape, "T": T, "H": H, "splits": s,
+                "planned": planned, "median_us": timing["median_us"],
+                "max_abs_diff": (out.float() - ref.float()).abs().max().item(),
+            })  # fmt: skip
+            print(rows[-1], flush=True)
     return rows, ceilings
 
 
