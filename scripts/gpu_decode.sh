@@ -2,7 +2,9 @@
 # One-shot GPU check of the sparse-decode kernel (issue 4) on a Hopper machine, from the repo root:
 #   1. the GPU tests of tests/test_sparse_decode.py (kernel vs the float64 reference);
 #   2. the decode benchmark (python -m dsv4_attn.bench decode), table + JSON; against FlashMLA
-#      (--against flashmla) when flash_mla is importable.
+#      (--against flashmla) when flash_mla is importable;
+#   3. with SPLITS=1 the split-count sweep (python -m dsv4_attn.bench decode-splits);
+#   4. with PROFILE=1 the Nsight Compute profile of scripts/profile_decode.sh (V4-Flash FP8 T=128).
 # Logs and JSON land under $OUT (default ./bench_out). Needs torch with CUDA, nvidia-cutlass-dsl
 # 4.8.0 and apache-tvm-ffi. Set DSV4_ATTN_KERNEL_CACHE_DIR to a folder of precompiled kernels
 # (python -m dsv4_attn.kernels.precompile) to skip compiling on the GPU machine.
@@ -53,4 +55,13 @@ else
     2>&1 | tee "$OUT/bench_decode.log"
 fi
 echo "bench exit: ${PIPESTATUS[0]}"
+if [ "${SPLITS:-0}" = 1 ]; then
+  timeout "$BENCH_TIMEOUT" $PY -m dsv4_attn.bench decode-splits --json "$OUT/bench_decode_splits.json" \
+    > "$OUT/bench_decode_splits.log" 2>&1
+  echo "decode-splits exit: $?"; tail -40 "$OUT/bench_decode_splits.log"
+fi
+if [ "${PROFILE:-0}" = 1 ]; then
+  OUT="$OUT" bash scripts/profile_decode.sh > "$OUT/profile.log" 2>&1
+  echo "profile exit: $?"; tail -12 "$OUT/profile.log"
+fi
 grep -E "passed|failed|error" "$OUT/pytest_gpu_decode.log" | tail -3
