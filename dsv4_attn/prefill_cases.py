@@ -163,6 +163,18 @@ def _sink(heads: int, sink: str | None, g: torch.Generator, device) -> torch.Ten
     return s.to(device=device, dtype=torch.float32)
 
 
+def _case(q, kv, indices, lens, sink, device) -> SparseCase:
+    """bf16 ``q``/``kv`` and int32 lists on ``device``; softmax scale 1 / sqrt(head dim)."""
+    return SparseCase(
+        q.to(device=device, dtype=torch.bfloat16),
+        kv.to(device=device, dtype=torch.bfloat16),
+        indices.to(device=device, dtype=torch.int32),
+        lens.to(device=device, dtype=torch.int32),
+        sink,
+        q.shape[-1] ** -0.5,
+    )
+
+
 def make_random_sparse_case(
     tokens: int,
     heads: int,
@@ -191,14 +203,7 @@ def make_random_sparse_case(
         ln = torch.randint(0, width + 1, (tokens,), generator=g)
         if tokens >= 2:
             ln[0], ln[1] = 0, width
-    return SparseCase(
-        q.to(device=device, dtype=torch.bfloat16),
-        kv.to(device=device, dtype=torch.bfloat16),
-        idx.to(device=device, dtype=torch.int32),
-        ln.to(device=device, dtype=torch.int32),
-        _sink(heads, sink, g, device),
-        head_dim**-0.5,
-    )
+    return _case(q, kv, idx, ln, _sink(heads, sink, g, device), device)
 
 
 def make_v4_sparse_case(
@@ -226,14 +231,7 @@ def make_v4_sparse_case(
     picks = torch.argsort(noise, dim=1)[:, :topk]
     idx = torch.cat([win, tokens + picks], dim=1)
     lens = torch.full((tokens,), window + topk, device=device)
-    return SparseCase(
-        q.to(device=device, dtype=torch.bfloat16),
-        kv.to(device=device, dtype=torch.bfloat16),
-        idx.to(device=device, dtype=torch.int32),
-        lens.to(device=device, dtype=torch.int32),
-        _sink(heads, "random", g, device),
-        head_dim**-0.5,
-    )
+    return _case(q, kv, idx, lens, _sink(heads, "random", g, device), device)
 
 
 def make_hca_sparse_case(
@@ -264,11 +262,4 @@ def make_hca_sparse_case(
     from_window = col - count
     idx = torch.where(col < count, col, entries + start - first_window + from_window)
     idx = torch.where(from_window < wlen, idx, -1)
-    return SparseCase(
-        q.to(dtype=torch.bfloat16),
-        kv.to(dtype=torch.bfloat16),
-        idx.to(dtype=torch.int32),
-        (count + wlen)[:, 0].to(dtype=torch.int32),
-        _sink(heads, "random", g, device),
-        head_dim**-0.5,
-    )
+    return _case(q, kv, idx, (count + wlen)[:, 0], _sink(heads, "random", g, device), device)

@@ -97,7 +97,9 @@ def nvfp4_block_scale_bf16x2(block_scale: Uint32) -> Uint32:
 def nvfp4_token_scale_bf16x2(token_scale: Uint32) -> Uint32:
     """UE8M0 byte ``u`` (0..246) -> packed bf16 pair 2^(u - 119), the factor that turns
     e2m1 * s_b * 2^-8 into e2m1 * s_b * 2^(u - 127)."""
-    field = token_scale + (127 - 119)
+    # e2m1 * s_b * 2^(shift - 126) times 2^(u - 127 - (shift - 126)): bf16 exponent field
+    # u - 1 - shift + 127.
+    field = token_scale + (126 - NVFP4_BLOCK_SCALE_SHIFT)
     return (field << 7) | (field << 23)
 
 

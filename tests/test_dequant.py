@@ -19,6 +19,7 @@ import torch
 
 from dsv4_attn import kv_cache
 from dsv4_attn.kernels import dequant
+from dsv4_attn.kv_cache import KVFormat
 
 
 def _bf16_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
@@ -35,15 +36,16 @@ def _low_half(word: torch.Tensor) -> torch.Tensor:
     return word & 0xFFFF
 
 
-def _codec_value(decode, row_bytes: tuple[int, int], code, scales_at: dict) -> torch.Tensor:
+def _codec_value(fmt: KVFormat, code, scales_at: dict) -> torch.Tensor:
     """The codec's decode of value 0 of rows whose byte 0 is ``code`` (one row per entry) and
     whose scale row holds ``scales_at`` (byte offset -> per-row bytes), as bf16."""
-    data = torch.zeros(code.numel(), row_bytes[0], dtype=torch.uint8)
+    layout = kv_cache.page_layout(fmt, 1)
+    data = torch.zeros(code.numel(), layout.data_row_bytes, dtype=torch.uint8)
     data[:, 0] = code.to(torch.uint8)
-    scales = torch.zeros(code.numel(), row_bytes[1], dtype=torch.uint8)
+    scales = torch.zeros(code.numel(), layout.scale_row_bytes, dtype=torch.uint8)
     for offset, values in scales_at.items():
         scales[:, offset] = values.to(torch.uint8)
-    return decode(data, scales)[:, 0]
+    return kv_cache.decode_rows(data, scales, fmt)[:, 0]
 
 
 def test_fp8_recipe_matches_the_codec_on_every_byte_and_scale():
@@ -58,7 +60,7 @@ def test_fp8_recipe_matches_the_codec_on_every_byte_and_scale():
     got = v.to(torch.int16).view(torch.bfloat16)
 
     # The codec's decode of the same bytes: one 64-value block per (code, scale) pair.
-    want = _codec_value(kv_cache._decode_fp8_ds_mla, (576, 8), code, {0: e})
+    want = _codec_value(KVFormat.FP8_DS_MLA, code, {0: e})
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     # Also the other byte of a pair (high half) follows the same bits.
     placed_hi = dequant._fp8x2_to_bf16x2_scaled_down(code << 24) >> 16
@@ -81,7 +83,7 @@ def test_nvfp4_recipe_matches_the_codec_on_every_code_and_scale():
     v = _mul_bf16(v, _low_half(dequant.nvfp4_token_scale_bf16x2(u)))
     got = v.to(torch.int16).view(torch.bfloat16)
 
-    want = _codec_value(kv_cache._decode_nvfp4, (352, 32), nib, {0: sb, 28: u})
+    want = _codec_value(KVFormat.NVFP4, nib, {0: sb, 28: u})
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     placed_hi = dequant._e2m1x2_to_bf16x2_scaled_down(nib << 16) >> 16
     assert torch.equal(placed_hi, _low_half(placed))

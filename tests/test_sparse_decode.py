@@ -270,29 +270,25 @@ def _every_code_cache(fmt, block_size, device):
     """
     gen = torch.Generator(device="cpu").manual_seed(3)
     if fmt == KVFormat.FP8_DS_MLA:
-        n, data_row, scale_row = 254, 576, 8
+        n = 254
         codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
         r = torch.arange(n)[:, None]
         nope = codes[(torch.arange(448)[None, :] + r) % 254]
-        scales = torch.zeros(n, scale_row, dtype=torch.uint8)
+        scales = torch.zeros(n, 8, dtype=torch.uint8)
         scales[:, :7] = (1 + (7 * r + torch.arange(7)[None, :]) % 200).to(torch.uint8)
     else:
-        n, data_row, scale_row = 256, 352, 32
+        n = 256
         r = torch.arange(n)[:, None]
         nope = ((torch.arange(224)[None, :] + r) % 256).to(torch.uint8)
-        scales = torch.zeros(n, scale_row, dtype=torch.uint8)
+        scales = torch.zeros(n, 32, dtype=torch.uint8)
         scales[:, :28] = ((28 * r + torch.arange(28)[None, :]) % 127).to(torch.uint8)
         scales[:, 28] = (r[:, 0] % 201).to(torch.uint8)
     rope = torch.randn(n, 64, generator=gen).to(torch.bfloat16).view(torch.uint8)
-    data = torch.cat([nope, rope], dim=1)
-    num_blocks = math.ceil(n / block_size)
-    cache = kv_cache.allocate(num_blocks, block_size, fmt, device="cpu")
-    pages_data = cache[:, : block_size * data_row].view(num_blocks, block_size, data_row)
-    pages_scale = cache[:, block_size * data_row : block_size * (data_row + scale_row)]
-    pages_scale = pages_scale.view(num_blocks, block_size, scale_row)
+    cache = kv_cache.allocate(math.ceil(n / block_size), block_size, fmt, device="cpu")
+    data_rows, scale_rows = kv_cache._row_views(cache, kv_cache.page_layout(fmt, block_size))
     slots = torch.arange(n)
-    pages_data[slots // block_size, slots % block_size] = data
-    pages_scale[slots // block_size, slots % block_size] = scales
+    data_rows[slots // block_size, slots % block_size] = torch.cat([nope, rope], dim=1)
+    scale_rows[slots // block_size, slots % block_size] = scales
     return cache.to(device), n
 
 

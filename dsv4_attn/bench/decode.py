@@ -164,10 +164,7 @@ def run(shapes, tokens, formats, reps: int, fallback_reps: int):
     for fmt, shape, T, case in cases(_RowPool(device), formats, shapes, tokens):
         H, window, extra = ALL_SHAPES[shape]
         args = case.args()
-        scopes = (case.window, case.sink, case.extra)
-        reason = sparse_decode.unsupported_reason(case.q, *scopes)
-        if reason is not None:
-            raise SystemExit(f"the kernel does not run {shape} T={T}: {reason}")
+        _require_kernel(sparse_decode, case, f"{shape} T={T}")
         capacity = sparse_decode.key_capacity(case.window, case.extra)
         splits, _ = sparse_decode.resolve_splits(T, H, capacity, device)
         kernel = time_cuda_us(lambda a=args: sparse_decode.sparse_attention(*a), reps=reps)
@@ -317,11 +314,16 @@ def time_flashmla(
     return fields
 
 
-def _ours(sparse_decode, case: DecodeCase, label: str, reps: int | None):
-    """Our kernel's output (bf16 ``[T, H, 512]``) and, when ``reps``, its median µs."""
+def _require_kernel(sparse_decode, case: DecodeCase, label: str) -> None:
+    """Stop the benchmark, naming the case, when the kernel would not run it."""
     reason = sparse_decode.unsupported_reason(case.q, case.window, case.sink, case.extra)
     if reason is not None:
         raise SystemExit(f"the kernel does not run {label}: {reason}")
+
+
+def _ours(sparse_decode, case: DecodeCase, label: str, reps: int | None):
+    """Our kernel's output (bf16 ``[T, H, 512]``) and, when ``reps``, its median µs."""
+    _require_kernel(sparse_decode, case, label)
     args = case.args()
     out = sparse_decode.sparse_attention(*args)[0]
     if not reps:
