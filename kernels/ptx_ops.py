@@ -96,6 +96,25 @@ def ld_global_nc_v2(addr: Int64, *, loc=None, ip=None) -> tuple[Uint32, Uint32]:
 
 
 @dsl_user_op
+def ld_global_nc_b32_if(addr: Int64, pred: Int32, default: int, *, loc=None, ip=None) -> Int32:
+    """32-bit read-only load of ``addr`` where ``pred`` != 0, else ``default`` (no access).
+
+    One predicated load writes the result register, so nothing waits for the value until its
+    first use (a load inside a traced ``if`` joins through a select that waits at once).
+    """
+    return _scalar(
+        Int32,
+        T.i32(),
+        [_i64(addr, loc, ip), _i32(pred, loc, ip)],
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\tmov.b32 $0, "
+        f"{default};\n\t@p ld.global.nc.b32 $0, [$1];\n\t}}",
+        "=r,l,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
 def ld_global_nc_u8(addr: Int64, *, loc=None, ip=None) -> Uint32:
     """One byte, zero-extended to u32 (read-only path)."""
     return _scalar(
@@ -263,6 +282,24 @@ def st_shared_v4(addr: Int32, a: Uint32, b: Uint32, c: Uint32, d: Uint32, *, loc
         [_i32(addr, loc, ip)] + [_u32(x, loc, ip) for x in (a, b, c, d)],
         "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
         "r,r,r,r,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def st_shared_b32(addr: Int32, v: Uint32, *, loc=None, ip=None):
+    """4-byte shared-memory store."""
+    _statement([_i32(addr, loc, ip), _u32(v, loc, ip)], "st.shared.b32 [$0], $1;", "r,r", loc, ip)
+
+
+@dsl_user_op
+def st_shared_v2_f32(addr: Int32, a: Float32, b: Float32, *, loc=None, ip=None):
+    """8-byte shared-memory store of two floats."""
+    _statement(
+        [_i32(addr, loc, ip), _f32(a, loc, ip), _f32(b, loc, ip)],
+        "st.shared.v2.f32 [$0], {$1, $2};",
+        "r,f,f",
         loc,
         ip,
     )

@@ -34,7 +34,14 @@ BAR_Q = 1
 BAR_P_FULL = 2  # + buffer (2, 3)
 BAR_P_EMPTY = 4  # + buffer (4, 5)
 BAR_STATS = 6
+BAR_EPILOGUE = 7  # both MMA warpgroups: past their last MMA / output tile staged in SMEM
 MMA_THREADS = 256
+
+# Output staging (epilogue): the 64 x 512 output tile goes through SMEM (over Q, K/V and P, free
+# after the last MMA) so global stores are whole 16-byte chunks. Rows are padded (16 B bf16,
+# 32 B fp32) so the accumulator fragments' stores hit 32 distinct banks.
+STAGE_ROW_BYTES_BF16 = HEAD_DIM * 2 + 16
+STAGE_ROW_BYTES_F32 = HEAD_DIM * 4 + 32
 
 WG0_REGS, WG1_REGS, PRODUCER_REGS = 208, 160, 136
 # Registers each thread starts with: 64 K / 384 threads, rounded down to a multiple of 8. The

@@ -63,10 +63,11 @@ class SparseDecodeProducer:
 
         Warp w stages keys 16w..16w+15 of a tile in two rounds of 8 keys; in a round, the four
         lanes ``4k..4k+3`` share key k (``part`` = lane % 4): each loads a quarter of the key's
-        rows into registers with 16-byte (FP8) or 8-byte (NVFP4) loads, dequantizes its 112
-        nope values and stores them, with its 16 RoPE values, into the key's SMEM row. Both
-        rounds' loads are issued before the first dequantization; slot ids are loaded two tiles
-        ahead and the next tile's rows prefetched into L2 while this tile is staged.
+        nope bytes and scales into registers with 16-byte (FP8) or 8-byte (NVFP4) loads,
+        dequantizes its 112 nope values into the key's SMEM row and copies 16 of its RoPE
+        values there by cp.async. Round 0 of the next tile is loaded while round 1 of this one
+        is dequantized; slot ids are loaded two tiles ahead and the next tile's rows prefetched
+        into L2 while this tile is staged.
         """
         pwarp = cute.arch.make_warp_uniform(ptid // 32)
         lane = ptid & 31
@@ -78,59 +79,88 @@ class SparseDecodeProducer:
             bases += [mECache.iterator.toint(), Int64(mECache.stride[0])]
         else:
             bases += bases
-        # Key of this lane in round r of tile t: key0 + 64 t + 8 r.
+        # Key of this lane in round r of tile t: key0 + 64 t + 8 r; its SMEM row row0 + 8 r.
         key0 = key_begin + pwarp * KEYS_PER_PRODUCER_WARP + (lane >> 2)
         row0 = pwarp * KEYS_PER_PRODUCER_WARP + (lane >> 2)
+        scope = (*self.id_rows(mIdx, mEIdx, token), n_window, key_end)
 
-        slots = self.round_slots(mIdx, mEIdx, token, n_window, key0, key_end)
-        slots_next = self.round_slots(mIdx, mEIdx, token, n_window, key0 + BLOCK_N, key_end)
-        for r in cutlass.range_constexpr(ROUNDS):
-            self.prefetch_key(slots[r], part, *bases)
+        # Slot ids are loaded two tiles ahead (only packed, i.e. waited for, when used), rows
+        # prefetched into L2 one tile ahead, and (``rows_ahead``) loaded into registers one
+        # round ahead; RoPE values are copied into the stage by cp.async.
+        raw = self.raw_slots(*scope, key0)
+        raw_next = self.raw_slots(*scope, key0 + BLOCK_N)
+        ahead = ()
+        if const_expr(self.rows_ahead):
+            ahead = self.load_key(self.pack_slot(raw[0], key0, n_window), part, *bases)
         for tile in cutlass.range(n_tiles, unroll=1):
             stage = tile % NUM_STAGES
-            loaded = [self.load_key(slots[r], part, parity, *bases) for r in range(ROUNDS)]
-            slots_next2 = self.round_slots(
-                mIdx, mEIdx, token, n_window, key0 + (tile + 2) * BLOCK_N, key_end
-            )
+            key_t = key0 + tile * BLOCK_N
+            packed = [self.pack_slot(raw[r], key_t + r * 8, n_window) for r in range(ROUNDS)]
+            packed_next = [
+                self.pack_slot(raw_next[r], key_t + BLOCK_N + r * 8, n_window)
+                for r in range(ROUNDS)
+            ]
+            first = ahead
+            if const_expr(not self.rows_ahead):
+                first = self.load_key(packed[0], part, *bases)
+            second = self.load_key(packed[1], part, *bases)
+            raw_next2 = self.raw_slots(*scope, key_t + 2 * BLOCK_N)
             for r in cutlass.range_constexpr(ROUNDS):
-                self.prefetch_key(slots_next[r], part, *bases)
+                self.prefetch_key(packed_next[r], part, *bases)
             if tile >= NUM_STAGES:
                 cute.arch.mbarrier_wait(empty_bar + stage, ((tile // NUM_STAGES) + 1) % 2)
             stage_base = sK_base + stage * (BLOCK_N * HEAD_DIM * 2)
             for r in cutlass.range_constexpr(ROUNDS):
-                self.store_key(loaded[r], slots[r] >= 0, row0 + r * 8, part, parity, stage_base)
-                if part == 0:
+                self.copy_rope(packed[r], row0 + r * 8, part, parity, stage_base, *bases)
+            self.store_key(first, packed[0] >= 0, row0, lane, stage_base)
+            if const_expr(self.rows_ahead):
+                ahead = self.load_key(packed_next[0], part, *bases)
+            self.store_key(second, packed[1] >= 0, row0 + 8, lane, stage_base)
+            if part == 0:
+                for r in cutlass.range_constexpr(ROUNDS):
                     key_bias[row0 + r * 8, stage] = Float32(
-                        cutlass.select_(slots[r] >= 0, Float32(0.0), Float32(-math.inf))
+                        cutlass.select_(packed[r] >= 0, Float32(0.0), Float32(-math.inf))
                     )
+            ptx_ops.cp_async_wait_all()  # this lane's RoPE copies have landed
             cute.arch.fence_view_async_shared()
             cute.arch.mbarrier_arrive(full_bar + stage)
-            slots = slots_next
-            slots_next = slots_next2
+            raw = raw_next
+            raw_next = raw_next2
 
     @cute.jit
-    def round_slots(self, mIdx, mEIdx, token, n_window, key, key_end) -> tuple:
-        """Packed slots of a lane's keys in the rounds of one tile (``key``, ``key + 8``)."""
-        return tuple(
-            self.load_slot(mIdx, mEIdx, token, n_window, key + r * 8, key_end)
-            for r in range(ROUNDS)
-        )
+    def id_rows(self, mIdx, mEIdx, token):
+        """Addresses of the token's window and extra slot-id rows (the window's twice if none)."""
+        elem = 8 if const_expr(self.cfg.index_dtype == "int64") else 4
+        window_ids = mIdx.iterator.toint() + Int64(token) * Int64(mIdx.stride[0]) * elem
+        extra_ids = window_ids
+        if const_expr(self.cfg.has_extra):
+            extra_ids = mEIdx.iterator.toint() + Int64(token) * Int64(mEIdx.stride[0]) * elem
+        return window_ids, extra_ids
 
     @cute.jit
-    def load_slot(self, mIdx, mEIdx, token, n_window, key, key_end) -> Int32:
-        """``slot * 2 + is_extra`` of key ``key`` of the token, or -1 if it has none."""
-        packed = Int32(-1)
-        if key < key_end:
-            if key < n_window:
-                slot = Int32(mIdx[token, key])
-                if slot >= 0:
-                    packed = slot * 2
-            else:
-                if const_expr(self.cfg.has_extra):
-                    slot = Int32(mEIdx[token, key - n_window])
-                    if slot >= 0:
-                        packed = slot * 2 + 1
-        return packed
+    def raw_slots(self, window_ids, extra_ids, n_window, key_end, key) -> tuple:
+        """Slot ids of a lane's keys ``key + 8 r`` (one per round), as loaded: -1 past
+        ``key_end``; the loads are not waited for until :meth:`pack_slot` reads them."""
+        elem = 8 if const_expr(self.cfg.index_dtype == "int64") else 4
+        out = []
+        for r in cutlass.range_constexpr(ROUNDS):
+            k = key + r * 8
+            # (int64 ids: their low word, as every slot id is < 2^30 and -1 stays -1.)
+            addr = Int64(
+                cutlass.select_(k < n_window, window_ids + Int64(k) * elem,
+                                extra_ids + Int64(k - n_window) * elem)
+            )  # fmt: skip
+            present = Int32(cutlass.select_(k < key_end, Int32(1), Int32(0)))
+            out.append(ptx_ops.ld_global_nc_b32_if(addr, present, -1))
+        return tuple(out)
+
+    @cute.jit
+    def pack_slot(self, raw, key, n_window) -> Int32:
+        """``slot * 2 + is_extra`` of key ``key`` from its loaded slot id, or -1 if it has none."""
+        is_extra = Int32(cutlass.select_(key >= n_window, Int32(1), Int32(0)))
+        if const_expr(not self.cfg.has_extra):
+            is_extra = Int32(0)
+        return Int32(cutlass.select_(raw >= 0, raw * 2 + is_extra, Int32(-1)))
 
     @cute.jit
     def row_addresses(self, packed, cache_base, page_stride, ecache_base, epage_stride):
@@ -178,50 +208,43 @@ class SparseDecodeProducer:
     def prefetch_key(self, packed, part, cache_base, page_stride, ecache_base, epage_stride):
         """Prefetch into L2 the lines of a key's data and scale rows, shared by its 4 lanes.
 
-        The lines to touch are the data row's every 128 bytes, its last byte and the scale row;
-        lane ``part`` takes items ``part`` and ``part + 4`` of that list.
+        The lines to touch are the data row's every 128 bytes, its last byte and the scale row
+        (at most 8 items); lane ``part`` takes items ``part`` and ``part + 4`` of that list.
         """
         if packed >= 0:
             data_addr, scale_addr = self.row_addresses(
                 packed, cache_base, page_stride, ecache_base, epage_stride
             )
-            offsets = [*range(0, self.data_row, 128), self.data_row - 1]
-            n_items = len(offsets) + 1  # + the scale row
+            n_lines = len(range(0, self.data_row, 128)) + 1  # every 128 B, and the last byte
             for j in cutlass.range_constexpr(2):
-                item = part + 4 * j
-                if item < n_items:
-                    line = cutlass.min(item * 128, self.data_row - 1)
-                    addr = Int64(cutlass.select_(item < n_items - 1, data_addr + line, scale_addr))
-                    ptx_ops.prefetch_l2(addr)
+                item = part + 4 * j  # items n_lines.. are the scale row (prefetched again)
+                line = cutlass.min(item * 128, self.data_row - 1)
+                addr = Int64(cutlass.select_(item < n_lines, data_addr + line, scale_addr))
+                ptx_ops.prefetch_l2(addr)
 
     @cute.jit
-    def load_key(self, packed, part, parity, cache_base, page_stride, ecache_base, epage_stride):
+    def load_key(self, packed, part, cache_base, page_stride, ecache_base, epage_stride):
         """Registers of lane ``part``'s quarter of a key: ``(nope, rope, scales)``.
 
         FP8: nope chunk d (d < 7) = bytes 64d + 16 part .. +15 (values 64d + 16 part ..), 4 words;
         NVFP4: bytes 32d + 8 part .. +7 (the same 16 values), 2 words. RoPE: the 16-byte chunks
-        ``rope_chunk(part, parity, 0/1)`` of the 128 RoPE bytes. Scales: the whole scale row (FP8 2
-        words, NVFP4 8). A key without a slot (``packed`` < 0) reads slot 0 of the window
-        cache instead; :meth:`store_key` zeroes it.
+        ``rope_chunk(part, parity, 0/1)`` of the 128 RoPE bytes. Scales: FP8 the whole scale row
+        (2 words), NVFP4 its words 2 part and 2 part + 1 (the key's four lanes hold the row).
+        A key without a slot (``packed`` < 0) reads slot 0 of the window cache instead;
+        :meth:`store_key` zeroes it.
         """
         data_addr, scale_addr = self.row_addresses(
             cutlass.max(packed, 0), cache_base, page_stride, ecache_base, epage_stride
         )
-        rope_at = NOPE_DIM if const_expr(self.is_fp8) else NVFP4_NOPE_BYTES
         if const_expr(self.is_fp8):
             nope = [ptx_ops.ld_global_nc_v4(data_addr + 64 * d + 16 * part) for d in range(7)]
             scales = ptx_ops.ld_global_nc_v2(scale_addr)
         else:
             nope = [ptx_ops.ld_global_nc_v2(data_addr + 32 * d + 8 * part) for d in range(7)]
-            scales = (
-                *ptx_ops.ld_global_nc_v4(scale_addr),
-                *ptx_ops.ld_global_nc_v4(scale_addr + 16),
-            )
-        rope = [
-            ptx_ops.ld_global_nc_v4(data_addr + rope_at + 16 * self.rope_chunk(part, parity, c))
-            for c in range(2)
-        ]
-        return nope, rope, scales
+            # A quarter of the scale row (words 2 part, 2 part + 1); store_key shuffles.
+            scales = ptx_ops.ld_global_nc_v2(scale_addr + 8 * part)
+        # One flat tuple of words (it is carried from one loop iteration to the next).
+        return (*[w for chunk in nope for w in chunk], *scales)
 
     @staticmethod
     def rope_chunk(part, parity, c):
@@ -233,13 +256,36 @@ class SparseDecodeProducer:
         return part + 4 * (c ^ parity)
 
     @cute.jit
-    def store_key(self, loaded, valid, row, part, parity, stage_base):
+    def copy_rope(self, packed, row, part, parity, stage_base, cache_base, page_stride,
+                  ecache_base, epage_stride):  # fmt: skip
+        """cp.async lane ``part``'s two 16-byte RoPE chunks of a key into its SMEM row (bf16
+        values need no conversion); a key without a slot copies 0 bytes, i.e. zeros."""
+        data_addr, _ = self.row_addresses(
+            cutlass.max(packed, 0), cache_base, page_stride, ecache_base, epage_stride
+        )
+        rope_at = NOPE_DIM if const_expr(self.is_fp8) else NVFP4_NOPE_BYTES
+        size = Int32(cutlass.select_(packed >= 0, Int32(16), Int32(0)))
+        for c in cutlass.range_constexpr(2):
+            chunk = self.rope_chunk(part, parity, c)
+            ptx_ops.cp_async_16(stage_base + swizzled_offset(row, NOPE_DIM + 8 * chunk),
+                                data_addr + rope_at + 16 * chunk, size)  # fmt: skip
+
+    @cute.jit
+    def store_key(self, loaded, valid, row, lane, stage_base):
         """Dequantize a lane's quarter of one key into K/V stage row ``row`` (zeros if invalid)."""
-        nope, rope, scales = loaded
+        n_nope = 4 if const_expr(self.is_fp8) else 2  # words per nope chunk
+        nope = [loaded[n_nope * d : n_nope * (d + 1)] for d in range(7)]
+        scales = loaded[7 * n_nope :]
+        part = lane & 3
         zero = Uint32(0)
         if const_expr(not self.is_fp8):
+            quad = lane & ~3
+
+            def scale_word(w):  # word w of the key's NVFP4 scale row, held by lane w // 2
+                return Uint32(cute.arch.shuffle_sync(scales[w % 2], quad | (w // 2)))
+
             token_scale2 = Uint32(
-                cutlass.select_(valid, nvfp4_token_scale_bf16x2(scales[7] & 0xFF), zero)
+                cutlass.select_(valid, nvfp4_token_scale_bf16x2(scale_word(7) & 0xFF), zero)
             )
         for d in cutlass.range_constexpr(7):
             col = 64 * d + 16 * part
@@ -248,11 +294,7 @@ class SparseDecodeProducer:
                 scale2 = Uint32(cutlass.select_(valid, fp8_block_scale_bf16x2(e), zero))
                 deq = dequant_fp8_16(nope[d], scale2)
             else:
-                block_scale2 = nvfp4_block_scale_bf16x2((scales[d] >> (part * 8)) & 0xFF)
+                block_scale2 = nvfp4_block_scale_bf16x2((scale_word(d) >> (part * 8)) & 0xFF)
                 deq = dequant_nvfp4_16(nope[d], block_scale2, token_scale2)
             ptx_ops.st_shared_v4(stage_base + swizzled_offset(row, col), *deq[:4])
             ptx_ops.st_shared_v4(stage_base + swizzled_offset(row, col + 8), *deq[4:])
-        for c in cutlass.range_constexpr(2):
-            words = [Uint32(cutlass.select_(valid, w, zero)) for w in rope[c]]
-            col = NOPE_DIM + 8 * self.rope_chunk(part, parity, c)
-            ptx_ops.st_shared_v4(stage_base + swizzled_offset(row, col), *words)

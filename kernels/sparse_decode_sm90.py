@@ -16,19 +16,20 @@ Warp roles (384 threads, ``setmaxnreg`` per warpgroup):
     WG1 (threads 128..255, 160 regs): O[:, 256:512] += P V[:, 256:512] (SS wgmma, P from SMEM:
                                       "SMEM-P"), rescaling by the row factor WG0 publishes
     WG2 (threads 256..383, 136 regs): producer: four lanes per key, eight keys per warp at a
-                                      time, each lane loads a quarter of the key's data row and
-                                      its scale row into registers (16-byte FP8 / 8-byte NVFP4
-                                      non-coherent loads, both rounds of a tile issued at once),
-                                      dequantizes its 112 nope values to bf16 and stores them with
-                                      16 RoPE values, swizzled, into the K/V stage; slot ids are
-                                      loaded two tiles ahead, rows prefetched into L2 one ahead
+                                      time; each lane loads a quarter of the key's nope bytes and
+                                      scales into registers (16-byte FP8 / 8-byte NVFP4 loads, one
+                                      round of 8 keys ahead), dequantizes 112 values to bf16 into
+                                      the K/V stage (swizzled) and copies 16 RoPE values there by
+                                      cp.async; slot ids are loaded two tiles ahead (waited for
+                                      only when used), rows prefetched into L2 one tile ahead
     208 + 160 + 136 = 504 = 3 x 168, the registers the CTA launches with (64 K / 384 threads).
     Register use per thread: WG0 holds O_L (64x256 fp32 / 128 = 128), S (32), P (16 bf16 pairs);
     WG1 holds O_R (128); a producer lane up to 2 x 38 words of loaded rows (FP8).
 
 Shared memory (bytes): Q 65,536 | K/V 2 stages x 65,536 | P 8,192 | key bias, row factors, row
     stats, mbarriers ~1.3 K  =  ~206 K of the 232,448 a CTA may use. The producer fills stage
-    i % 2 while both MMA warpgroups read the other.
+    i % 2 while both MMA warpgroups read the other. After the last MMA the output tile is
+    staged over Q, K/V and P (padded rows) and stored in 16-byte chunks.
 
 Synchronisation: mbarrier ``full[s]`` (128 producer arrivals) / ``empty[s]`` (256 MMA arrivals) per
 K/V stage; named barriers between WG0 and WG1 for P and the row factors (``P_FULL``,
@@ -57,6 +58,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, warp, warpgroup
 
 from dsv4_attn.kernels import ptx_ops
 from dsv4_attn.kernels.sparse_decode_config import (
+    BAR_EPILOGUE,
     BAR_P_EMPTY,
     BAR_P_FULL,
     BAR_Q,
@@ -73,6 +75,8 @@ from dsv4_attn.kernels.sparse_decode_config import (
     NVFP4_DATA_ROW,
     NVFP4_SCALE_ROW,
     PRODUCER_REGS,
+    STAGE_ROW_BYTES_BF16,
+    STAGE_ROW_BYTES_F32,
     WG0_REGS,
     WG1_REGS,
     SparseDecodeConfig,
@@ -108,6 +112,9 @@ class SparseDecodeSm90(SparseDecodeProducer):
         self.is_fp8 = config.fmt == "fp8_ds_mla"
         self.data_row = FP8_DATA_ROW if self.is_fp8 else NVFP4_DATA_ROW
         self.scale_row = FP8_SCALE_ROW if self.is_fp8 else NVFP4_SCALE_ROW
+        # Rows loaded one round ahead: round 0 of the next tile is in flight while round 1 of
+        # this one is dequantized (False: both rounds of a tile loaded at the tile's start).
+        self.rows_ahead = True
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -236,7 +243,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
             self.consumer_softmax(
                 mO, mLse, mSink, sQ, sK, sP, key_bias, row_factor, row_sum_smem, row_max_smem,
                 full_bar, empty_bar, mma_qk, mma_pv_rs, scale_log2,
-                token, head_block, split, n_tiles, tidx,
+                token, head_block, split, n_tiles, tidx, sQ,
             )  # fmt: skip
         else:
             if const_expr(WG1_REGS > LAUNCH_REGS):
@@ -249,7 +256,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
             self.load_q(mQ, sQ, token, head_block, tidx)
             self.consumer_right(
                 mO, mSink, sK, sP, row_factor, row_sum_smem, row_max_smem, full_bar, empty_bar,
-                mma_pv_ss, token, head_block, split, n_tiles, tidx - 128,
+                mma_pv_ss, token, head_block, split, n_tiles, tidx - 128, sQ,
             )  # fmt: skip
 
     @cute.jit
@@ -315,6 +322,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         split: Int32,
         n_tiles: Int32,
         tidx: Int32,
+        sQ_staging: cute.Tensor,
     ):
         """WG0: S = QK^T, online softmax, P to SMEM for WG1, O[:, :256] += P V[:, :256]."""
         thr_qk = mma_qk.get_slice(tidx)
@@ -427,8 +435,8 @@ class SparseDecodeSm90(SparseDecodeProducer):
             row_max_smem[row0] = row_m[0]
             row_max_smem[row0 + 8] = row_m[1]
         cute.arch.barrier_arrive(barrier_id=BAR_STATS, number_of_threads=MMA_THREADS)
-        self.epilogue(mO, mLse, mSink, acc_o, mma_pv_rs, tidx, 0, row_l, row_m,
-                      token, head_block, split, True)  # fmt: skip
+        self.epilogue(mO, mLse, mSink, acc_o, tidx, 0, row_l, row_m, row_sum_smem,
+                      token, head_block, split, sQ_staging, True)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -449,6 +457,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         split: Int32,
         n_tiles: Int32,
         tidx: Int32,
+        sQ_staging: cute.Tensor,
     ):
         """WG1: O[:, 256:] = O * factor + P V[:, 256:], with P and the factors from WG0."""
         thr_pv = mma_pv_ss.get_slice(tidx)
@@ -493,8 +502,8 @@ class SparseDecodeSm90(SparseDecodeProducer):
         row_l[1] = row_sum_smem[row0 + 8]
         row_m[0] = row_max_smem[row0]
         row_m[1] = row_max_smem[row0 + 8]
-        self.epilogue(mO, None, mSink, acc_o, mma_pv_ss, tidx, HEAD_DIM // 2, row_l, row_m,
-                      token, head_block, split, False)  # fmt: skip
+        self.epilogue(mO, None, mSink, acc_o, tidx, HEAD_DIM // 2, row_l, row_m, row_sum_smem,
+                      token, head_block, split, sQ_staging, False)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -504,17 +513,19 @@ class SparseDecodeSm90(SparseDecodeProducer):
         mLse: cute.Tensor | None,
         mSink: cute.Tensor | None,
         acc_o: cute.Tensor,
-        mma: cute.TiledMma,
         tidx: Int32,
         col_offset: cutlass.Constexpr[int],
         row_l: cute.Tensor,
         row_m: cute.Tensor,
+        row_sum_smem: cute.Tensor,
         token: Int32,
         head_block: Int32,
         split: Int32,
+        sQ_staging: cute.Tensor,
         write_lse: cutlass.Constexpr[bool],
     ):
-        """Normalize this warpgroup's 256 output columns and store them (and the lse)."""
+        """Normalize this warpgroup's 256 output columns, stage them in SMEM, then both MMA
+        warpgroups store the 64 x 512 tile (and WG0 the lse) in 16-byte chunks."""
         lane = tidx & 31
         row0 = (tidx >> 5) * 16 + (lane >> 2)
         if const_expr(self.cfg.write_partial):
@@ -524,9 +535,6 @@ class SparseDecodeSm90(SparseDecodeProducer):
             num_tokens = mO.shape[0]
             num_heads = mO.shape[1]
         out_base = mO.iterator.toint()
-        lse_base = Int64(0)
-        if const_expr(write_lse):
-            lse_base = mLse.iterator.toint()
         factor = cute.make_rmem_tensor((2,), Float32)
         lse_nat = cute.make_rmem_tensor((2,), Float32)
         for h in cutlass.range_constexpr(2):
@@ -543,35 +551,57 @@ class SparseDecodeSm90(SparseDecodeProducer):
                 f = f * ptx_ops.rcp_approx(1.0 + ptx_ops.exp2_approx(sink * LOG2E - lse2))
                 f = Float32(cutlass.select_(has_keys, f, Float32(0.0)))
             factor[h] = f
-        for h in cutlass.range_constexpr(2):
-            head = head_block * BLOCK_H + row0 + 8 * h
-            if head < num_heads:
-                if const_expr(self.cfg.write_partial):
-                    row_index = (Int64(split) * num_tokens + token) * num_heads + head
-                else:
-                    row_index = Int64(token) * num_heads + head
-                if const_expr(write_lse):  # noqa: SIM102
+        if const_expr(write_lse):
+            lse_base = mLse.iterator.toint()
+            for h in cutlass.range_constexpr(2):
+                head = head_block * BLOCK_H + row0 + 8 * h
+                if head < num_heads:  # noqa: SIM102
                     if (lane & 3) == 0:
+                        if const_expr(self.cfg.write_partial):
+                            row_index = (Int64(split) * num_tokens + token) * num_heads + head
+                        else:
+                            row_index = Int64(token) * num_heads + head
                         ptx_ops.st_global_f32(lse_base + row_index * 4, lse_nat[h])
-                # wgmma accumulator layout: register 4j + 2h + v holds row (row0 + 8h), column
-                # 8j + 2 (lane % 4) + v of this warpgroup's 256 columns.
-                col0 = col_offset + 2 * (lane & 3)
-                if const_expr(self.cfg.write_partial):
-                    row_addr = out_base + (row_index * HEAD_DIM + col0) * 4
+
+        # The staging area overlaps Q and the K/V stages: wait until both warpgroups are past
+        # their last MMA, write the fragments, wait until the whole tile is in SMEM.
+        cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=MMA_THREADS)
+        staging = sQ_staging.iterator.toint()  # Q, then the K/V stages and P: ~200 KB
+        partial = const_expr(self.cfg.write_partial)
+        row_bytes = STAGE_ROW_BYTES_F32 if partial else STAGE_ROW_BYTES_BF16
+        # wgmma accumulator layout: register 4j + 2h + v holds row (row0 + 8h), column
+        # 8j + 2 (lane % 4) + v of this warpgroup's 256 columns.
+        for h in cutlass.range_constexpr(2):
+            row_at = staging + (row0 + 8 * h) * row_bytes
+            for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
+                idx = j * 4 + h * 2
+                v0 = acc_o[idx] * factor[h]
+                v1 = acc_o[idx + 1] * factor[h]
+                col = col_offset + 8 * j + 2 * (lane & 3)
+                if const_expr(partial):
+                    ptx_ops.st_shared_v2_f32(row_at + col * 4, v0, v1)
                 else:
-                    row_addr = out_base + (row_index * HEAD_DIM + col0) * 2
-                if const_expr(self.cfg.write_partial):
-                    # A row without keys leaves its partial unwritten: the combine gives it
-                    # weight 0 from lse = -inf and never reads it.
-                    if row_l[h] > 0.0:
-                        for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
-                            idx = j * 4 + h * 2
-                            v0 = acc_o[idx] * factor[h]
-                            v1 = acc_o[idx + 1] * factor[h]
-                            ptx_ops.st_global_v2_f32(row_addr + j * 32, v0, v1)
-                else:
-                    for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
-                        idx = j * 4 + h * 2
-                        v0 = acc_o[idx] * factor[h]
-                        v1 = acc_o[idx + 1] * factor[h]
-                        ptx_ops.st_global_b32(row_addr + j * 16, ptx_ops.cvt_bf16x2_f32(v0, v1))
+                    ptx_ops.st_shared_b32(row_at + col * 2, ptx_ops.cvt_bf16x2_f32(v0, v1))
+        cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=MMA_THREADS)
+
+        # 16-byte chunks, a warp's 32 consecutive chunks along one row. A partial row without
+        # keys stays unwritten: the combine gives it weight 0 from lse = -inf, never reads it.
+        chunks_per_row = HEAD_DIM * (4 if partial else 2) // 16
+        copy_tid = tidx + (col_offset // (HEAD_DIM // 2)) * 128
+        for i in cutlass.range(BLOCK_H * chunks_per_row // MMA_THREADS, unroll=1):
+            chunk = copy_tid + i * MMA_THREADS
+            row = chunk // chunks_per_row
+            k = chunk % chunks_per_row
+            out_head = head_block * BLOCK_H + row
+            if out_head < num_heads:
+                write = True
+                if const_expr(partial):
+                    write = row_sum_smem[row] > 0.0
+                if write:
+                    if const_expr(partial):
+                        row_index = (Int64(split) * num_tokens + token) * num_heads + out_head
+                    else:
+                        row_index = Int64(token) * num_heads + out_head
+                    words = ptx_ops.ld_shared_v4(staging + row * row_bytes + k * 16)
+                    row_addr = out_base + row_index * (chunks_per_row * 16)
+                    ptx_ops.st_global_v4_b32(row_addr + k * 16, *words)
