@@ -85,13 +85,11 @@ class SparseDecodeProducer:
         scope = (*self.id_rows(mIdx, mEIdx, token), n_window, key_end)
 
         # Slot ids are loaded two tiles ahead (only packed, i.e. waited for, when used), rows
-        # prefetched into L2 one tile ahead, and (``rows_ahead``) loaded into registers one
-        # round ahead; RoPE values are copied into the stage by cp.async.
+        # prefetched into L2 one tile ahead and loaded into registers one round ahead (``ahead``:
+        # round 0 of the next tile); RoPE values are copied into the stage by cp.async.
         raw = self.raw_slots(*scope, key0)
         raw_next = self.raw_slots(*scope, key0 + BLOCK_N)
-        ahead = ()
-        if const_expr(self.rows_ahead):
-            ahead = self.load_key(self.pack_slot(raw[0], key0, n_window), part, *bases)
+        ahead = self.load_key(self.pack_slot(raw[0], key0, n_window), part, *bases)
         for tile in cutlass.range(n_tiles, unroll=1):
             stage = tile % NUM_STAGES
             key_t = key0 + tile * BLOCK_N
@@ -101,8 +99,6 @@ class SparseDecodeProducer:
                 for r in range(ROUNDS)
             ]
             first = ahead
-            if const_expr(not self.rows_ahead):
-                first = self.load_key(packed[0], part, *bases)
             second = self.load_key(packed[1], part, *bases)
             raw_next2 = self.raw_slots(*scope, key_t + 2 * BLOCK_N)
             for r in cutlass.range_constexpr(ROUNDS):
@@ -113,8 +109,7 @@ class SparseDecodeProducer:
             for r in cutlass.range_constexpr(ROUNDS):
                 self.copy_rope(packed[r], row0 + r * 8, part, parity, stage_base, *bases)
             self.store_key(first, packed[0] >= 0, row0, lane, stage_base)
-            if const_expr(self.rows_ahead):
-                ahead = self.load_key(packed_next[0], part, *bases)
+            ahead = self.load_key(packed_next[0], part, *bases)
             self.store_key(second, packed[1] >= 0, row0 + 8, lane, stage_base)
             if part == 0:
                 for r in cutlass.range_constexpr(ROUNDS):

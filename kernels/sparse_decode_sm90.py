@@ -112,9 +112,6 @@ class SparseDecodeSm90(SparseDecodeProducer):
         self.is_fp8 = config.fmt == "fp8_ds_mla"
         self.data_row = FP8_DATA_ROW if self.is_fp8 else NVFP4_DATA_ROW
         self.scale_row = FP8_SCALE_ROW if self.is_fp8 else NVFP4_SCALE_ROW
-        # Rows loaded one round ahead: round 0 of the next tile is in flight while round 1 of
-        # this one is dequantized (False: both rounds of a tile loaded at the tile's start).
-        self.rows_ahead = True
 
     # ------------------------------------------------------------------------------------------
     # Host side
