@@ -24,7 +24,8 @@ Warp roles (384 threads, ``setmaxnreg`` per warpgroup):
                                       only when used), rows prefetched into L2 one tile ahead
     208 + 160 + 136 = 504 = 3 x 168, the registers the CTA launches with (64 K / 384 threads).
     Register use per thread: WG0 holds O_L (64x256 fp32 / 128 = 128), S (32), P (16 bf16 pairs);
-    WG1 holds O_R (128); a producer lane up to 2 x 38 words of loaded rows (FP8).
+    WG1 holds O_R (128); a producer lane up to 2 x 30 words of loaded rows (FP8: 28 nope + 2
+    scale words per key quarter).
 
 Shared memory (bytes): Q 65,536 | K/V 2 stages x 65,536 | P 8,192 | key bias, row factors, row
     stats, mbarriers ~1.3 K  =  ~206 K of the 232,448 a CTA may use. The producer fills stage
