@@ -87,6 +87,24 @@ def test_cubin_reader_agrees_with_cuobjdump():
     assert f"LOCAL:{mine.frame_bytes} " in text
 
 
+@needs_dsl
+@pytest.mark.parametrize("label", ["sparse-d512", "d512-causal-kv", "d128-causal-ov1"])
+def test_wgmma_pipeline_is_not_serialized(label):
+    """ptxas serializes a wgmma pipeline it cannot prove safe (a wait after every HGMMA, and
+    only a note CuTeDSL does not show): count the waits."""
+    from dsv4_attn.kernels import sass
+
+    tool = sass.find_nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm is not installed")
+    (variant,) = [v for v in fmha.all_variants() if v.label == label]
+    with tempfile.TemporaryDirectory() as tmp:
+        fn, _ = fmha._compile(variant, f"--keep-cubin --dump-dir {tmp}")
+        hgmma, waits = sass.wgmma_counts(fn.artifacts.CUBIN, tool)
+    assert hgmma >= 16, hgmma
+    assert waits <= 8, f"{waits} wgmma waits for {hgmma} HGMMAs: ptxas serialized the pipeline"
+
+
 def test_support_checks_give_reasons_on_cpu():
     q = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
     assert "cpu" in fmha.dense_unsupported_reason(q, q, q, True, None)

@@ -14,7 +14,7 @@ pytest.importorskip("tvm_ffi")
 
 import cutlass.cute as cute
 
-from dsv4_attn.kernels import compile_cache, sparse_decode
+from dsv4_attn.kernels import compile_cache, sass, sparse_decode
 from dsv4_attn.kernels.precompile import decode_variants
 from dsv4_attn.kernels.resource_usage import read_resources
 from dsv4_attn.kernels.sparse_decode_config import (
@@ -56,6 +56,29 @@ def test_variant_compiles_for_sm90a_without_spills(config, tmp_path):
     assert kernel.stack_bytes == 0
     # 384 threads and one CTA per SM: the launch budget is 168 registers a thread.
     assert 0 < kernel.registers <= LAUNCH_REGS
+
+
+# One variant per (format, output kind), with the extra scope: the code paths the MMA warpgroups
+# differ in.
+PIPELINE_PROBES = [
+    SparseDecodeConfig(fmt, 64, 16, "int32", "int32", True, partial)
+    for fmt in ("fp8_ds_mla", "nvfp4")
+    for partial in (False, True)
+]
+
+
+@pytest.mark.parametrize("config", PIPELINE_PROBES, ids=repr)
+def test_wgmma_pipeline_is_not_serialized(config, tmp_path):
+    """ptxas serializes a wgmma pipeline it cannot prove safe (a wait after every HGMMA, and
+    only a "Potential Performance Loss" note CuTeDSL does not show): count the waits."""
+    tool = sass.find_nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm is not installed")
+    hgmma, waits = sass.wgmma_counts(_compile_with_cubin(config, tmp_path), tool)
+    # WG0: S = QK^T (32 k-steps) and its half of P V; WG1: the other half; each group is
+    # waited for once per tile, plus the epilogue.
+    assert hgmma >= 16, hgmma
+    assert waits <= 8, f"{waits} wgmma waits for {hgmma} HGMMAs: ptxas serialized the pipeline"
 
 
 def test_swizzled_offset_matches_the_cute_layout():
