@@ -15,29 +15,30 @@ import subprocess
 import tempfile
 from collections import Counter
 
-__all__ = ["count_opcodes", "find_nvdisasm", "opcode_counts", "wgmma_counts"]
+__all__ = ["count_opcodes", "find_cuda_tool", "opcode_counts", "wgmma_counts"]
 
 # "/*0250*/    @!P0 USETMAXREG.DEALLOC.CTAPOOL 0x88 ;": the opcode after an optional predicate.
 _INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)")
 
 
-def find_nvdisasm() -> str | None:
-    """Path of ``nvdisasm``: on PATH, or the copy Triton ships; None if neither exists."""
-    tool = shutil.which("nvdisasm")
+def find_cuda_tool(name: str) -> str | None:
+    """Path of a CUDA binary tool (``nvdisasm``, ``cuobjdump``): on PATH, or the copy Triton
+    ships; None if neither exists."""
+    tool = shutil.which(name)
     if tool is not None:
         return tool
     try:
         import triton
     except ImportError:
         return None
-    return shutil.which("nvdisasm", path=os.path.join(os.path.dirname(triton.__file__),
-                                                       "backends", "nvidia", "bin"))  # fmt: skip
+    return shutil.which(name, path=os.path.join(os.path.dirname(triton.__file__),
+                                                 "backends", "nvidia", "bin"))  # fmt: skip
 
 
 def opcode_counts(cubin: bytes, tool: str | None = None) -> Counter[str]:
     """How many times each SASS opcode (with its modifiers, e.g. ``HGMMA.64x32x16.F32.BF16``)
     appears in ``cubin``. Raises FileNotFoundError when ``nvdisasm`` is not installed."""
-    tool = tool or find_nvdisasm()
+    tool = tool or find_cuda_tool("nvdisasm")
     if tool is None:
         raise FileNotFoundError("nvdisasm is not installed (neither on PATH nor in triton)")
     with tempfile.TemporaryDirectory(prefix="sass_") as tmp:

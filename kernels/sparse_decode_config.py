@@ -69,6 +69,11 @@ class SparseDecodeConfig:
     def has_extra(self) -> bool:
         return self.extra_block_size > 0
 
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of one slot id in ``indices`` / ``extra_indices``."""
+        return 8 if self.index_dtype == "int64" else 4
+
 
 def swizzled_offset(row, col):
     """Byte offset of bf16 element (row, col) in a 64 x 512 K-major 128B-swizzled tile.

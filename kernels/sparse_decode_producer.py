@@ -125,7 +125,7 @@ class SparseDecodeProducer:
     @cute.jit
     def id_rows(self, mIdx, mEIdx, token):
         """Addresses of the token's window and extra slot-id rows (the window's twice if none)."""
-        elem = 8 if const_expr(self.cfg.index_dtype == "int64") else 4
+        elem = self.cfg.index_bytes
         window_ids = mIdx.iterator.toint() + Int64(token) * Int64(mIdx.stride[0]) * elem
         extra_ids = window_ids
         if const_expr(self.cfg.has_extra):
@@ -136,7 +136,7 @@ class SparseDecodeProducer:
     def raw_slots(self, window_ids, extra_ids, n_window, key_end, key) -> tuple:
         """Slot ids of a lane's keys ``key + 8 r`` (one per round), as loaded: -1 past
         ``key_end``; the loads are not waited for until :meth:`pack_slot` reads them."""
-        elem = 8 if const_expr(self.cfg.index_dtype == "int64") else 4
+        elem = self.cfg.index_bytes
         out = []
         for r in cutlass.range_constexpr(ROUNDS):
             k = key + r * 8

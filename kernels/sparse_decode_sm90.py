@@ -241,7 +241,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
             self.consumer_softmax(
                 mO, mLse, mSink, sQ, sK, sP, key_bias, row_factor, row_sum_smem, row_max_smem,
                 full_bar, empty_bar, mma_qk, mma_pv_rs, scale_log2,
-                token, head_block, split, n_tiles, tidx, sQ,
+                token, head_block, split, n_tiles, tidx,
             )  # fmt: skip
         else:
             if const_expr(WG1_REGS > LAUNCH_REGS):
@@ -320,7 +320,6 @@ class SparseDecodeSm90(SparseDecodeProducer):
         split: Int32,
         n_tiles: Int32,
         tidx: Int32,
-        sQ_staging: cute.Tensor,
     ):
         """WG0: S = QK^T, online softmax, P to SMEM for WG1, O[:, :256] += P V[:, :256]."""
         thr_qk = mma_qk.get_slice(tidx)
@@ -434,7 +433,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
             row_max_smem[row0 + 8] = row_m[1]
         cute.arch.barrier_arrive(barrier_id=BAR_STATS, number_of_threads=MMA_THREADS)
         self.epilogue(mO, mLse, mSink, acc_o, tidx, 0, row_l, row_m, row_sum_smem,
-                      token, head_block, split, sQ_staging, True)  # fmt: skip
+                      token, head_block, split, sQ, True)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
     @cute.jit

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -24,7 +23,7 @@ import pytest
 import torch
 
 from dsv4_attn import reference
-from dsv4_attn.kernels import fmha
+from dsv4_attn.kernels import fmha, sass
 from dsv4_attn.kernels.resource_usage import read_resources
 from dsv4_attn.prefill_cases import make_dense_case, make_random_sparse_case, make_v4_sparse_case
 
@@ -60,15 +59,7 @@ def test_variant_compiles_for_sm90a_without_spills(variant):
 
 @needs_dsl
 def test_cubin_reader_agrees_with_cuobjdump():
-    tool = shutil.which("cuobjdump")
-    if tool is None:
-        try:
-            import triton
-
-            candidate = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
-            tool = shutil.which("cuobjdump", path=candidate)
-        except ImportError:
-            tool = None
+    tool = sass.find_cuda_tool("cuobjdump")
     if tool is None:
         pytest.skip("cuobjdump is not installed")
     variant = fmha.FmhaVariant(head_dim=64)
@@ -92,9 +83,7 @@ def test_cubin_reader_agrees_with_cuobjdump():
 def test_wgmma_pipeline_is_not_serialized(label):
     """ptxas serializes a wgmma pipeline it cannot prove safe (a wait after every HGMMA, and
     only a note CuTeDSL does not show): count the waits."""
-    from dsv4_attn.kernels import sass
-
-    tool = sass.find_nvdisasm()
+    tool = sass.find_cuda_tool("nvdisasm")
     if tool is None:
         pytest.skip("nvdisasm is not installed")
     (variant,) = [v for v in fmha.all_variants() if v.label == label]

@@ -39,6 +39,6 @@ def test_wgmma_counts_sum_every_shape_and_wait(monkeypatch):
 
 
 def test_missing_tool_is_reported(monkeypatch):
-    monkeypatch.setattr(sass, "find_nvdisasm", lambda: None)
+    monkeypatch.setattr(sass, "find_cuda_tool", lambda name: None)
     with pytest.raises(FileNotFoundError, match="nvdisasm"):
         sass.opcode_counts(b"\x7fELF")

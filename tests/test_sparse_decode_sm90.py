@@ -71,7 +71,7 @@ PIPELINE_PROBES = [
 def test_wgmma_pipeline_is_not_serialized(config, tmp_path):
     """ptxas serializes a wgmma pipeline it cannot prove safe (a wait after every HGMMA, and
     only a "Potential Performance Loss" note CuTeDSL does not show): count the waits."""
-    tool = sass.find_nvdisasm()
+    tool = sass.find_cuda_tool("nvdisasm")
     if tool is None:
         pytest.skip("nvdisasm is not installed")
     hgmma, waits = sass.wgmma_counts(_compile_with_cubin(config, tmp_path), tool)
