@@ -98,15 +98,16 @@ class SparseDecodeProducer:
         row = pwarp * KEYS_PER_PRODUCER_WARP + (lane >> 2)
         scope = (*self.id_rows(mIdx, mEIdx, token), n_window, key_end)
 
-        # Prologue: the copies of tiles 0 .. RAW_STAGES - 1 (keys past key_end copy nothing).
+        # Prologue: the copies of tiles 0 .. RAW_STAGES - 1 (keys past key_end copy nothing);
+        # every slot id is loaded before the first is packed, so their latencies overlap.
+        raws = [self.raw_slots(*scope, key0 + s * BLOCK_N)[0] for s in range(RAW_STAGES + 1)]
         in_flight = ()  # packed slots of the tiles whose copies are in flight, oldest first
         for s in cutlass.range_constexpr(RAW_STAGES):
-            key = key0 + s * BLOCK_N
-            packed = self.pack_slot(self.raw_slots(*scope, key)[0], key, n_window)
+            packed = self.pack_slot(raws[s], key0 + s * BLOCK_N, n_window)
             self.copy_key(packed, part, parity, unit0 + s * RAW_SLOT_BYTES, *bases)
             ptx_ops.cp_async_commit()
             in_flight += (packed,)
-        raw_ahead = self.raw_slots(*scope, key0 + RAW_STAGES * BLOCK_N)[0]
+        raw_ahead = raws[RAW_STAGES]
         for tile in cutlass.range(n_tiles, unroll=1):
             stage = tile % NUM_STAGES
             unit = unit0 + (tile % RAW_STAGES) * RAW_SLOT_BYTES
