@@ -239,6 +239,19 @@ def cp_async_8(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None) -
 
 
 @dsl_user_op
+def cp_async_commit(*, loc=None, ip=None) -> None:
+    """Close this thread's current group of ``cp.async`` copies (an empty group is allowed)."""
+    _statement([], "cp.async.commit_group;", "", loc, ip)
+
+
+@dsl_user_op
+def cp_async_wait_group(pending: int, *, loc=None, ip=None) -> None:
+    """Wait until at most ``pending`` (a constant) of this thread's newest ``cp.async`` groups
+    are still in flight."""
+    _statement([], f"cp.async.wait_group {int(pending)};", "", loc, ip)
+
+
+@dsl_user_op
 def cp_async_wait_all(*, loc=None, ip=None) -> None:
     """Wait for all of this thread's ``cp.async`` copies."""
     _statement([], "cp.async.wait_all;", "", loc, ip)
@@ -254,6 +267,22 @@ def ld_shared_v4(addr: Int32, *, loc=None, ip=None) -> tuple[Uint32, Uint32, Uin
         [_i32(addr, loc, ip)],
         "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];",
         "=r,=r,=r,=r,r",
+        loc,
+        ip,
+        side_effects=True,
+    )
+
+
+@dsl_user_op
+def ld_shared_v2(addr: Int32, *, loc=None, ip=None) -> tuple[Uint32, Uint32]:
+    """8-byte shared-memory load (ordered after earlier shared stores and waits)."""
+    return _vector(
+        Uint32,
+        T.i32(),
+        2,
+        [_i32(addr, loc, ip)],
+        "ld.shared.v2.u32 {$0, $1}, [$2];",
+        "=r,=r,r",
         loc,
         ip,
         side_effects=True,

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from dsv4_attn.kernels.sparse_decode_config import BLOCK_H, BLOCK_N
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 
 __all__ = [
@@ -31,12 +32,10 @@ __all__ = [
 ]
 
 SUPPORTED_HEAD_COUNTS = (8, 16, 32, 64, 128)
-BLOCK_H = 64
-BLOCK_N = 64
 # Split-KV limits (from a sweep of forced split counts on the H100, BENCHMARKS.md 2026-11-23c):
-# a split of one tile still pays off at T = 2, while past ~32 splits writing and combining the
+# a split of 64 keys still pays off at T = 2, while past ~32 splits writing and combining the
 # fp32 partials (128 KB per split and 64-head block) costs more than the split saves.
-MIN_TILES_PER_SPLIT = 1
+MIN_TILES_PER_SPLIT = max(1, 64 // BLOCK_N)
 MAX_SPLITS = 32
 MAX_GRID_TOKENS = 65535  # CUDA's limit on a grid's z axis, which carries the tokens
 _MAX_PACKED_SLOTS = 1 << 30  # the kernel packs (slot, scope) into one int32

@@ -15,12 +15,22 @@ __all__ = ["SparseDecodeConfig", "swizzled_offset"]
 HEAD_DIM = 512
 NOPE_DIM = 448
 BLOCK_H = 64  # query heads per CTA (wgmma M)
-BLOCK_N = 64  # keys per tile
-NUM_STAGES = 2
+BLOCK_N = 32  # keys per tile
+NUM_STAGES = 2  # bf16 K/V stages (what the MMA warpgroups read)
 KEYS_PER_PRODUCER_WARP = BLOCK_N // 4
 NUM_P_BUFFERS = 1  # P / row-factor buffers between WG0 and WG1
 LANES_PER_KEY = 4  # producer lanes that share one key's rows
 ROUNDS = KEYS_PER_PRODUCER_WARP * LANES_PER_KEY // 32  # keys a producer lane stages per tile
+
+# Raw (still quantized) rows of the next tiles, copied by cp.async into a ring in SMEM so that
+# RAW_STAGES tiles of bytes are in flight per CTA without holding registers. A producer lane
+# copies and later reads only its own quarter of a key, so its own cp.async groups order the
+# ring (no barrier). Chunk-major slots: 16-byte unit (chunk c, producer thread p) at
+# (c * 128 + p) * 16; chunks 0..6 nope (FP8 16 B, NVFP4 8 B), 7..8 RoPE, 9..10 the key's whole
+# scale row (FP8 8 B, NVFP4 32 B: every lane of the key holds it, no shuffles).
+RAW_STAGES = 4
+RAW_CHUNKS = 11
+RAW_SLOT_BYTES = RAW_CHUNKS * 128 * 16
 
 # Per-format row geometry (bytes), as documented in dsv4_attn.kv_cache.
 FP8_DATA_ROW = 576
@@ -75,14 +85,15 @@ class SparseDecodeConfig:
         return 8 if self.index_dtype == "int64" else 4
 
 
-def swizzled_offset(row, col):
-    """Byte offset of bf16 element (row, col) in a 64 x 512 K-major 128B-swizzled tile.
+def swizzled_offset(row, col, rows: int = BLOCK_H):
+    """Byte offset of bf16 element (row, col) in a ``rows`` x 512 K-major 128B-swizzled tile.
 
-    The tile is the CuTe layout ``tile_to_shape(K_SW128 atom (8 x 64), (64, 512))``: 1 KB atoms
-    of 8 rows x 128 B, stacked down the rows first, then across the columns (64 columns per atom
-    column); inside an atom the 16-byte chunk index is XORed with the row index (Swizzle<3,4,3>).
-    ``col`` must be a multiple of 8 (one 16-byte chunk).
+    The tile is the CuTe layout ``tile_to_shape(K_SW128 atom (8 x 64), (rows, 512))``: 1 KB
+    atoms of 8 rows x 128 B, stacked down the rows first, then across the columns (64 columns
+    per atom column, ``rows * 128`` bytes apart); inside an atom the 16-byte chunk index is
+    XORed with the row index (Swizzle<3,4,3>). ``col`` must be a multiple of 8 (one 16-byte
+    chunk); ``rows`` a multiple of 8 (Q: 64 heads, a K/V stage: ``BLOCK_N`` keys).
     """
     r0 = row & 7
     chunk = (col >> 3) & 7
-    return ((row >> 3) << 10) + ((col >> 6) << 13) + (r0 << 7) + ((chunk ^ r0) << 4)
+    return ((row >> 3) << 10) + (col >> 6) * (rows * 128) + (r0 << 7) + ((chunk ^ r0) << 4)

@@ -1,11 +1,13 @@
 """The producer warpgroup of the Hopper sparse-decode kernel: gather, dequantize, stage.
 
 A mixin of :class:`dsv4_attn.kernels.sparse_decode_sm90.SparseDecodeSm90` (its ``cfg``,
-``is_fp8``, ``data_row`` and ``scale_row``): per 64-key tile, each key's rows are read from the
-paged cache (FP8 or NVFP4, ``dsv4_attn.kv_cache``), dequantized to bf16 with the bit recipes of
-:mod:`dsv4_attn.kernels.dequant` and stored, RoPE values included, into the K/V stage the MMA
-warpgroups read (swizzled as :func:`~dsv4_attn.kernels.sparse_decode_config.swizzled_offset`
-says); the ``full``/``empty`` mbarriers hand stages over.
+``is_fp8``, ``data_row`` and ``scale_row``): each 32-key tile's rows are copied, still quantized,
+from the paged cache (FP8 or NVFP4, ``dsv4_attn.kv_cache``) into a ring of raw slots in SMEM by
+cp.async, ``RAW_STAGES`` tiles ahead; staging a tile reads them back, dequantizes them to bf16
+with the bit recipes of :mod:`dsv4_attn.kernels.dequant` and stores them, RoPE values included,
+into the K/V stage the MMA warpgroups read (swizzled as
+:func:`~dsv4_attn.kernels.sparse_decode_config.swizzled_offset` says); the ``full``/``empty``
+mbarriers hand stages over.
 """
 
 from __future__ import annotations
@@ -31,9 +33,17 @@ from dsv4_attn.kernels.sparse_decode_config import (
     NOPE_DIM,
     NUM_STAGES,
     NVFP4_NOPE_BYTES,
+    RAW_SLOT_BYTES,
+    RAW_STAGES,
     ROUNDS,
     swizzled_offset,
 )
+
+RAW_CHUNK_STRIDE = 128 * 16  # bytes between chunk c and c + 1 of one producer thread
+RAW_ROPE_CHUNK = 7  # chunks 7, 8: the lane's two 16-byte RoPE chunks
+RAW_SCALE_CHUNK = 9  # chunks 9 (10): the key's scale row (FP8 8 bytes, NVFP4 32 bytes)
+
+assert ROUNDS == 1, "the raw ring stages one key per producer lane group per tile"
 
 __all__ = ["SparseDecodeProducer"]
 
@@ -49,6 +59,7 @@ class SparseDecodeProducer:
         mECache: cute.Tensor | None,
         mEIdx: cute.Tensor | None,
         sK: cute.Tensor,
+        sRaw: cute.Tensor,
         key_bias: cute.Tensor,
         full_bar,
         empty_bar,
@@ -59,68 +70,68 @@ class SparseDecodeProducer:
         n_tiles: Int32,
         ptid: Int32,
     ):
-        """Gather, dequantize and stage one 64-key tile per iteration.
+        """Copy, dequantize and stage one 32-key tile per iteration.
 
-        Warp w stages keys 16w..16w+15 of a tile in two rounds of 8 keys; in a round, the four
-        lanes ``4k..4k+3`` share key k (``part`` = lane % 4): each loads a quarter of the key's
-        nope bytes and scales into registers with 16-byte (FP8) or 8-byte (NVFP4) loads,
-        dequantizes its 112 nope values into the key's SMEM row and copies 16 of its RoPE
-        values there by cp.async. Round 0 of the next tile is loaded while round 1 of this one
-        is dequantized; slot ids are loaded two tiles ahead and the next tile's rows prefetched
-        into L2 while this tile is staged.
+        Warp w stages keys 8w..8w+7 of a tile; the four lanes ``4k..4k+3`` share key k
+        (``part`` = lane % 4): each copies a quarter of the key's nope bytes, its scales and 16
+        RoPE values into its own column of a raw slot by cp.async (:meth:`copy_key`), one
+        cp.async group per tile, ``RAW_STAGES`` tiles ahead. Staging tile t waits for its group
+        (the oldest), reads the lane's bytes back (:meth:`store_key`), dequantizes the nope
+        values into the key's row of the K/V stage, stores the RoPE values beside them, and
+        refills the slot with tile t + ``RAW_STAGES``. A lane only reads bytes it copied, so
+        its own cp.async groups order the ring. Slot ids are loaded a tile before their rows
+        are copied (only packed, i.e. waited for, when used).
         """
         pwarp = cute.arch.make_warp_uniform(ptid // 32)
         lane = ptid & 31
         part = lane & 3
-        parity = (lane >> 2) & 1  # of the lane's keys (rows row0 + 8 r)
+        parity = (lane >> 2) & 1
         sK_base = sK.iterator.toint()
+        unit0 = sRaw.iterator.toint() + ptid * 16  # this thread's chunk 0 in raw slot 0
         bases = [mCache.iterator.toint(), Int64(mCache.stride[0])]
         if const_expr(self.cfg.has_extra):
             bases += [mECache.iterator.toint(), Int64(mECache.stride[0])]
         else:
             bases += bases
-        # Key of this lane in round r of tile t: key0 + 64 t + 8 r; its SMEM row row0 + 8 r.
+        # Key of this lane in tile t: key0 + 32 t; its row of the stage: row.
         key0 = key_begin + pwarp * KEYS_PER_PRODUCER_WARP + (lane >> 2)
-        row0 = pwarp * KEYS_PER_PRODUCER_WARP + (lane >> 2)
+        row = pwarp * KEYS_PER_PRODUCER_WARP + (lane >> 2)
         scope = (*self.id_rows(mIdx, mEIdx, token), n_window, key_end)
 
-        # Slot ids are loaded two tiles ahead (only packed, i.e. waited for, when used), rows
-        # prefetched into L2 one tile ahead and loaded into registers one round ahead (``ahead``:
-        # round 0 of the next tile); RoPE values are copied into the stage by cp.async.
-        raw = self.raw_slots(*scope, key0)
-        raw_next = self.raw_slots(*scope, key0 + BLOCK_N)
-        ahead = self.load_key(self.pack_slot(raw[0], key0, n_window), part, *bases)
+        # Prologue: the copies of tiles 0 .. RAW_STAGES - 1 (keys past key_end copy nothing);
+        # every slot id is loaded before the first is packed, so their latencies overlap.
+        raws = [self.raw_slots(*scope, key0 + s * BLOCK_N)[0] for s in range(RAW_STAGES + 1)]
+        in_flight = ()  # packed slots of the tiles whose copies are in flight, oldest first
+        for s in cutlass.range_constexpr(RAW_STAGES):
+            packed = self.pack_slot(raws[s], key0 + s * BLOCK_N, n_window)
+            self.copy_key(packed, part, parity, unit0 + s * RAW_SLOT_BYTES, *bases)
+            ptx_ops.cp_async_commit()
+            in_flight += (packed,)
+        raw_ahead = raws[RAW_STAGES]
         for tile in cutlass.range(n_tiles, unroll=1):
             stage = tile % NUM_STAGES
-            key_t = key0 + tile * BLOCK_N
-            packed = [self.pack_slot(raw[r], key_t + r * 8, n_window) for r in range(ROUNDS)]
-            packed_next = [
-                self.pack_slot(raw_next[r], key_t + BLOCK_N + r * 8, n_window)
-                for r in range(ROUNDS)
-            ]
-            first = ahead
-            second = self.load_key(packed[1], part, *bases)
-            raw_next2 = self.raw_slots(*scope, key_t + 2 * BLOCK_N)
-            for r in cutlass.range_constexpr(ROUNDS):
-                self.prefetch_key(packed_next[r], part, *bases)
+            unit = unit0 + (tile % RAW_STAGES) * RAW_SLOT_BYTES
+            packed = in_flight[0]
+            raw_next = self.raw_slots(*scope, key0 + (tile + RAW_STAGES + 1) * BLOCK_N)[0]
+            ptx_ops.cp_async_wait_group(RAW_STAGES - 1)  # this tile's group has landed
             if tile >= NUM_STAGES:
                 cute.arch.mbarrier_wait(empty_bar + stage, ((tile // NUM_STAGES) + 1) % 2)
             stage_base = sK_base + stage * (BLOCK_N * HEAD_DIM * 2)
-            for r in cutlass.range_constexpr(ROUNDS):
-                self.copy_rope(packed[r], row0 + r * 8, part, parity, stage_base, *bases)
-            self.store_key(first, packed[0] >= 0, row0, lane, stage_base)
-            ahead = self.load_key(packed_next[0], part, *bases)
-            self.store_key(second, packed[1] >= 0, row0 + 8, lane, stage_base)
+            self.store_key(unit, packed >= 0, row, lane, parity, stage_base)
             if part == 0:
-                for r in cutlass.range_constexpr(ROUNDS):
-                    key_bias[row0 + r * 8, stage] = Float32(
-                        cutlass.select_(packed[r] >= 0, Float32(0.0), Float32(-math.inf))
-                    )
-            ptx_ops.cp_async_wait_all()  # this lane's RoPE copies have landed
+                key_bias[row, stage] = Float32(
+                    cutlass.select_(packed >= 0, Float32(0.0), Float32(-math.inf))
+                )
             cute.arch.fence_view_async_shared()
             cute.arch.mbarrier_arrive(full_bar + stage)
-            raw = raw_next
-            raw_next = raw_next2
+            # The slot just read takes tile + RAW_STAGES (its reads are consumed above).
+            key_new = key0 + (tile + RAW_STAGES) * BLOCK_N
+            packed_new = self.pack_slot(raw_ahead, key_new, n_window)
+            self.copy_key(packed_new, part, parity, unit, *bases)
+            ptx_ops.cp_async_commit()
+            in_flight = (*in_flight[1:], packed_new)
+            raw_ahead = raw_next
+        ptx_ops.cp_async_wait_all()  # do not retire with copies in flight
 
     @cute.jit
     def id_rows(self, mIdx, mEIdx, token):
@@ -200,46 +211,61 @@ class SparseDecodeProducer:
         return data_addr, scale_addr
 
     @cute.jit
-    def prefetch_key(self, packed, part, cache_base, page_stride, ecache_base, epage_stride):
-        """Prefetch into L2 the lines of a key's data and scale rows, shared by its 4 lanes.
+    def copy_key(self, packed, part, parity, unit, cache_base, page_stride, ecache_base,
+                 epage_stride):  # fmt: skip
+        """cp.async lane ``part``'s quarter of a key into its raw-slot column at ``unit``.
 
-        The lines to touch are the data row's every 128 bytes, its last byte and the scale row
-        (at most 8 items); lane ``part`` takes items ``part`` and ``part + 4`` of that list.
-        """
-        if packed >= 0:
-            data_addr, scale_addr = self.row_addresses(
-                packed, cache_base, page_stride, ecache_base, epage_stride
-            )
-            n_lines = len(range(0, self.data_row, 128)) + 1  # every 128 B, and the last byte
-            for j in cutlass.range_constexpr(2):
-                item = part + 4 * j  # items n_lines.. are the scale row (prefetched again)
-                line = cutlass.min(item * 128, self.data_row - 1)
-                addr = Int64(cutlass.select_(item < n_lines, data_addr + line, scale_addr))
-                ptx_ops.prefetch_l2(addr)
-
-    @cute.jit
-    def load_key(self, packed, part, cache_base, page_stride, ecache_base, epage_stride):
-        """Registers of lane ``part``'s quarter of a key: ``(nope, rope, scales)``.
-
-        FP8: nope chunk d (d < 7) = bytes 64d + 16 part .. +15 (values 64d + 16 part ..), 4 words;
-        NVFP4: bytes 32d + 8 part .. +7 (the same 16 values), 2 words. RoPE: the 16-byte chunks
-        ``rope_chunk(part, parity, 0/1)`` of the 128 RoPE bytes. Scales: FP8 the whole scale row
-        (2 words), NVFP4 its words 2 part and 2 part + 1 (the key's four lanes hold the row).
-        A key without a slot (``packed`` < 0) reads slot 0 of the window cache instead;
-        :meth:`store_key` zeroes it.
+        Chunk d < 7: nope bytes 64d + 16 part .. +15 (FP8) or 32d + 8 part .. +7 (NVFP4, 8
+        bytes), i.e. values 64d + 16 part ..; chunks 7, 8: the 16-byte RoPE chunks
+        ``rope_chunk(part, parity, 0/1)``; chunks 9 (and 10): the whole scale row (FP8 8 bytes,
+        NVFP4 32 bytes). A key without a slot (``packed`` < 0) copies 0 bytes (zeros) from slot
+        0's address.
         """
         data_addr, scale_addr = self.row_addresses(
             cutlass.max(packed, 0), cache_base, page_stride, ecache_base, epage_stride
         )
+        size16 = Int32(cutlass.select_(packed >= 0, Int32(16), Int32(0)))
+        size8 = Int32(cutlass.select_(packed >= 0, Int32(8), Int32(0)))
+        for d in cutlass.range_constexpr(7):
+            if const_expr(self.is_fp8):
+                ptx_ops.cp_async_16(unit + d * RAW_CHUNK_STRIDE, data_addr + 64 * d + 16 * part,
+                                    size16)  # fmt: skip
+            else:
+                ptx_ops.cp_async_8(unit + d * RAW_CHUNK_STRIDE, data_addr + 32 * d + 8 * part,
+                                   size8)  # fmt: skip
+        rope_at = NOPE_DIM if const_expr(self.is_fp8) else NVFP4_NOPE_BYTES
+        for c in cutlass.range_constexpr(2):
+            ptx_ops.cp_async_16(
+                unit + (RAW_ROPE_CHUNK + c) * RAW_CHUNK_STRIDE,
+                data_addr + rope_at + 16 * self.rope_chunk(part, parity, c),
+                size16,
+            )
         if const_expr(self.is_fp8):
-            nope = [ptx_ops.ld_global_nc_v4(data_addr + 64 * d + 16 * part) for d in range(7)]
-            scales = ptx_ops.ld_global_nc_v2(scale_addr)
+            ptx_ops.cp_async_8(unit + RAW_SCALE_CHUNK * RAW_CHUNK_STRIDE, scale_addr, size8)
         else:
-            nope = [ptx_ops.ld_global_nc_v2(data_addr + 32 * d + 8 * part) for d in range(7)]
-            # A quarter of the scale row (words 2 part, 2 part + 1); store_key shuffles.
-            scales = ptx_ops.ld_global_nc_v2(scale_addr + 8 * part)
-        # One flat tuple of words (it is carried from one loop iteration to the next).
-        return (*[w for chunk in nope for w in chunk], *scales)
+            for c in cutlass.range_constexpr(2):
+                ptx_ops.cp_async_16(unit + (RAW_SCALE_CHUNK + c) * RAW_CHUNK_STRIDE,
+                                    scale_addr + 16 * c, size16)  # fmt: skip
+
+    @cute.jit
+    def read_nope(self, unit, d):
+        """Nope chunk ``d`` of this lane's raw-slot column (FP8 4 words, NVFP4 2)."""
+        if const_expr(self.is_fp8):
+            return ptx_ops.ld_shared_v4(unit + d * RAW_CHUNK_STRIDE)
+        return ptx_ops.ld_shared_v2(unit + d * RAW_CHUNK_STRIDE)
+
+    @cute.jit
+    def read_scales_rope(self, unit) -> tuple:
+        """The scale row and RoPE words :meth:`copy_key` put in this lane's column."""
+        scale_at = unit + RAW_SCALE_CHUNK * RAW_CHUNK_STRIDE
+        if const_expr(self.is_fp8):
+            scales = ptx_ops.ld_shared_v2(scale_at)
+        else:
+            scales = (*ptx_ops.ld_shared_v4(scale_at),
+                      *ptx_ops.ld_shared_v4(scale_at + RAW_CHUNK_STRIDE))  # fmt: skip
+        rope = [ptx_ops.ld_shared_v4(unit + (RAW_ROPE_CHUNK + c) * RAW_CHUNK_STRIDE)
+                for c in range(2)]  # fmt: skip
+        return (*scales, *rope[0], *rope[1])
 
     @staticmethod
     def rope_chunk(part, parity, c):
@@ -251,45 +277,40 @@ class SparseDecodeProducer:
         return part + 4 * (c ^ parity)
 
     @cute.jit
-    def copy_rope(self, packed, row, part, parity, stage_base, cache_base, page_stride,
-                  ecache_base, epage_stride):  # fmt: skip
-        """cp.async lane ``part``'s two 16-byte RoPE chunks of a key into its SMEM row (bf16
-        values need no conversion); a key without a slot copies 0 bytes, i.e. zeros."""
-        data_addr, _ = self.row_addresses(
-            cutlass.max(packed, 0), cache_base, page_stride, ecache_base, epage_stride
-        )
-        rope_at = NOPE_DIM if const_expr(self.is_fp8) else NVFP4_NOPE_BYTES
-        size = Int32(cutlass.select_(packed >= 0, Int32(16), Int32(0)))
-        for c in cutlass.range_constexpr(2):
-            chunk = self.rope_chunk(part, parity, c)
-            ptx_ops.cp_async_16(stage_base + swizzled_offset(row, NOPE_DIM + 8 * chunk),
-                                data_addr + rope_at + 16 * chunk, size)  # fmt: skip
+    def store_key(self, unit, valid, row, lane, parity, stage_base):
+        """Dequantize a lane's quarter of one key from its raw-slot column at ``unit`` into K/V
+        stage row ``row`` and store its RoPE values beside them (zeros if not ``valid``).
 
-    @cute.jit
-    def store_key(self, loaded, valid, row, lane, stage_base):
-        """Dequantize a lane's quarter of one key into K/V stage row ``row`` (zeros if invalid)."""
-        n_nope = 4 if const_expr(self.is_fp8) else 2  # words per nope chunk
-        nope = [loaded[n_nope * d : n_nope * (d + 1)] for d in range(7)]
-        scales = loaded[7 * n_nope :]
+        Nope chunks are read one ahead of their dequantization: enough to cover the shared
+        load's latency, while ptxas keeps at most two chunks' registers live.
+        """
+        words = self.read_scales_rope(unit)
+        n_scales = 2 if const_expr(self.is_fp8) else 8  # words of the scale row
+        scales = words[:n_scales]
+        rope = words[n_scales:]
         part = lane & 3
         zero = Uint32(0)
+        for c in cutlass.range_constexpr(2):
+            rope_words = [Uint32(cutlass.select_(valid, w, zero)) for w in rope[4 * c : 4 * c + 4]]
+            col = NOPE_DIM + 8 * self.rope_chunk(part, parity, c)
+            ptx_ops.st_shared_v4(stage_base + swizzled_offset(row, col, BLOCK_N), *rope_words)
         if const_expr(not self.is_fp8):
-            quad = lane & ~3
-
-            def scale_word(w):  # word w of the key's NVFP4 scale row, held by lane w // 2
-                return Uint32(cute.arch.shuffle_sync(scales[w % 2], quad | (w // 2)))
-
             token_scale2 = Uint32(
-                cutlass.select_(valid, nvfp4_token_scale_bf16x2(scale_word(7) & 0xFF), zero)
+                cutlass.select_(valid, nvfp4_token_scale_bf16x2(scales[7] & 0xFF), zero)
             )
+        chunk = self.read_nope(unit, 0)
         for d in cutlass.range_constexpr(7):
+            chunk_next = chunk
+            if const_expr(d < 6):
+                chunk_next = self.read_nope(unit, d + 1)
             col = 64 * d + 16 * part
             if const_expr(self.is_fp8):
                 e = (scales[d // 4] >> (8 * (d % 4))) & 0xFF
                 scale2 = Uint32(cutlass.select_(valid, fp8_block_scale_bf16x2(e), zero))
-                deq = dequant_fp8_16(nope[d], scale2)
+                deq = dequant_fp8_16(chunk, scale2)
             else:
-                block_scale2 = nvfp4_block_scale_bf16x2((scale_word(d) >> (part * 8)) & 0xFF)
-                deq = dequant_nvfp4_16(nope[d], block_scale2, token_scale2)
-            ptx_ops.st_shared_v4(stage_base + swizzled_offset(row, col), *deq[:4])
-            ptx_ops.st_shared_v4(stage_base + swizzled_offset(row, col + 8), *deq[4:])
+                block_scale2 = nvfp4_block_scale_bf16x2((scales[d] >> (part * 8)) & 0xFF)
+                deq = dequant_nvfp4_16(chunk, block_scale2, token_scale2)
+            ptx_ops.st_shared_v4(stage_base + swizzled_offset(row, col, BLOCK_N), *deq[:4])
+            ptx_ops.st_shared_v4(stage_base + swizzled_offset(row, col + 8, BLOCK_N), *deq[4:])
+            chunk = chunk_next

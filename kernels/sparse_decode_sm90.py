@@ -6,7 +6,7 @@ its ``lens[t]`` window slots followed by its ``extra_lens[t]`` compressed slots 
 both, no de-duplication); ``-1`` slots are skipped. Grid: ``(head_blocks, num_splits, T)``.
 
 Math per CTA (heads are the M dimension of every MMA, as in MQA all heads share each KV row):
-    S = Q K^T            Q: 64 x 512 bf16 (SMEM), K: 64 keys x 512 bf16 (SMEM), wgmma SS
+    S = Q K^T            Q: 64 x 512 bf16 (SMEM), K: 32 keys x 512 bf16 (SMEM), wgmma SS
     P = exp2(S * scale * log2(e) - m)   online softmax in registers (running max m, sum l)
     O += P V             V = K (the same rows), 512 wide: two 256-wide tiles, one per warpgroup
 
@@ -15,22 +15,24 @@ Warp roles (384 threads, ``setmaxnreg`` per warpgroup):
                                       O[:, 0:256] += P V[:, 0:256] (RS wgmma, P from registers)
     WG1 (threads 128..255, 160 regs): O[:, 256:512] += P V[:, 256:512] (SS wgmma, P from SMEM:
                                       "SMEM-P"), rescaling by the row factor WG0 publishes
-    WG2 (threads 256..383, 136 regs): producer: four lanes per key, eight keys per warp at a
-                                      time; each lane loads a quarter of the key's nope bytes and
-                                      scales into registers (16-byte FP8 / 8-byte NVFP4 loads, one
-                                      round of 8 keys ahead), dequantizes 112 values to bf16 into
-                                      the K/V stage (swizzled) and copies 16 RoPE values there by
-                                      cp.async; slot ids are loaded two tiles ahead (waited for
-                                      only when used), rows prefetched into L2 one tile ahead
+    WG2 (threads 256..383, 136 regs): producer: four lanes per key, eight keys per warp (one
+                                      32-key tile per iteration); each lane copies a quarter of
+                                      the key's nope bytes, its scale row and 16 RoPE values into
+                                      its column of a raw SMEM slot by cp.async, RAW_STAGES (4)
+                                      tiles ahead, then reads them back, dequantizes 112 values
+                                      to bf16 into the K/V stage (swizzled) and stores the RoPE
+                                      values beside them; slot ids loaded a tile before use
     208 + 160 + 136 = 504 = 3 x 168, the registers the CTA launches with (64 K / 384 threads).
     Register use per thread: WG0 holds O_L (64x256 fp32 / 128 = 128), S (32), P (16 bf16 pairs);
-    WG1 holds O_R (128); a producer lane up to 2 x 30 words of loaded rows (FP8: 28 nope + 2
-    scale words per key quarter).
+    WG1 holds O_R (128); the producer holds one chunk of raw words at a time (rows in flight
+    live in the raw ring, not in registers).
 
-Shared memory (bytes): Q 65,536 | K/V 2 stages x 65,536 | P 8,192 | key bias, row factors, row
-    stats, mbarriers ~1.3 K  =  ~206 K of the 232,448 a CTA may use. The producer fills stage
-    i % 2 while both MMA warpgroups read the other. After the last MMA the output tile is
-    staged over Q, K/V and P (padded rows) and stored in 16-byte chunks.
+Shared memory (bytes): Q 65,536 | K/V 2 stages x 32,768 | P 4,096 | raw ring 4 x 22,528 | key
+    bias, row factors, row stats, mbarriers ~1 K  =  ~226 K of the 232,448 a CTA may use. The
+    producer fills stage i % 2 while both MMA warpgroups read the other; up to four tiles of
+    quantized rows (FP8 ~75 KB) are in flight per CTA, enough to cover DRAM latency at this
+    SM's share of bandwidth. After the last MMA the output tile is staged over Q, K/V and P
+    (padded rows) and stored in 16-byte chunks.
 
 Synchronisation: mbarrier ``full[s]`` (128 producer arrivals) / ``empty[s]`` (256 MMA arrivals) per
 K/V stage; named barriers between WG0 and WG1 for P and the row factors (``P_FULL``,
@@ -54,7 +56,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warp, warpgroup
 
 from dsv4_attn.kernels import ptx_ops
@@ -76,6 +78,8 @@ from dsv4_attn.kernels.sparse_decode_config import (
     NVFP4_DATA_ROW,
     NVFP4_SCALE_ROW,
     PRODUCER_REGS,
+    RAW_SLOT_BYTES,
+    RAW_STAGES,
     STAGE_ROW_BYTES_BF16,
     STAGE_ROW_BYTES_F32,
     WG0_REGS,
@@ -162,9 +166,16 @@ class SparseDecodeSm90(SparseDecodeProducer):
             sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
+            # After P: the output staging of the epilogue (from sQ on) never reaches it.
+            sRaw: cute.struct.Align[cute.struct.MemRange[Uint8, RAW_STAGES * RAW_SLOT_BYTES], 128]
 
         # 227 KB: the most dynamic shared memory a Hopper CTA may use.
         assert SharedStorage.size_in_bytes() <= 232448, SharedStorage.size_in_bytes()
+        # The epilogue stages the output over Q, the K/V stages and P (not the raw ring, where
+        # the producer's last copies may still land).
+        staged = BLOCK_H * max(STAGE_ROW_BYTES_F32, STAGE_ROW_BYTES_BF16)
+        assert staged <= 2 * (cute.cosize(sQ_layout) + cute.cosize(sK_layout)
+                              + cute.cosize(sP_layout)), staged  # fmt: skip
         num_heads = mQ.shape[1]
         grid = ((num_heads + BLOCK_H - 1) // BLOCK_H, num_splits, mQ.shape[0])
         self.kernel(
@@ -215,6 +226,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         cute.arch.sync_threads()
 
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sRaw = storage.sRaw.get_tensor(cute.make_layout(RAW_STAGES * RAW_SLOT_BYTES))
         key_bias = storage.key_bias.get_tensor(cute.make_layout((BLOCK_N, NUM_STAGES)))
         row_factor = storage.row_factor.get_tensor(cute.make_layout((BLOCK_H, NUM_P_BUFFERS)))
         row_sum_smem = storage.row_sum.get_tensor(cute.make_layout(BLOCK_H))
@@ -228,7 +240,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
                 mLens, mELens, token, split, tiles_per_split
             )
             self.producer(
-                mCache, mIdx, mECache, mEIdx, sK, key_bias,
+                mCache, mIdx, mECache, mEIdx, sK, sRaw, key_bias,
                 full_bar, empty_bar,
                 token, n_window, key_begin, key_end, n_tiles, tidx - 256,
             )  # fmt: skip

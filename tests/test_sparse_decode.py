@@ -29,7 +29,7 @@ from dsv4_attn.scope import KVScope
 @pytest.mark.parametrize("capacity", [1, 64, 640, 1152, 8320])
 def test_plan_splits_covers_every_tile_once(tokens, heads, capacity):
     splits, per_split = sparse_decode.plan_splits(tokens, heads, capacity, num_sms=132)
-    tiles = math.ceil(capacity / 64)
+    tiles = math.ceil(capacity / sparse_decode.BLOCK_N)
     assert splits >= 1 and per_split >= 1
     assert (splits - 1) * per_split < tiles <= splits * per_split  # no empty trailing split
     ctas = tokens * math.ceil(heads / 64)
@@ -42,13 +42,15 @@ def test_plan_splits_covers_every_tile_once(tokens, heads, capacity):
 
 
 def test_plan_splits_fills_small_batches():
-    # V4-Flash at one token: 10 tiles of keys, one 64-head block -> 10 splits of 1 tile.
-    assert sparse_decode.plan_splits(1, 64, 640, num_sms=132) == (10, 1)
-    # HCA at 1M context, one token: 130 tiles, at most 32 splits -> 26 splits of 5 tiles.
-    assert sparse_decode.plan_splits(1, 64, 8320, num_sms=132) == (26, 5)
+    # 32-key tiles; splits of at least 64 keys (two tiles).
+    assert sparse_decode.BLOCK_N == 32 and sparse_decode.MIN_TILES_PER_SPLIT == 2
+    # V4-Flash at one token: 20 tiles of keys, one 64-head block -> 10 splits of 2 tiles.
+    assert sparse_decode.plan_splits(1, 64, 640, num_sms=132) == (10, 2)
+    # HCA at 1M context, one token: 260 tiles, at most 32 splits -> 29 splits of 9 tiles.
+    assert sparse_decode.plan_splits(1, 64, 8320, num_sms=132) == (29, 9)
     # 64 tokens: two splits fill one wave (three would start a second).
-    assert sparse_decode.plan_splits(64, 64, 640, num_sms=132) == (2, 5)
-    assert sparse_decode.plan_splits(256, 64, 640, num_sms=132) == (1, 10)
+    assert sparse_decode.plan_splits(64, 64, 640, num_sms=132) == (2, 10)
+    assert sparse_decode.plan_splits(256, 64, 640, num_sms=132) == (1, 20)
 
 
 def test_unsupported_reason_on_cpu_tensors():

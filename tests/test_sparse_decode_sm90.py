@@ -18,6 +18,8 @@ from dsv4_attn.kernels import compile_cache, sass, sparse_decode
 from dsv4_attn.kernels.precompile import decode_variants
 from dsv4_attn.kernels.resource_usage import read_resources
 from dsv4_attn.kernels.sparse_decode_config import (
+    BLOCK_H,
+    BLOCK_N,
     LAUNCH_REGS,
     SparseDecodeConfig,
     swizzled_offset,
@@ -85,20 +87,25 @@ def test_swizzled_offset_matches_the_cute_layout():
     """The producer's byte offsets equal CuTe's K-major SW128 layout with its byte swizzle."""
     probes = []
 
+    # Rows probed per tile height, chosen outside the traced function (its ``if`` is traced).
+    row_sets = {rows: [r for r in (0, 1, 5, 7, 8, 13, 31, 63) if r < rows]
+                for rows in (BLOCK_H, BLOCK_N)}  # fmt: skip
+
     @cute.jit
     def evaluate():
-        layout = _smem_layout_k_major(64, 512, 2)
-        for r in (0, 1, 5, 7, 8, 13, 31, 63):
-            for c in (0, 8, 56, 64, 200, 256, 440, 448, 504):
-                for s in (0, 1):
-                    probes.append(((r, c, s), cute.crd2idx((r, c, s), layout.outer)))
+        for rows, probe_rows in row_sets.items():  # Q / output staging, a K/V stage
+            layout = _smem_layout_k_major(rows, 512, 2)
+            for r in probe_rows:
+                for c in (0, 8, 56, 64, 200, 256, 440, 448, 504):
+                    for s in (0, 1):
+                        probes.append(((rows, r, c, s), cute.crd2idx((r, c, s), layout.outer)))
 
     evaluate()
-    assert len(probes) == 8 * 9 * 2
-    for (r, c, s), element in probes:
+    assert len(probes) == 2 * 9 * sum(len(r) for r in row_sets.values())
+    for (rows, r, c, s), element in probes:
         byte = 2 * element  # bf16
         swizzled = byte ^ ((byte >> 3) & 0x70)  # Swizzle<3,4,3> on byte addresses
-        assert swizzled == s * 64 * 512 * 2 + swizzled_offset(r, c), (r, c, s)
+        assert swizzled == s * rows * 512 * 2 + swizzled_offset(r, c, rows), (rows, r, c, s)
 
 
 def test_unknown_format_is_rejected():
