@@ -31,10 +31,11 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass import Boolean, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from dsv4_attn.kernels import fmha_sm90_utils as fu
+from dsv4_attn.kernels import ptx_ops
 
 __all__ = ["FmhaSm90"]
 
@@ -917,16 +918,28 @@ class FmhaSm90:
         if const_expr(self.gather):
             token = token_or_offset_k
             num_keys = mLens[token]
+            lane = tidx % 32
+            # Each lane holds entries 64 t + lane and + 32 of the step's two tiles t, loaded a
+            # step ahead; a row's entry reaches the lanes copying it by shuffle.
+            entries = (
+                *self._gather_entries(mIndices, token, num_keys, 0, lane),
+                *self._gather_entries(mIndices, token, num_keys, 1, lane),
+            )
             for step in cutlass.range(num_steps, unroll=1):
                 phase = step & 1
+                entries_next = (
+                    *self._gather_entries(mIndices, token, num_keys, 2 * step + 2, lane),
+                    *self._gather_entries(mIndices, token, num_keys, 2 * step + 3, lane),
+                )
                 for j in cutlass.range_constexpr(4):
                     half, tile_in_step, col_half = self._HALF_ORDER[j]
                     fu.mbar_wait(mbar_empty, half, phase ^ 1)
                     self._gather_half(
-                        mKV, mIndices, token, num_keys, 2 * step + tile_in_step, col_half,
+                        mKV, entries[2 * tile_in_step : 2 * tile_in_step + 2], col_half,
                         sKVh[None, None, half], tidx,
                     )  # fmt: skip
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar_full + half)
+                entries = entries_next
             # Do not retire with copies in flight (the consumers wait on them anyway).
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
@@ -956,12 +969,14 @@ class FmhaSm90:
                         )  # fmt: skip
 
     @cute.jit
-    def _gather_half(self, mKV, mIndices, token, num_keys, tile, col_half, sHalf, tidx):
-        """cp.async rows ``kv[indices[token, 64*tile + r]]``, columns of ``col_half``, r < 64.
+    def _gather_half(self, mKV, tile_entries, col_half, sHalf, tidx):
+        """cp.async rows ``kv[entry r]`` of one 64-entry tile, columns of ``col_half``, r < 64.
 
-        128 threads: 32 consecutive 16-byte chunks (512 B of one row) per warp, 4 rows per pass.
-        Entries past ``num_keys`` or equal to -1 load row 0 instead (finite data; the consumers
-        mask those columns), so P = 0 never meets uninitialised shared memory.
+        ``tile_entries``: this lane's two entries of the tile (r = lane, lane + 32; -1 past the
+        token's keys), as :meth:`_gather_entries` loaded them. 128 threads: 32 consecutive
+        16-byte chunks (512 B of one row) per warp, 4 rows per pass. Entries past the keys or
+        equal to -1 load row 0 instead (finite data; the consumers mask those columns), so
+        P = 0 never meets uninitialised shared memory.
         """
         vec = 8
         atom = cute.make_copy_atom(
@@ -974,11 +989,11 @@ class FmhaSm90:
         thr_copy = tiled_copy.get_slice(tidx)
         tXsX = thr_copy.partition_D(sHalf)  # (CPY, 16 rows, 1)
         col = col_half * (self.head_dim // 2) + (tidx % 32) * vec
+        warp = cute.arch.make_warp_uniform(tidx // 32)
         for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
-            entry = tile * self.tile_n + tidx // 32 + 4 * m
-            row = Int32(0)
-            if entry < num_keys:
-                row = mIndices[token, entry]
+            # Entry r = warp + 4 m is held by lane r % 32, in its word r // 32 (m < 8: word 0).
+            word = (4 * m) // 32
+            row = Int32(cute.arch.shuffle_sync(tile_entries[word], warp + 4 * m - 32 * word))
             row = cutlass.max(row, 0)
             # Rows and chunk offsets are 16-byte aligned (checked on the host).
             addr = (mKV.iterator + cute.crd2idx((row, col), mKV.layout)).toint()
@@ -1037,14 +1052,17 @@ class FmhaSm90:
 
         fu.mbar_wait(mbar_q, 0, 0)
         num_steps = cute.ceil_div(n_max - n_min, 2)
+        # Gathered: this warpgroup's index entries are loaded a step ahead (the next step's tile
+        # is tile + 2) and only read, as validity bits, after the step's QK MMA.
+        entries = (Int32(-1), Int32(-1))
+        if const_expr(self.gather):
+            entries = self._gather_entries(mIndices, q_l, seqlen_k, n_min + wg, lane)
         for step in cutlass.range(num_steps, unroll=1):
             phase = step & 1
             tile = n_min + 2 * step + wg
-            # Validity of this tile's 64 gathered entries, one bit per column (2 words).
-            valid_lo = Int32(0)
-            valid_hi = Int32(0)
+            entries_next = entries
             if const_expr(self.gather):
-                valid_lo, valid_hi = self._gather_valid_bits(mIndices, q_l, seqlen_k, tile, lane)
+                entries_next = self._gather_entries(mIndices, q_l, seqlen_k, tile + 2, lane)
             acc_s = cute.make_rmem_tensor(shape_s, Float32)
             k_half = self.head_dim // 32  # k-blocks (of 16) per 256 columns
             if wg == 0:
@@ -1067,6 +1085,9 @@ class FmhaSm90:
 
             acc_mn = fu.acc_as_mn(acc_s)
             if const_expr(self.gather):
+                # Validity of this tile's 64 gathered entries, one bit per column (2 words).
+                valid_lo = cute.arch.vote_ballot_sync(entries[0] >= 0)
+                valid_hi = cute.arch.vote_ballot_sync(entries[1] >= 0)
                 for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
                     col = c_mn[0, c][1]
                     bits = valid_lo if col < 32 else valid_hi
@@ -1120,6 +1141,7 @@ class FmhaSm90:
             fu.mbar_arrive_one_per_warp(mbar_empty, half_first)
             warpgroup.wait_group(0)
             fu.mbar_arrive_one_per_warp(mbar_empty, half_second)
+            entries = entries_next
 
         # ---- epilogue: combine the two warpgroups' row sums, normalise, store ------------------
         for r in cutlass.range_constexpr(num_rows):
@@ -1165,14 +1187,13 @@ class FmhaSm90:
             cute.arch.fence_view_async_shared()
 
     @cute.jit
-    def _gather_valid_bits(self, mIndices, token, num_keys, tile, lane):
-        """Bit c of (lo, hi) = entry ``64*tile + c`` (lo: c < 32, hi: c - 32) is a valid key."""
-        e0 = tile * self.tile_n + lane
-        e1 = e0 + 32
-        v0 = Boolean(False)
-        v1 = Boolean(False)
-        if e0 < num_keys:
-            v0 = mIndices[token, e0] >= 0
-        if e1 < num_keys:
-            v1 = mIndices[token, e1] >= 0
-        return cute.arch.vote_ballot_sync(v0), cute.arch.vote_ballot_sync(v1)
+    def _gather_entries(self, mIndices, token, num_keys, tile, lane):
+        """Index entries ``64*tile + lane`` and ``+ 32`` of ``token`` (-1 past ``num_keys``), as
+        loaded: one predicated load each, so nothing waits for them until they are read."""
+        row = mIndices.iterator.toint() + Int64(token) * Int64(mIndices.stride[0]) * 4
+        out = []
+        for half in cutlass.range_constexpr(2):
+            entry = tile * self.tile_n + lane + 32 * half
+            present = Int32(cutlass.select_(entry < num_keys, Int32(1), Int32(0)))
+            out.append(ptx_ops.ld_global_nc_b32_if(row + Int64(entry) * 4, present, -1))
+        return out[0], out[1]
