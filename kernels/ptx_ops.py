@@ -239,6 +239,27 @@ def cp_async_8(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None) -
 
 
 @dsl_user_op
+def cp_async_4(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
+    """4-byte global -> shared async copy; bytes past ``src_bytes`` are zero-filled."""
+    _statement(
+        [_i32(dst, loc, ip), _i64(src, loc, ip), _i32(src_bytes, loc, ip)],
+        "cp.async.ca.shared.global [$0], [$1], 4, $2;",
+        "r,l,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def ld_shared_b32(addr: Int32, *, loc=None, ip=None) -> Int32:
+    """4-byte shared-memory load (ordered after earlier shared stores and waits)."""
+    return _scalar(
+        Int32, T.i32(), [_i32(addr, loc, ip)], "ld.shared.b32 $0, [$1];", "=r,r", loc, ip,
+        side_effects=True,
+    )  # fmt: skip
+
+
+@dsl_user_op
 def cp_async_commit(*, loc=None, ip=None) -> None:
     """Close this thread's current group of ``cp.async`` copies (an empty group is allowed)."""
     _statement([], "cp.async.commit_group;", "", loc, ip)

@@ -31,6 +31,13 @@ ROUNDS = KEYS_PER_PRODUCER_WARP * LANES_PER_KEY // 32  # keys a producer lane st
 RAW_STAGES = 4
 RAW_CHUNKS = 11
 RAW_SLOT_BYTES = RAW_CHUNKS * 128 * 16
+# Slot ids travel the same way, one tile further ahead: each producer thread cp.asyncs its key's
+# 4-byte id (the low word of an int64 id) of tile t + 2 RAW_STAGES into a ring of 2 RAW_STAGES
+# tiles, in the cp.async group of tile t's rows; it reads the id back (LDS) when it copies that
+# tile's rows, RAW_STAGES tiles later, and once more when it stages them. No register ever waits
+# on a global load inside the tile loop.
+ID_STAGES = 2 * RAW_STAGES
+ID_SLOT_BYTES = 128 * 4
 
 # Per-format row geometry (bytes), as documented in dsv4_attn.kv_cache.
 FP8_DATA_ROW = 576

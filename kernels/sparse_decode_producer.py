@@ -33,6 +33,8 @@ from dsv4_attn.kernels.sparse_decode_config import (
     NOPE_DIM,
     NUM_STAGES,
     NVFP4_NOPE_BYTES,
+    ID_SLOT_BYTES,
+    ID_STAGES,
     RAW_SLOT_BYTES,
     RAW_STAGES,
     ROUNDS,
@@ -60,6 +62,7 @@ class SparseDecodeProducer:
         mEIdx: cute.Tensor | None,
         sK: cute.Tensor,
         sRaw: cute.Tensor,
+        sIds: cute.Tensor,
         key_bias: cute.Tensor,
         full_bar,
         empty_bar,
@@ -78,9 +81,9 @@ class SparseDecodeProducer:
         cp.async group per tile, ``RAW_STAGES`` tiles ahead. Staging tile t waits for its group
         (the oldest), reads the lane's bytes back (:meth:`store_key`), dequantizes the nope
         values into the key's row of the K/V stage, stores the RoPE values beside them, and
-        refills the slot with tile t + ``RAW_STAGES``. A lane only reads bytes it copied, so
-        its own cp.async groups order the ring. Slot ids are loaded a tile before their rows
-        are copied (only packed, i.e. waited for, when used).
+        refills the slot with tile t + ``RAW_STAGES``. The slot ids ride in the same groups one
+        ring further ahead (``ID_STAGES``): tile t + 2 ``RAW_STAGES``'s ids land with tile t's
+        rows. A lane only reads bytes it copied, so its own cp.async groups order both rings.
         """
         pwarp = cute.arch.make_warp_uniform(ptid // 32)
         lane = ptid & 31
@@ -88,6 +91,7 @@ class SparseDecodeProducer:
         parity = (lane >> 2) & 1
         sK_base = sK.iterator.toint()
         unit0 = sRaw.iterator.toint() + ptid * 16  # this thread's chunk 0 in raw slot 0
+        id0 = sIds.iterator.toint() + ptid * 4  # this thread's id in id slot 0
         bases = [mCache.iterator.toint(), Int64(mCache.stride[0])]
         if const_expr(self.cfg.has_extra):
             bases += [mECache.iterator.toint(), Int64(mECache.stride[0])]
@@ -98,25 +102,28 @@ class SparseDecodeProducer:
         row = pwarp * KEYS_PER_PRODUCER_WARP + (lane >> 2)
         scope = (*self.id_rows(mIdx, mEIdx, token), n_window, key_end)
 
-        # Prologue: the copies of tiles 0 .. RAW_STAGES - 1 (keys past key_end copy nothing);
-        # every slot id is loaded before the first is packed, so their latencies overlap.
-        raws = [self.raw_slots(*scope, key0 + s * BLOCK_N)[0] for s in range(RAW_STAGES + 1)]
-        in_flight = ()  # packed slots of the tiles whose copies are in flight, oldest first
+        # Prologue: the ids of tiles 0 .. RAW_STAGES - 1 (one wait), then the copies of those
+        # tiles' rows, each group with the ids of the tile RAW_STAGES further on.
         for s in cutlass.range_constexpr(RAW_STAGES):
-            packed = self.pack_slot(raws[s], key0 + s * BLOCK_N, n_window)
+            self.copy_id(*scope, key0 + s * BLOCK_N, id0 + s * ID_SLOT_BYTES)
+        ptx_ops.cp_async_commit()
+        ptx_ops.cp_async_wait_group(0)
+        for s in cutlass.range_constexpr(RAW_STAGES):
+            packed = self.read_packed(id0 + s * ID_SLOT_BYTES, key0 + s * BLOCK_N, n_window, key_end)
             self.copy_key(packed, part, parity, unit0 + s * RAW_SLOT_BYTES, *bases)
+            self.copy_id(*scope, key0 + (s + RAW_STAGES) * BLOCK_N,
+                         id0 + (s + RAW_STAGES) * ID_SLOT_BYTES)  # fmt: skip
             ptx_ops.cp_async_commit()
-            in_flight += (packed,)
-        raw_ahead = raws[RAW_STAGES]
         for tile in cutlass.range(n_tiles, unroll=1):
             stage = tile % NUM_STAGES
             unit = unit0 + (tile % RAW_STAGES) * RAW_SLOT_BYTES
-            packed = in_flight[0]
-            raw_next = self.raw_slots(*scope, key0 + (tile + RAW_STAGES + 1) * BLOCK_N)[0]
+            key = key0 + tile * BLOCK_N
             ptx_ops.cp_async_wait_group(RAW_STAGES - 1)  # this tile's group has landed
             if tile >= NUM_STAGES:
                 cute.arch.mbarrier_wait(empty_bar + stage, ((tile // NUM_STAGES) + 1) % 2)
             stage_base = sK_base + stage * (BLOCK_N * HEAD_DIM * 2)
+            packed = self.read_packed(id0 + (tile % ID_STAGES) * ID_SLOT_BYTES, key, n_window,
+                                      key_end)  # fmt: skip
             self.store_key(unit, packed >= 0, row, lane, parity, stage_base)
             if part == 0:
                 key_bias[row, stage] = Float32(
@@ -124,13 +131,16 @@ class SparseDecodeProducer:
                 )
             cute.arch.fence_view_async_shared()
             cute.arch.mbarrier_arrive(full_bar + stage)
-            # The slot just read takes tile + RAW_STAGES (its reads are consumed above).
-            key_new = key0 + (tile + RAW_STAGES) * BLOCK_N
-            packed_new = self.pack_slot(raw_ahead, key_new, n_window)
+            # The raw slot just read takes tile + RAW_STAGES (its ids landed with this tile's
+            # rows); the id slot just read takes tile + 2 RAW_STAGES.
+            key_new = key + RAW_STAGES * BLOCK_N
+            packed_new = self.read_packed(
+                id0 + ((tile + RAW_STAGES) % ID_STAGES) * ID_SLOT_BYTES, key_new, n_window, key_end
+            )
             self.copy_key(packed_new, part, parity, unit, *bases)
+            self.copy_id(*scope, key + 2 * RAW_STAGES * BLOCK_N,
+                         id0 + (tile % ID_STAGES) * ID_SLOT_BYTES)  # fmt: skip
             ptx_ops.cp_async_commit()
-            in_flight = (*in_flight[1:], packed_new)
-            raw_ahead = raw_next
         ptx_ops.cp_async_wait_all()  # do not retire with copies in flight
 
     @cute.jit
@@ -144,21 +154,24 @@ class SparseDecodeProducer:
         return window_ids, extra_ids
 
     @cute.jit
-    def raw_slots(self, window_ids, extra_ids, n_window, key_end, key) -> tuple:
-        """Slot ids of a lane's keys ``key + 8 r`` (one per round), as loaded: -1 past
-        ``key_end``; the loads are not waited for until :meth:`pack_slot` reads them."""
+    def copy_id(self, window_ids, extra_ids, n_window, key_end, key, dst):
+        """cp.async the slot id of key ``key`` (4 bytes: the low word of an int64 id, as every
+        slot id is < 2^30 and -1 stays -1) to ``dst``; nothing (zeros) past ``key_end``."""
         elem = self.cfg.index_bytes
-        out = []
-        for r in cutlass.range_constexpr(ROUNDS):
-            k = key + r * 8
-            # (int64 ids: their low word, as every slot id is < 2^30 and -1 stays -1.)
-            addr = Int64(
-                cutlass.select_(k < n_window, window_ids + Int64(k) * elem,
-                                extra_ids + Int64(k - n_window) * elem)
-            )  # fmt: skip
-            present = Int32(cutlass.select_(k < key_end, Int32(1), Int32(0)))
-            out.append(ptx_ops.ld_global_nc_b32_if(addr, present, -1))
-        return tuple(out)
+        addr = Int64(
+            cutlass.select_(key < n_window, window_ids + Int64(key) * elem,
+                            extra_ids + Int64(key - n_window) * elem)
+        )  # fmt: skip
+        present = Int32(cutlass.select_(key < key_end, Int32(4), Int32(0)))
+        ptx_ops.cp_async_4(dst, Int64(cutlass.select_(key < key_end, addr, window_ids)), present)
+
+    @cute.jit
+    def read_packed(self, src, key, n_window, key_end) -> Int32:
+        """``slot * 2 + is_extra`` of key ``key`` from the id :meth:`copy_id` put at ``src``,
+        or -1 if it has none (a -1 id, or past ``key_end``)."""
+        raw = ptx_ops.ld_shared_b32(src)
+        raw = Int32(cutlass.select_(key < key_end, raw, Int32(-1)))
+        return self.pack_slot(raw, key, n_window)
 
     @cute.jit
     def pack_slot(self, raw, key, n_window) -> Int32:

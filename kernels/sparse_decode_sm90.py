@@ -78,6 +78,8 @@ from dsv4_attn.kernels.sparse_decode_config import (
     NVFP4_DATA_ROW,
     NVFP4_SCALE_ROW,
     PRODUCER_REGS,
+    ID_SLOT_BYTES,
+    ID_STAGES,
     RAW_SLOT_BYTES,
     RAW_STAGES,
     STAGE_ROW_BYTES_BF16,
@@ -168,6 +170,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
             # After P: the output staging of the epilogue (from sQ on) never reaches it.
             sRaw: cute.struct.Align[cute.struct.MemRange[Uint8, RAW_STAGES * RAW_SLOT_BYTES], 128]
+            sIds: cute.struct.Align[cute.struct.MemRange[Uint8, ID_STAGES * ID_SLOT_BYTES], 16]
 
         # 227 KB: the most dynamic shared memory a Hopper CTA may use.
         assert SharedStorage.size_in_bytes() <= 232448, SharedStorage.size_in_bytes()
@@ -227,6 +230,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
 
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sRaw = storage.sRaw.get_tensor(cute.make_layout(RAW_STAGES * RAW_SLOT_BYTES))
+        sIds = storage.sIds.get_tensor(cute.make_layout(ID_STAGES * ID_SLOT_BYTES))
         key_bias = storage.key_bias.get_tensor(cute.make_layout((BLOCK_N, NUM_STAGES)))
         row_factor = storage.row_factor.get_tensor(cute.make_layout((BLOCK_H, NUM_P_BUFFERS)))
         row_sum_smem = storage.row_sum.get_tensor(cute.make_layout(BLOCK_H))
@@ -240,7 +244,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
                 mLens, mELens, token, split, tiles_per_split
             )
             self.producer(
-                mCache, mIdx, mECache, mEIdx, sK, sRaw, key_bias,
+                mCache, mIdx, mECache, mEIdx, sK, sRaw, sIds, key_bias,
                 full_bar, empty_bar,
                 token, n_window, key_begin, key_end, n_tiles, tidx - 256,
             )  # fmt: skip
