@@ -29,12 +29,12 @@ from dsv4_attn.kernels.dequant import (
 from dsv4_attn.kernels.sparse_decode_config import (
     BLOCK_N,
     HEAD_DIM,
+    ID_SLOT_BYTES,
+    ID_STAGES,
     KEYS_PER_PRODUCER_WARP,
     NOPE_DIM,
     NUM_STAGES,
     NVFP4_NOPE_BYTES,
-    ID_SLOT_BYTES,
-    ID_STAGES,
     RAW_SLOT_BYTES,
     RAW_STAGES,
     ROUNDS,
@@ -109,7 +109,9 @@ class SparseDecodeProducer:
         ptx_ops.cp_async_commit()
         ptx_ops.cp_async_wait_group(0)
         for s in cutlass.range_constexpr(RAW_STAGES):
-            packed = self.read_packed(id0 + s * ID_SLOT_BYTES, key0 + s * BLOCK_N, n_window, key_end)
+            packed = self.read_packed(
+                id0 + s * ID_SLOT_BYTES, key0 + s * BLOCK_N, n_window, key_end
+            )
             self.copy_key(packed, part, parity, unit0 + s * RAW_SLOT_BYTES, *bases)
             self.copy_id(*scope, key0 + (s + RAW_STAGES) * BLOCK_N,
                          id0 + (s + RAW_STAGES) * ID_SLOT_BYTES)  # fmt: skip
