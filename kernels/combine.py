@@ -11,6 +11,11 @@ as bf16 ``[T, H, 512]``, and ``lse`` fp32 ``[T, H]`` (sink excluded).
 
 One warp per (token, head): lane ``l`` owns columns 16l..16l+15 (four 16-byte loads per split,
 coalesced across the warp). 128 threads per CTA, four rows.
+
+Launched with programmatic dependent launch (PDL): its CTAs may start while the decode grid
+before it drains (the decode kernel triggers at its start) and wait in ``griddepcontrol.wait``
+until that grid has finished and its writes are visible; after any other kernel, or without PDL
+support, the wait returns at once and the launch is an ordinary stream-ordered one.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ class SplitCombine:
         rows = mO.shape[0] * mO.shape[1]
         grid = ((rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1, 1)
         self.kernel(mOpart, mLsePart, mSink, mO, mLse).launch(
-            grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream
+            grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream, use_pdl=True
         )
 
     @cute.kernel
@@ -71,6 +76,7 @@ class SplitCombine:
         mO: cute.Tensor,
         mLse: cute.Tensor,
     ):
+        cute.arch.griddepcontrol_wait()  # the decode grid's partials are complete and visible
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx & 31

@@ -216,6 +216,10 @@ class SparseDecodeSm90(SparseDecodeProducer):
         tidx, _, _ = cute.arch.thread_idx()
         head_block, split, token = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // 128)
+        if const_expr(self.cfg.write_partial):
+            # The combine kernel is launched as a programmatic dependent (PDL): let its CTAs be
+            # scheduled on SMs this grid leaves idle; they wait for this grid's writes anyway.
+            cute.arch.griddepcontrol_launch_dependents()
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
