@@ -240,9 +240,12 @@ class SparseDecodeSm90(SparseDecodeProducer):
                 cute.arch.mbarrier_init(full_bar + s, 128)
                 cute.arch.mbarrier_init(empty_bar + s, MMA_THREADS)
             cute.arch.mbarrier_init_fence()
-            # Q first, before any KV row is asked for: the MMA warpgroups can start no sooner.
-            self.load_q(tma_q, tma_atom_q, sQ, q_full_bar, token, head_block)
         cute.arch.sync_threads()
+        if tidx < 32:
+            # Q first, before any KV row is asked for: the MMA warpgroups can start no sooner.
+            # A whole warp issues it (the TMA copy elects one lane; under a divergent branch of
+            # one thread that election hangs).
+            self.load_q(tma_q, tma_atom_q, sQ, q_full_bar, token, head_block)
 
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sRaw = storage.sRaw.get_tensor(cute.make_layout(RAW_STAGES * RAW_SLOT_BYTES))
@@ -311,7 +314,8 @@ class SparseDecodeSm90(SparseDecodeProducer):
             tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
             cute.group_modes(gQ, 0, 2),
         )  # fmt: skip
-        cute.arch.mbarrier_arrive_and_expect_tx(q_full_bar, BLOCK_H * HEAD_DIM * 2)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(q_full_bar, BLOCK_H * HEAD_DIM * 2)
         cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=q_full_bar)
 
     # ------------------------------------------------------------------------------------------
