@@ -113,3 +113,15 @@ def test_unknown_format_is_rejected():
 
     with pytest.raises(ValueError, match="fmt must be"):
         SparseDecodeSm90(SparseDecodeConfig("bf16", 64, 0, "int32", "int32", False, False))
+
+
+@pytest.mark.parametrize("config", PIPELINE_PROBES, ids=repr)
+def test_no_warp_collective_behind_a_divergent_branch(config, tmp_path):
+    """ptxas guards a warp-collective instruction (ELECT of a TMA copy, a shuffle) that it cannot
+    prove warp-converged with ``BRA.DIV``; issued from a divergent branch (one thread) such an
+    ELECT never completes and the kernel hangs. The decode kernel has none."""
+    tool = sass.find_cuda_tool("nvdisasm")
+    if tool is None:
+        pytest.skip("nvdisasm is not installed")
+    counts = sass.opcode_counts(_compile_with_cubin(config, tmp_path), tool)
+    assert counts["BRA.DIV"] == 0, f"{counts['BRA.DIV']} divergence-guarded collectives"
