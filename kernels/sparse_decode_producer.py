@@ -7,7 +7,8 @@ cp.async, ``RAW_STAGES`` tiles ahead; staging a tile reads them back, dequantize
 with the bit recipes of :mod:`dsv4_attn.kernels.dequant` and stores them, RoPE values included,
 into the K/V stage the MMA warpgroups read (swizzled as
 :func:`~dsv4_attn.kernels.sparse_decode_config.swizzled_offset` says); the ``full``/``empty``
-mbarriers hand stages over.
+mbarriers hand stages over. The slot ids travel the same way, through a ring of their own one
+ring further ahead, so no register of the loop ever waits on a global load.
 """
 
 from __future__ import annotations

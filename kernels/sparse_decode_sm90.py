@@ -21,14 +21,16 @@ Warp roles (384 threads, ``setmaxnreg`` per warpgroup):
                                       its column of a raw SMEM slot by cp.async, RAW_STAGES (4)
                                       tiles ahead, then reads them back, dequantizes 112 values
                                       to bf16 into the K/V stage (swizzled) and stores the RoPE
-                                      values beside them; slot ids loaded a tile before use
+                                      values beside them; slot ids cp.async'd into their own
+                                      SMEM ring 2 x RAW_STAGES tiles ahead (no register waits)
     208 + 160 + 136 = 504 = 3 x 168, the registers the CTA launches with (64 K / 384 threads).
     Register use per thread: WG0 holds O_L (64x256 fp32 / 128 = 128), S (32), P (16 bf16 pairs);
     WG1 holds O_R (128); the producer holds one chunk of raw words at a time (rows in flight
     live in the raw ring, not in registers).
 
-Shared memory (bytes): Q 65,536 | K/V 2 stages x 32,768 | P 4,096 | raw ring 4 x 22,528 | key
-    bias, row factors, row stats, mbarriers ~1 K  =  ~226 K of the 232,448 a CTA may use. The
+Shared memory (bytes): Q 65,536 | K/V 2 stages x 32,768 | P 4,096 | raw ring 4 x 22,528 | slot
+    ids 8 x 512 | key bias, row factors, row stats, mbarriers ~1 K  =  ~231 K of the 232,448 a
+    CTA may use. The
     producer fills stage i % 2 while both MMA warpgroups read the other; up to four tiles of
     quantized rows (FP8 ~75 KB) are in flight per CTA, enough to cover DRAM latency at this
     SM's share of bandwidth. After the last MMA the output tile is staged over Q, K/V and P

@@ -1,4 +1,13 @@
-"""Launch the sparse-prefill kernel on the V4-Flash shape a few times (for ncu profiling)."""
+"""Launch the sparse-prefill kernel on the V4-Flash shape a few times (for ncu profiling).
+
+Run from anywhere (``scripts/profile_prefill.sh`` runs it under ncu); the checkout it lives in is
+put first on ``sys.path``, so no install is needed.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
