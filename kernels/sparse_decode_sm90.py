@@ -30,11 +30,10 @@ Warp roles (384 threads, ``setmaxnreg`` per warpgroup):
 
 Shared memory (bytes): Q 65,536 | K/V 2 stages x 32,768 | P 4,096 | raw ring 4 x 22,528 | slot
     ids 8 x 512 | key bias, row factors, row stats, mbarriers ~1 K  =  ~231 K of the 232,448 a
-    CTA may use. The
-    producer fills stage i % 2 while both MMA warpgroups read the other; up to four tiles of
-    quantized rows (FP8 ~75 KB) are in flight per CTA, enough to cover DRAM latency at this
-    SM's share of bandwidth. After the last MMA the output tile is staged over Q, K/V and P
-    (padded rows) and stored in 16-byte chunks.
+    CTA may use. The producer fills stage i % 2 while both MMA warpgroups read the other; up
+    to four tiles of quantized rows (FP8 ~75 KB) are in flight per CTA, enough to cover DRAM
+    latency at this SM's share of bandwidth. After the last MMA the output tile is staged over
+    Q, K/V and P (padded rows) and stored in 16-byte chunks.
 
 Synchronisation: mbarrier ``full[s]`` (128 producer arrivals) / ``empty[s]`` (256 MMA arrivals) per
 K/V stage; named barriers between WG0 and WG1 for P and the row factors (``P_FULL``,
