@@ -106,16 +106,15 @@ class SparseDecodeProducer:
         # Prologue: the ids of tiles 0 .. RAW_STAGES - 1 (one wait), then the copies of those
         # tiles' rows, each group with the ids of the tile RAW_STAGES further on.
         for s in cutlass.range_constexpr(RAW_STAGES):
-            self.copy_id(*scope, key0 + s * BLOCK_N, id0 + s * ID_SLOT_BYTES)
+            self.copy_id(*scope, key0 + s * BLOCK_N, self.id_slot(id0, s))
         ptx_ops.cp_async_commit()
         ptx_ops.cp_async_wait_group(0)
         for s in cutlass.range_constexpr(RAW_STAGES):
-            packed = self.read_packed(
-                id0 + s * ID_SLOT_BYTES, key0 + s * BLOCK_N, n_window, key_end
-            )
+            packed = self.read_packed(self.id_slot(id0, s), key0 + s * BLOCK_N, n_window, key_end)
             self.copy_key(packed, part, parity, unit0 + s * RAW_SLOT_BYTES, *bases)
-            self.copy_id(*scope, key0 + (s + RAW_STAGES) * BLOCK_N,
-                         id0 + (s + RAW_STAGES) * ID_SLOT_BYTES)  # fmt: skip
+            self.copy_id(
+                *scope, key0 + (s + RAW_STAGES) * BLOCK_N, self.id_slot(id0, s + RAW_STAGES)
+            )
             ptx_ops.cp_async_commit()
         for tile in cutlass.range(n_tiles, unroll=1):
             stage = tile % NUM_STAGES
@@ -125,8 +124,7 @@ class SparseDecodeProducer:
             if tile >= NUM_STAGES:
                 cute.arch.mbarrier_wait(empty_bar + stage, ((tile // NUM_STAGES) + 1) % 2)
             stage_base = sK_base + stage * (BLOCK_N * HEAD_DIM * 2)
-            packed = self.read_packed(id0 + (tile % ID_STAGES) * ID_SLOT_BYTES, key, n_window,
-                                      key_end)  # fmt: skip
+            packed = self.read_packed(self.id_slot(id0, tile), key, n_window, key_end)
             self.store_key(unit, packed >= 0, row, lane, parity, stage_base)
             if part == 0:
                 key_bias[row, stage] = Float32(
@@ -138,13 +136,18 @@ class SparseDecodeProducer:
             # rows); the id slot just read takes tile + 2 RAW_STAGES.
             key_new = key + RAW_STAGES * BLOCK_N
             packed_new = self.read_packed(
-                id0 + ((tile + RAW_STAGES) % ID_STAGES) * ID_SLOT_BYTES, key_new, n_window, key_end
+                self.id_slot(id0, tile + RAW_STAGES), key_new, n_window, key_end
             )
             self.copy_key(packed_new, part, parity, unit, *bases)
-            self.copy_id(*scope, key + 2 * RAW_STAGES * BLOCK_N,
-                         id0 + (tile % ID_STAGES) * ID_SLOT_BYTES)  # fmt: skip
+            # (tile + 2 RAW_STAGES shares tile's id slot.)
+            self.copy_id(*scope, key + 2 * RAW_STAGES * BLOCK_N, self.id_slot(id0, tile))
             ptx_ops.cp_async_commit()
         ptx_ops.cp_async_wait_all()  # do not retire with copies in flight
+
+    @staticmethod
+    def id_slot(id0, tile):
+        """This thread's word of the id-ring slot holding tile ``tile``'s ids (``id0``: slot 0)."""
+        return id0 + (tile % ID_STAGES) * ID_SLOT_BYTES
 
     @cute.jit
     def id_rows(self, mIdx, mEIdx, token):

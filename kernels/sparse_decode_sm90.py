@@ -548,12 +548,13 @@ class SparseDecodeSm90(SparseDecodeProducer):
         warpgroups store the 64 x 512 tile (and WG0 the lse) in 16-byte chunks."""
         lane = tidx & 31
         row0 = (tidx >> 5) * 16 + (lane >> 2)
+        # Output row of head h: out_token * num_heads + h (partials: split-major [S, T, H]).
         if const_expr(self.cfg.write_partial):
-            num_tokens = mO.shape[1]
             num_heads = mO.shape[2]
+            out_token = Int64(split) * mO.shape[1] + token
         else:
-            num_tokens = mO.shape[0]
             num_heads = mO.shape[1]
+            out_token = Int64(token)
         out_base = mO.iterator.toint()
         factor = cute.make_rmem_tensor((2,), Float32)
         lse_nat = cute.make_rmem_tensor((2,), Float32)
@@ -577,10 +578,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
                 head = head_block * BLOCK_H + row0 + 8 * h
                 if head < num_heads:  # noqa: SIM102
                     if (lane & 3) == 0:
-                        if const_expr(self.cfg.write_partial):
-                            row_index = (Int64(split) * num_tokens + token) * num_heads + head
-                        else:
-                            row_index = Int64(token) * num_heads + head
+                        row_index = out_token * num_heads + head
                         ptx_ops.st_global_f32(lse_base + row_index * 4, lse_nat[h])
 
         # The staging area overlaps Q and the K/V stages: wait until both warpgroups are past
@@ -618,10 +616,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
                 if const_expr(partial):
                     write = row_sum_smem[row] > 0.0
                 if write:
-                    if const_expr(partial):
-                        row_index = (Int64(split) * num_tokens + token) * num_heads + out_head
-                    else:
-                        row_index = Int64(token) * num_heads + out_head
+                    row_index = out_token * num_heads + out_head
                     words = ptx_ops.ld_shared_v4(staging + row * row_bytes + k * 16)
                     row_addr = out_base + row_index * (chunks_per_row * 16)
                     ptx_ops.st_global_v4_b32(row_addr + k * 16, *words)

@@ -51,9 +51,31 @@ def _compile_with_cubin(config, tmp_path):
     return cubin
 
 
+@pytest.fixture(scope="module")
+def cubin_of(tmp_path_factory):
+    """``cubin_of(config)``: the cubin of ``config``, compiled once per module (the spill, wgmma
+    and divergence checks read the same probe variants)."""
+    cubins = {}
+
+    def get(config):
+        if config not in cubins:
+            cubins[config] = _compile_with_cubin(config, tmp_path_factory.mktemp("cubin"))
+        return cubins[config]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def nvdisasm():
+    tool = sass.find_cuda_tool("nvdisasm")
+    if tool is None:
+        pytest.skip("nvdisasm is not installed")
+    return tool
+
+
 @pytest.mark.parametrize("config", VARIANTS, ids=repr)
-def test_variant_compiles_for_sm90a_without_spills(config, tmp_path):
-    (kernel,) = read_resources(_compile_with_cubin(config, tmp_path))
+def test_variant_compiles_for_sm90a_without_spills(config, cubin_of):
+    (kernel,) = read_resources(cubin_of(config))
     assert kernel.frame_bytes == 0, f"ptxas spilled: {kernel.frame_bytes} B stack frame"
     assert kernel.stack_bytes == 0
     # 384 threads and one CTA per SM: the launch budget is 168 registers a thread.
@@ -70,13 +92,10 @@ PIPELINE_PROBES = [
 
 
 @pytest.mark.parametrize("config", PIPELINE_PROBES, ids=repr)
-def test_wgmma_pipeline_is_not_serialized(config, tmp_path):
+def test_wgmma_pipeline_is_not_serialized(config, cubin_of, nvdisasm):
     """ptxas serializes a wgmma pipeline it cannot prove safe (a wait after every HGMMA, and
     only a "Potential Performance Loss" note CuTeDSL does not show): count the waits."""
-    tool = sass.find_cuda_tool("nvdisasm")
-    if tool is None:
-        pytest.skip("nvdisasm is not installed")
-    hgmma, waits = sass.wgmma_counts(_compile_with_cubin(config, tmp_path), tool)
+    hgmma, waits = sass.wgmma_counts(cubin_of(config), nvdisasm)
     # WG0: S = QK^T (32 k-steps) and its half of P V; WG1: the other half; each group is
     # waited for once per tile, plus the epilogue.
     assert hgmma >= 16, hgmma
@@ -116,12 +135,9 @@ def test_unknown_format_is_rejected():
 
 
 @pytest.mark.parametrize("config", PIPELINE_PROBES, ids=repr)
-def test_no_warp_collective_behind_a_divergent_branch(config, tmp_path):
+def test_no_warp_collective_behind_a_divergent_branch(config, cubin_of, nvdisasm):
     """ptxas guards a warp-collective instruction (ELECT of a TMA copy, a shuffle) that it cannot
     prove warp-converged with ``BRA.DIV``; issued from a divergent branch (one thread) such an
     ELECT never completes and the kernel hangs. The decode kernel has none."""
-    tool = sass.find_cuda_tool("nvdisasm")
-    if tool is None:
-        pytest.skip("nvdisasm is not installed")
-    counts = sass.opcode_counts(_compile_with_cubin(config, tmp_path), tool)
+    counts = sass.opcode_counts(cubin_of(config), nvdisasm)
     assert counts["BRA.DIV"] == 0, f"{counts['BRA.DIV']} divergence-guarded collectives"
