@@ -46,8 +46,7 @@ NVFP4_DATA_ROW = 352
 NVFP4_SCALE_ROW = 32
 NVFP4_NOPE_BYTES = 224
 
-# Named barrier ids (0 is __syncthreads).
-BAR_Q = 1
+# Named barrier ids (0 is __syncthreads; 1 unused: Q arrives by TMA on an mbarrier).
 BAR_P_FULL = 2  # + buffer (2, 3)
 BAR_P_EMPTY = 4  # + buffer (4, 5)
 BAR_STATS = 6

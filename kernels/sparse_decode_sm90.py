@@ -58,14 +58,13 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr
-from cutlass.cute.nvgpu import OperandMajorMode, warp, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 
 from dsv4_attn.kernels import ptx_ops
 from dsv4_attn.kernels.sparse_decode_config import (
     BAR_EPILOGUE,
     BAR_P_EMPTY,
     BAR_P_FULL,
-    BAR_Q,
     BAR_STATS,
     BLOCK_H,
     BLOCK_N,
@@ -88,7 +87,6 @@ from dsv4_attn.kernels.sparse_decode_config import (
     WG0_REGS,
     WG1_REGS,
     SparseDecodeConfig,
-    swizzled_offset,
 )
 from dsv4_attn.kernels.sparse_decode_producer import SparseDecodeProducer
 
@@ -143,6 +141,12 @@ class SparseDecodeSm90(SparseDecodeProducer):
         stream: cuda.CUstream,
     ):
         sQ_layout = _smem_layout_k_major(BLOCK_H, HEAD_DIM)
+        # Q by TMA: a CTA's 64 heads of one token are one (64, 512) box of the (H, 512, T) view;
+        # heads past H read as zeros (out of bounds), the box's bytes always arrive in full.
+        q_view = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), q_view, sQ_layout, (BLOCK_H, HEAD_DIM)
+        )
         sK_layout = _smem_layout_k_major(BLOCK_N, HEAD_DIM, NUM_STAGES)
         sP_layout = _smem_layout_k_major(BLOCK_H, BLOCK_N, NUM_P_BUFFERS)
         mma_qk = sm90_helpers.make_trivial_tiled_mma(
@@ -160,6 +164,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
 
         @cute.struct
         class SharedStorage:
+            q_full_bar: cute.struct.MemRange[Int64, 1]
             full_bar: cute.struct.MemRange[Int64, NUM_STAGES]
             empty_bar: cute.struct.MemRange[Int64, NUM_STAGES]
             key_bias: cute.struct.MemRange[Float32, BLOCK_N * NUM_STAGES]
@@ -183,7 +188,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         num_heads = mQ.shape[1]
         grid = ((num_heads + BLOCK_H - 1) // BLOCK_H, num_splits, mQ.shape[0])
         self.kernel(
-            mQ, mCache, mIdx, mLens, mECache, mEIdx, mELens, mSink, mO, mLse,
+            tma_q, tma_atom_q, mCache, mIdx, mLens, mECache, mEIdx, mELens, mSink, mO, mLse,
             scale_log2, tiles_per_split,
             sQ_layout, sK_layout, sP_layout, mma_qk, mma_pv_rs, mma_pv_ss, SharedStorage,
         ).launch(grid=grid, block=(384, 1, 1), stream=stream, min_blocks_per_mp=1)  # fmt: skip
@@ -194,7 +199,8 @@ class SparseDecodeSm90(SparseDecodeProducer):
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,
+        tma_q: cute.Tensor,
+        tma_atom_q: cute.CopyAtom,
         mCache: cute.Tensor,
         mIdx: cute.Tensor,
         mLens: cute.Tensor,
@@ -224,14 +230,23 @@ class SparseDecodeSm90(SparseDecodeProducer):
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
+        q_full_bar = storage.q_full_bar.data_ptr()
         full_bar = storage.full_bar.data_ptr()
         empty_bar = storage.empty_bar.data_ptr()
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         if tidx == 0:
+            cpasync.prefetch_descriptor(tma_atom_q)
+            cute.arch.mbarrier_init(q_full_bar, 1)
             for s in cutlass.range_constexpr(NUM_STAGES):
                 cute.arch.mbarrier_init(full_bar + s, 128)
                 cute.arch.mbarrier_init(empty_bar + s, MMA_THREADS)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        if tidx < 32:
+            # Q first, before any KV row is asked for: the MMA warpgroups can start no sooner.
+            # A whole warp issues it (the TMA copy elects one lane; under a divergent branch of
+            # one thread that election hangs).
+            self.load_q(tma_q, tma_atom_q, sQ, q_full_bar, token, head_block)
 
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sRaw = storage.sRaw.get_tensor(cute.make_layout(RAW_STAGES * RAW_SLOT_BYTES))
@@ -256,9 +271,8 @@ class SparseDecodeSm90(SparseDecodeProducer):
         elif wg == 0:
             cute.arch.setmaxregister_increase(WG0_REGS)
             _, _, _, n_tiles = self.key_range(mLens, mELens, token, split, tiles_per_split)
-            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-            self.load_q(mQ, sQ, token, head_block, tidx)
+            cute.arch.mbarrier_wait(q_full_bar, 0)
             self.consumer_softmax(
                 mO, mLse, mSink, sQ, sK, sP, key_bias, row_factor, row_sum_smem, row_max_smem,
                 full_bar, empty_bar, mma_qk, mma_pv_rs, scale_log2,
@@ -270,9 +284,8 @@ class SparseDecodeSm90(SparseDecodeProducer):
             else:
                 cute.arch.setmaxregister_decrease(WG1_REGS)
             _, _, _, n_tiles = self.key_range(mLens, mELens, token, split, tiles_per_split)
-            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-            self.load_q(mQ, sQ, token, head_block, tidx)
+            cute.arch.mbarrier_wait(q_full_bar, 0)
             self.consumer_right(
                 mO, mSink, sK, sP, row_factor, row_sum_smem, row_max_smem, full_bar, empty_bar,
                 mma_pv_ss, token, head_block, split, n_tiles, tidx - 128, sQ,
@@ -294,28 +307,17 @@ class SparseDecodeSm90(SparseDecodeProducer):
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, token: Int32, head_block: Int32, tidx):
-        """Both MMA warpgroups copy this CTA's 64 query rows to SMEM (rows >= H read as 0)."""
-        num_heads = mQ.shape[1]
-        q_base = mQ.iterator.toint()
-        s_base = sQ.iterator.toint()
-        for i in cutlass.range_constexpr(BLOCK_H * HEAD_DIM // 8 // MMA_THREADS):
-            chunk_id = tidx + i * MMA_THREADS
-            row = chunk_id >> 6
-            col = (chunk_id & 63) << 3
-            head = head_block * BLOCK_H + row
-            # Rows past the last head copy 0 bytes: cp.async zero-fills them.
-            in_range = head < num_heads
-            safe_head = cutlass.min(head, num_heads - 1)
-            offset = (Int64(token) * num_heads + safe_head) * HEAD_DIM + col
-            ptx_ops.cp_async_16(
-                s_base + swizzled_offset(row, col),
-                q_base + offset * 2,
-                Int32(cutlass.select_(in_range, Int32(16), Int32(0))),
-            )
-        ptx_ops.cp_async_wait_all()
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=BAR_Q, number_of_threads=MMA_THREADS)
+    def load_q(self, tma_q, tma_atom_q, sQ, q_full_bar, token: Int32, head_block: Int32):
+        """One TMA copy of this CTA's 64 x 512 query tile into sQ (swizzled as wgmma reads it);
+        ``q_full_bar`` completes when all 64 KB have landed."""
+        gQ = cute.local_tile(tma_q[None, None, token], (BLOCK_H, HEAD_DIM), (head_block, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+            cute.group_modes(gQ, 0, 2),
+        )  # fmt: skip
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(q_full_bar, BLOCK_H * HEAD_DIM * 2)
+        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=q_full_bar)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
