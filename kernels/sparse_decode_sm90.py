@@ -35,9 +35,10 @@ Shared memory (bytes): Q 65,536 | K/V 2 stages x 32,768 | P 4,096 | raw ring 4 x
     latency at this SM's share of bandwidth. After the last MMA the output tile is staged over
     Q, K/V and P (padded rows) and stored in 16-byte chunks.
 
-Synchronisation: mbarrier ``full[s]`` (128 producer arrivals) / ``empty[s]`` (256 MMA arrivals) per
-K/V stage; named barriers between WG0 and WG1 for P and the row factors (``P_FULL``,
-``P_EMPTY``), one for Q, one for the final row statistics.
+Synchronisation: mbarrier ``q_full`` (Q's one TMA copy, issued by warp 0 before anything else),
+``full[s]`` (128 producer arrivals) / ``empty[s]`` (256 MMA arrivals) per K/V stage; named barriers
+between WG0 and WG1 for P and the row factors (``P_FULL``, ``P_EMPTY``), one for the final row
+statistics, one for the epilogue's staging.
 
 Modules: :mod:`~dsv4_attn.kernels.sparse_decode_config` (the variant key, geometry, barriers,
 register split, the SMEM swizzle), :mod:`~dsv4_attn.kernels.sparse_decode_producer` (WG2),
