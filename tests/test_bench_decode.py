@@ -60,6 +60,7 @@ def test_against_defaults_cover_the_issue_shapes_and_batches():
     [
         (["--against", "flashmla", "--tokens", "8"], "--batches, not --tokens"),
         (["--batches", "8"], "go with --against"),
+        (["--cuda-graphs"], "go with --against"),
         (["--s-q", "1"], "go with --against"),
         (["--against", "flashmla", "--formats", "bf16"], "fp8_ds_mla and nvfp4 only"),
         (["--against", "flashmla", "--batches", "0"], "must be positive"),
@@ -312,6 +313,27 @@ def test_against_loop_compares_ours_with_flashmla_on_the_same_bytes(monkeypatch)
         assert row["fp8_max_abs_out"] > 0.05
         assert row["max_abs_diff_vs_flashmla"] <= 0.01 * row["fp8_max_abs_out"], row
         assert ("flashmla_error" not in row and row["target"] == "<=10us") or row["b"] == 2
+
+
+def test_against_loop_times_graph_replays_of_both_with_cuda_graphs(monkeypatch):
+    times = _cpu_stand_ins(monkeypatch)
+    captured = []
+
+    def fake_graph(fn):  # stands in for a capture: remembers what was captured
+        captured.append(fn)
+        return fn
+
+    monkeypatch.setattr(decode, "cuda_graph_replay", fake_graph)
+    fm = _EmulatedFlashMLA()
+    args = decode.parse_args(["--against", "flashmla", "--cuda-graphs"])
+    assert args.cuda_graphs
+    rows, _ = decode.run_against(fm, ["v4-flash-tp8"], [1], list(decode.OURS), 2, 3,
+                                 device="cpu", graphs=True)  # fmt: skip
+    assert len(captured) == 3 and len(times) == 3  # ours fp8, ours nvfp4, FlashMLA
+    assert rows[0]["flashmla_us"] == 30.0
+    captured.clear()
+    decode.run_against(fm, ["v4-flash-tp8"], [1], [FP8], 2, 3, device="cpu")
+    assert captured == []  # eager calls unless asked
 
 
 def test_against_loop_records_a_flashmla_refusal_and_goes_on(monkeypatch):

@@ -1,8 +1,12 @@
-"""Roofline arithmetic of the benchmarks (CPU: no timing, just the counts)."""
+"""Roofline arithmetic of the benchmarks (CPU: no timing, just the counts); the CUDA-graph
+timing helper (GPU)."""
 
 from __future__ import annotations
 
-from dsv4_attn.bench.timing import Ceilings, decode_roofline, format_table
+import pytest
+import torch
+
+from dsv4_attn.bench.timing import Ceilings, cuda_graph_replay, decode_roofline, format_table
 from dsv4_attn.testing import make_decode_case
 
 
@@ -23,3 +27,15 @@ def test_decode_roofline_counts_valid_rows_q_and_out():
 def test_format_table_aligns_and_marks_missing():
     text = format_table([{"a": 1.5, "b": None}], [("a", "A", ".2f"), ("b", "B", "d")])
     assert text.splitlines() == ["   A  B", "----  -", "1.50  -"]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_reruns_the_captured_work():
+    src = torch.randn(1 << 16, device="cuda")
+    dst = torch.full_like(src, float("nan"))  # poisoned: the replay must write every element
+    replay = cuda_graph_replay(lambda: dst.copy_(src * 2))
+    src.copy_(torch.randn_like(src))  # fresh inputs after the capture
+    dst.fill_(float("nan"))
+    replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src * 2)

@@ -34,6 +34,7 @@ from dsv4_attn import fallback, kv_cache
 from dsv4_attn.bench import anchors
 from dsv4_attn.bench.timing import (
     Ceilings,
+    cuda_graph_replay,
     decode_roofline,
     decode_traffic,
     format_table,
@@ -285,12 +286,17 @@ def against_row(
 
 
 def time_flashmla(
-    flash_mla: ModuleType, case: DecodeCase, s_q: int, reps: int, ours_fp8: torch.Tensor
+    flash_mla: ModuleType,
+    case: DecodeCase,
+    s_q: int,
+    reps: int,
+    ours_fp8: torch.Tensor,
+    graphs: bool = False,
 ) -> dict:
-    """FlashMLA on ``case`` (FP8): ``flashmla_us`` (median), ``max_abs_diff_vs_flashmla``
-    against our FP8 output ``ours_fp8`` (bf16 ``[T, H, 512]``) and that output's largest
-    ``|value|`` (``fp8_max_abs_out``), or ``flashmla_error`` when it refuses the shape (recorded,
-    not fatal)."""
+    """FlashMLA on ``case`` (FP8): ``flashmla_us`` (median; of CUDA-graph replays with
+    ``graphs``), ``max_abs_diff_vs_flashmla`` against our FP8 output ``ours_fp8`` (bf16
+    ``[T, H, 512]``) and that output's largest ``|value|`` (``fp8_max_abs_out``), or
+    ``flashmla_error`` when it refuses the shape (recorded, not fatal)."""
     widths = [case.window.capacity] + ([case.extra.capacity] if case.extra is not None else [])
     reason = anchors.flashmla_refusal(case.q.shape[1], widths)
     if reason is not None:
@@ -303,8 +309,9 @@ def time_flashmla(
     except (RuntimeError, AssertionError, ValueError) as exc:
         return {"flashmla_error": str(exc).splitlines()[0][:200]}
     diff = (ours_fp8.float() - out.float()).abs().max().item()
+    timed = cuda_graph_replay(call) if graphs else call
     fields = {
-        "flashmla_us": time_cuda_us(call, reps=reps)["median_us"],
+        "flashmla_us": time_cuda_us(timed, reps=reps)["median_us"],
         "fp8_max_abs_out": ours_fp8.float().abs().max().item(),  # the scale of the difference
     }
     if math.isfinite(diff):
@@ -321,14 +328,20 @@ def _require_kernel(sparse_decode, case: DecodeCase, label: str) -> None:
         raise SystemExit(f"the kernel does not run {label}: {reason}")
 
 
-def _ours(sparse_decode, case: DecodeCase, label: str, reps: int | None):
-    """Our kernel's output (bf16 ``[T, H, 512]``) and, when ``reps``, its median µs."""
+def _ours(sparse_decode, case: DecodeCase, label: str, reps: int | None, graphs: bool = False):
+    """Our kernel's output (bf16 ``[T, H, 512]``) and, when ``reps``, its median µs (of
+    CUDA-graph replays with ``graphs``)."""
     _require_kernel(sparse_decode, case, label)
     args = case.args()
     out = sparse_decode.sparse_attention(*args)[0]
     if not reps:
         return out, None
-    return out, time_cuda_us(lambda: sparse_decode.sparse_attention(*args), reps=reps)["median_us"]
+
+    def call():
+        return sparse_decode.sparse_attention(*args)
+
+    timed = cuda_graph_replay(call) if graphs else call
+    return out, time_cuda_us(timed, reps=reps)["median_us"]
 
 
 def run_against(
@@ -339,9 +352,11 @@ def run_against(
     s_q: int,
     reps: int,
     device: torch.device | str = "cuda",
+    graphs: bool = False,
 ) -> tuple[list[dict], Ceilings]:
     """The ``--against flashmla`` rows: per shape and batch, ours in ``formats`` and FlashMLA
-    (when importable) on the same FP8 rows."""
+    (when importable) on the same FP8 rows; with ``graphs`` both are timed as CUDA-graph
+    replays."""
     from dsv4_attn.kernels import sparse_decode
 
     device = torch.device(device)
@@ -356,7 +371,7 @@ def run_against(
             ours_us, floors, ours_fp8 = {}, {}, None
             for fmt in formats:
                 case = fp8_case if fmt is KVFormat.FP8_DS_MLA else in_format(pool, fp8_case, fmt)
-                out, ours_us[fmt.value] = _ours(sparse_decode, case, label, reps)
+                out, ours_us[fmt.value] = _ours(sparse_decode, case, label, reps, graphs)
                 floors[fmt.value] = ceilings.floor_us(*decode_traffic(case))
                 if fmt is KVFormat.FP8_DS_MLA:
                     ours_fp8 = out
@@ -365,7 +380,7 @@ def run_against(
             if flash_mla is not None:
                 if ours_fp8 is None:  # FP8 not timed: its output is still the reference
                     ours_fp8, _ = _ours(sparse_decode, fp8_case, label, None)
-                fm = time_flashmla(flash_mla, fp8_case, s_q, reps, ours_fp8)
+                fm = time_flashmla(flash_mla, fp8_case, s_q, reps, ours_fp8, graphs)
                 if "flashmla_error" in fm:
                     print(f"FlashMLA on {label}: {fm['flashmla_error']}", flush=True)
             rows.append(against_row(shape, b, s_q, ours_us, floors, fm))
@@ -395,6 +410,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--against", choices=["flashmla"],
                         help="time FlashMLA's sparse decode on the same FP8 rows (imported when "
                         "present) instead of the SDPA fallback")  # fmt: skip
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="with --against: time CUDA-graph replays of ours and FlashMLA "
+                        "(device time only, no host launch overhead per call)")  # fmt: skip
     parser.add_argument("--json", help="default bench_decode.json "
                         "(bench_decode_vs_flashmla.json with --against)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -403,8 +421,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as exc:
         parser.error(str(exc))
     if args.against is None:
-        if args.batches is not None or args.s_q != S_Q:
-            parser.error("--batches and --s-q go with --against (without it use --tokens)")
+        if args.batches is not None or args.s_q != S_Q or args.cuda_graphs:
+            parser.error(
+                "--batches, --s-q and --cuda-graphs go with --against (without it use --tokens)"
+            )
         args.shapes = args.shapes or list(SHAPES)
         args.tokens = args.tokens or list(TOKENS)
         args.json = args.json or "bench_decode.json"
@@ -433,11 +453,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     formats = [KVFormat.parse(f) for f in args.formats]
     rows, ceilings = run_against(flash_mla, args.shapes, args.batches, formats, args.s_q,
-                                 args.reps)  # fmt: skip
+                                 args.reps, graphs=args.cuda_graphs)  # fmt: skip
     note = (
         f"L2 flushed before each call; b requests of s_q={args.s_q} tokens; FlashMLA's q "
         "zero-padded to 64 heads below 64; FM/x = FlashMLA us / ours (> 1: ours faster)"
     )
+    if args.cuda_graphs:
+        note += "; CUDA-graph replays timed (no host launch overhead)"
     if flash_mla is None:
         note += "; flash_mla not importable: ours only"
     report(args.json, "decode-vs-flashmla", ceilings, rows, AGAINST_COLUMNS, note)

@@ -23,6 +23,7 @@ from dsv4_attn.testing import DecodeCase
 
 __all__ = [
     "Ceilings",
+    "cuda_graph_replay",
     "decode_roofline",
     "decode_traffic",
     "format_table",
@@ -51,6 +52,21 @@ def time_cuda_us(fn: Callable[[], object], reps: int = 50, warmup: int = 5) -> d
     torch.cuda.synchronize()
     times = [1e3 * s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
     return {"median_us": statistics.median(times), "min_us": min(times), "max_us": max(times)}
+
+
+def cuda_graph_replay(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` captured once into a CUDA graph (after one eager call on a side stream, which also
+    does any lazy set-up); returns the graph's replay. Timing the replay measures device work
+    only, as vLLM runs decode steps, with no host launch overhead per call."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 @dataclass
