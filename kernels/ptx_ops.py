@@ -214,40 +214,34 @@ def st_global_v2_f32(addr: Int64, a: Float32, b: Float32, *, loc=None, ip=None) 
 # ---------------------------------------------------------------------------------------------
 
 
-@dsl_user_op
-def cp_async_16(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
-    """16-byte global -> shared async copy (L2 only); bytes past ``src_bytes`` are zero-filled."""
+def _cp_async(dst, src, src_bytes, size: int, cache: str, loc, ip) -> None:
+    """``size``-byte global -> shared ``cp.async`` (``cache``: ``cg`` = L2 only, 16 bytes only;
+    ``ca``); bytes past ``src_bytes`` are zero-filled."""
     _statement(
         [_i32(dst, loc, ip), _i64(src, loc, ip), _i32(src_bytes, loc, ip)],
-        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+        f"cp.async.{cache}.shared.global [$0], [$1], {size}, $2;",
         "r,l,r",
         loc,
         ip,
     )
+
+
+@dsl_user_op
+def cp_async_16(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
+    """16-byte global -> shared async copy (L2 only); bytes past ``src_bytes`` are zero-filled."""
+    _cp_async(dst, src, src_bytes, 16, "cg", loc, ip)
 
 
 @dsl_user_op
 def cp_async_8(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
     """8-byte global -> shared async copy; bytes past ``src_bytes`` are zero-filled."""
-    _statement(
-        [_i32(dst, loc, ip), _i64(src, loc, ip), _i32(src_bytes, loc, ip)],
-        "cp.async.ca.shared.global [$0], [$1], 8, $2;",
-        "r,l,r",
-        loc,
-        ip,
-    )
+    _cp_async(dst, src, src_bytes, 8, "ca", loc, ip)
 
 
 @dsl_user_op
 def cp_async_4(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
     """4-byte global -> shared async copy; bytes past ``src_bytes`` are zero-filled."""
-    _statement(
-        [_i32(dst, loc, ip), _i64(src, loc, ip), _i32(src_bytes, loc, ip)],
-        "cp.async.ca.shared.global [$0], [$1], 4, $2;",
-        "r,l,r",
-        loc,
-        ip,
-    )
+    _cp_async(dst, src, src_bytes, 4, "ca", loc, ip)
 
 
 @dsl_user_op
