@@ -66,36 +66,6 @@ def _vector(wrap, ty, n: int, operands, asm, constraints, loc, ip, side_effects=
 
 
 @dsl_user_op
-def ld_global_nc_v4(addr: Int64, *, loc=None, ip=None) -> tuple[Uint32, Uint32, Uint32, Uint32]:
-    """16-byte read-only global load that skips L1 (data read once): 4 x u32."""
-    return _vector(
-        Uint32,
-        T.i32(),
-        4,
-        [_i64(addr, loc, ip)],
-        "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,l",
-        loc,
-        ip,
-    )
-
-
-@dsl_user_op
-def ld_global_nc_v2(addr: Int64, *, loc=None, ip=None) -> tuple[Uint32, Uint32]:
-    """8-byte read-only global load that skips L1: 2 x u32."""
-    return _vector(
-        Uint32,
-        T.i32(),
-        2,
-        [_i64(addr, loc, ip)],
-        "ld.global.nc.L1::no_allocate.v2.u32 {$0, $1}, [$2];",
-        "=r,=r,l",
-        loc,
-        ip,
-    )
-
-
-@dsl_user_op
 def ld_global_nc_b32_if(addr: Int64, pred: Int32, default: int, *, loc=None, ip=None) -> Int32:
     """32-bit read-only load of ``addr`` where ``pred`` != 0, else ``default`` (no access).
 
@@ -159,12 +129,6 @@ def ld_global_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
     return _scalar(
         Float32, T.f32(), [_i64(addr, loc, ip)], "ld.global.f32 $0, [$1];", "=f,l", loc, ip
     )
-
-
-@dsl_user_op
-def prefetch_l2(addr: Int64, *, loc=None, ip=None) -> None:
-    """Prefetch the cache line holding ``addr`` into L2."""
-    _statement([_i64(addr, loc, ip)], "prefetch.global.L2 [$0];", "l", loc, ip)
 
 
 @dsl_user_op
