@@ -59,7 +59,16 @@ MMA_THREADS = 256
 STAGE_ROW_BYTES_BF16 = HEAD_DIM * 2 + 16
 STAGE_ROW_BYTES_F32 = HEAD_DIM * 4 + 32
 
-WG0_REGS, WG1_REGS, PRODUCER_REGS = 208, 160, 136
+# Output columns per MMA warpgroup. WG0 (QK, softmax) keeps Q's nope columns in registers
+# (448 bf16 = 112 a thread) beside its O columns; WG1 holds the rest of O. Each WG1 tile is one
+# MMA (offset, width): wgmma N <= 256, a multiple of 64 here (the 128B-swizzle atom of V).
+WG0_COLS = 128
+WG1_TILES = ((128, 128), (256, 256))
+assert WG0_COLS + sum(width for _, width in WG1_TILES) == HEAD_DIM
+# Highest register used (nvdisasm, over the variants): WG0 ~220, WG1 215, the producer ~53
+# (48 spills one register with page sizes that are not powers of two); with WG1 at 216 ptxas
+# spills WG1's accumulators and serializes the wgmma pipelines.
+WG0_REGS, WG1_REGS, PRODUCER_REGS = 224, 224, 56
 # Registers each thread starts with: 64 K / 384 threads, rounded down to a multiple of 8. The
 # CTA's register pool is what it launched with (3 x 128 x 168), so the three counts may sum to at
 # most 3 x 168 = 504 (more and setmaxnreg.inc waits forever); setmaxnreg.dec may only lower and

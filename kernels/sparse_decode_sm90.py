@@ -6,16 +6,19 @@ its ``lens[t]`` window slots followed by its ``extra_lens[t]`` compressed slots 
 both, no de-duplication); ``-1`` slots are skipped. Grid: ``(head_blocks, num_splits, T)``.
 
 Math per CTA (heads are the M dimension of every MMA, as in MQA all heads share each KV row):
-    S = Q K^T            Q: 64 x 512 bf16 (SMEM), K: 32 keys x 512 bf16 (SMEM), wgmma SS
+    S = Q K^T            Q: 64 x 512 bf16, K: 32 keys x 512 bf16 (SMEM); the 448 nope columns
+                         with Q from WG0's registers (RS wgmma), the 64 RoPE columns from SMEM
     P = exp2(S * scale * log2(e) - m)   online softmax in registers (running max m, sum l)
-    O += P V             V = K (the same rows), 512 wide: two 256-wide tiles, one per warpgroup
+    O += P V             V = K (the same rows), 512 wide: WG0 columns 0..127, WG1 128..511
 
 Warp roles (384 threads, ``setmaxnreg`` per warpgroup):
-    WG0 (threads 0..127,   208 regs): S = QK^T, mask, online softmax, P -> registers and SMEM,
-                                      O[:, 0:256] += P V[:, 0:256] (RS wgmma, P from registers)
-    WG1 (threads 128..255, 160 regs): O[:, 256:512] += P V[:, 256:512] (SS wgmma, P from SMEM:
-                                      "SMEM-P"), rescaling by the row factor WG0 publishes
-    WG2 (threads 256..383, 136 regs): producer: four lanes per key, eight keys per warp (one
+    WG0 (threads 0..127,   224 regs): Q's nope columns loaded once into wgmma A fragments;
+                                      S = QK^T, mask, online softmax, P -> registers and SMEM,
+                                      O[:, 0:128] += P V[:, 0:128] (RS wgmma, P from registers)
+    WG1 (threads 128..255, 224 regs): O[:, 128:512] += P V[:, 128:512] (two SS wgmmas, N = 128
+                                      and 256, P from SMEM: "SMEM-P"), rescaling by the row
+                                      factor WG0 publishes
+    WG2 (threads 256..383,  56 regs): producer: four lanes per key, eight keys per warp (one
                                       32-key tile per iteration); each lane copies a quarter of
                                       the key's nope bytes, its scale row and 16 RoPE values into
                                       its column of a raw SMEM slot by cp.async, RAW_STAGES (4)
@@ -23,17 +26,19 @@ Warp roles (384 threads, ``setmaxnreg`` per warpgroup):
                                       to bf16 into the K/V stage (swizzled) and stores the RoPE
                                       values beside them; slot ids cp.async'd into their own
                                       SMEM ring 2 x RAW_STAGES tiles ahead (no register waits)
-    208 + 160 + 136 = 504 = 3 x 168, the registers the CTA launches with (64 K / 384 threads).
-    Register use per thread: WG0 holds O_L (64x256 fp32 / 128 = 128), S (32), P (16 bf16 pairs);
-    WG1 holds O_R (128); the producer holds one chunk of raw words at a time (rows in flight
-    live in the raw ring, not in registers).
+    224 + 224 + 56 = 504 = 3 x 168, the registers the CTA launches with (64 K / 384 threads).
+    Register use per thread: WG0 holds Q's nope columns (64x448 bf16 / 128 = 112), O[:, :128]
+    (64), S (16), P (8); WG1 holds O[:, 128:] (192); the producer one chunk of raw words at a
+    time (rows in flight live in the raw ring, not in registers). Why Q in registers: with Q
+    and K both from SMEM a 64x32x16 wgmma reads 3 KB per 16 tensor cycles (SMEM-bound at
+    N = 32, and WG0's QK is the loop's critical path); with Q in registers it reads 1 KB.
 
-Shared memory (bytes): Q 65,536 | K/V 2 stages x 32,768 | P 4,096 | raw ring 4 x 22,528 | slot
-    ids 8 x 512 | key bias, row factors, row stats, mbarriers ~1 K  =  ~231 K of the 232,448 a
-    CTA may use. The producer fills stage i % 2 while both MMA warpgroups read the other; up
-    to four tiles of quantized rows (FP8 ~75 KB) are in flight per CTA, enough to cover DRAM
-    latency at this SM's share of bandwidth. After the last MMA the output tile is staged over
-    Q, K/V and P (padded rows) and stored in 16-byte chunks.
+Shared memory (bytes): Q 65,536 (nope columns read once, RoPE columns every tile) | K/V 2 stages x
+    32,768 | P 4,096 | raw ring 4 x 22,528 | slot ids 8 x 512 | key bias, row factors, row stats,
+    mbarriers ~1 K = ~231 K of the 232,448 a CTA may use. The producer fills stage i % 2 while both
+    MMA warpgroups read the other; up to four tiles of quantized rows (FP8 ~75 KB) are in flight
+    per CTA, enough to cover DRAM latency at this SM's share of bandwidth. After the last MMA the
+    output tile is staged over Q, K/V and P (padded rows) and stored in 16-byte chunks.
 
 Synchronisation: mbarrier ``q_full`` (Q's one TMA copy, issued by warp 0 before anything else),
 ``full[s]`` (128 producer arrivals) / ``empty[s]`` (256 MMA arrivals) per K/V stage; named barriers
@@ -85,7 +90,10 @@ from dsv4_attn.kernels.sparse_decode_config import (
     RAW_STAGES,
     STAGE_ROW_BYTES_BF16,
     STAGE_ROW_BYTES_F32,
+    NOPE_DIM,
+    WG0_COLS,
     WG0_REGS,
+    WG1_TILES,
     WG1_REGS,
     SparseDecodeConfig,
 )
@@ -150,18 +158,29 @@ class SparseDecodeSm90(SparseDecodeProducer):
         )
         sK_layout = _smem_layout_k_major(BLOCK_N, HEAD_DIM, NUM_STAGES)
         sP_layout = _smem_layout_k_major(BLOCK_H, BLOCK_N, NUM_P_BUFFERS)
-        mma_qk = sm90_helpers.make_trivial_tiled_mma(
+        # QK: the nope columns with Q from WG0's registers (RS), the RoPE columns with Q from
+        # SMEM (SS); both accumulate into the same 64 x 32 S tile.
+        mma_qk_rs = sm90_helpers.make_trivial_tiled_mma(
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            (1, 1, 1), (BLOCK_H, BLOCK_N), a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+        mma_qk_ss = sm90_helpers.make_trivial_tiled_mma(
             BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
             (1, 1, 1), (BLOCK_H, BLOCK_N),
         )  # fmt: skip
-        mma_pv_rs = sm90_helpers.make_trivial_tiled_mma(
+        # PV: WG0 its WG0_COLS columns with P from registers; WG1 the rest with P from SMEM,
+        # as one MMA per entry of WG1_TILES.
+        mma_pv_wg0 = sm90_helpers.make_trivial_tiled_mma(
             BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            (1, 1, 1), (BLOCK_H, HEAD_DIM // 2), a_source=warpgroup.OperandSource.RMEM,
+            (1, 1, 1), (BLOCK_H, WG0_COLS), a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
-        mma_pv_ss = sm90_helpers.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            (1, 1, 1), (BLOCK_H, HEAD_DIM // 2),
-        )  # fmt: skip
+        mma_pv_wg1 = [
+            sm90_helpers.make_trivial_tiled_mma(
+                BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                (1, 1, 1), (BLOCK_H, width),
+            )  # fmt: skip
+            for _, width in WG1_TILES
+        ]
 
         @cute.struct
         class SharedStorage:
@@ -191,7 +210,8 @@ class SparseDecodeSm90(SparseDecodeProducer):
         self.kernel(
             tma_q, tma_atom_q, mCache, mIdx, mLens, mECache, mEIdx, mELens, mSink, mO, mLse,
             scale_log2, tiles_per_split,
-            sQ_layout, sK_layout, sP_layout, mma_qk, mma_pv_rs, mma_pv_ss, SharedStorage,
+            sQ_layout, sK_layout, sP_layout, mma_qk_rs, mma_qk_ss, mma_pv_wg0, *mma_pv_wg1,
+            SharedStorage,
         ).launch(grid=grid, block=(384, 1, 1), stream=stream, min_blocks_per_mp=1)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
@@ -216,9 +236,11 @@ class SparseDecodeSm90(SparseDecodeProducer):
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
-        mma_qk: cute.TiledMma,
-        mma_pv_rs: cute.TiledMma,
-        mma_pv_ss: cute.TiledMma,
+        mma_qk_rs: cute.TiledMma,
+        mma_qk_ss: cute.TiledMma,
+        mma_pv_wg0: cute.TiledMma,
+        mma_pv_mid: cute.TiledMma,
+        mma_pv_right: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -276,7 +298,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
             cute.arch.mbarrier_wait(q_full_bar, 0)
             self.consumer_softmax(
                 mO, mLse, mSink, sQ, sK, sP, key_bias, row_factor, row_sum_smem, row_max_smem,
-                full_bar, empty_bar, mma_qk, mma_pv_rs, scale_log2,
+                full_bar, empty_bar, mma_qk_rs, mma_qk_ss, mma_pv_wg0, scale_log2,
                 token, head_block, split, n_tiles, tidx,
             )  # fmt: skip
         else:
@@ -289,7 +311,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
             cute.arch.mbarrier_wait(q_full_bar, 0)
             self.consumer_right(
                 mO, mSink, sK, sP, row_factor, row_sum_smem, row_max_smem, full_bar, empty_bar,
-                mma_pv_ss, token, head_block, split, n_tiles, tidx - 128, sQ,
+                (mma_pv_mid, mma_pv_right), token, head_block, split, n_tiles, tidx - 128, sQ,
             )  # fmt: skip
 
     @cute.jit
@@ -336,8 +358,9 @@ class SparseDecodeSm90(SparseDecodeProducer):
         row_max_smem: cute.Tensor,
         full_bar,
         empty_bar,
-        mma_qk: cute.TiledMma,
-        mma_pv_rs: cute.TiledMma,
+        mma_qk_rs: cute.TiledMma,
+        mma_qk_ss: cute.TiledMma,
+        mma_pv: cute.TiledMma,
         scale_log2: Float32,
         token: Int32,
         head_block: Int32,
@@ -345,26 +368,43 @@ class SparseDecodeSm90(SparseDecodeProducer):
         n_tiles: Int32,
         tidx: Int32,
     ):
-        """WG0: S = QK^T, online softmax, P to SMEM for WG1, O[:, :256] += P V[:, :256]."""
-        thr_qk = mma_qk.get_slice(tidx)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        """WG0: S = QK^T (Q's nope columns from registers), online softmax, P to SMEM for WG1,
+        O[:, :WG0_COLS] += P V[:, :WG0_COLS]."""
+        rope_dim = HEAD_DIM - NOPE_DIM
+        # The nope columns of Q: loaded once into wgmma A fragments (112 registers a thread),
+        # so the tile loop's QK reads only K from SMEM for them.
+        thr_qk = mma_qk_rs.get_slice(tidx)
+        sQ_nope = cute.local_tile(sQ, (BLOCK_H, NOPE_DIM), (0, 0))
+        sK_nope = cute.local_tile(sK, (BLOCK_N, NOPE_DIM, NUM_STAGES), (0, 0, 0))
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_shape_A((BLOCK_H, NOPE_DIM)))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK_nope))
+        q_load = cute.make_tiled_copy_A(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16),
+            mma_qk_rs,
+        ).get_slice(tidx)
+        cute.copy(q_load, q_load.partition_S(sQ_nope), q_load.retile(tSrQ))
+        # The RoPE columns: Q from SMEM (the registers do not stretch to them).
+        thr_qk_rope = mma_qk_ss.get_slice(tidx)
+        sQ_rope = cute.local_tile(sQ, (BLOCK_H, rope_dim), (0, NOPE_DIM // rope_dim))
+        sK_rope = cute.local_tile(sK, (BLOCK_N, rope_dim, NUM_STAGES), (0, NOPE_DIM // rope_dim, 0))
+        tSrQ_rope = thr_qk_rope.make_fragment_A(thr_qk_rope.partition_A(sQ_rope))
+        tSrK_rope = thr_qk_rope.make_fragment_B(thr_qk_rope.partition_B(sK_rope))
         acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((BLOCK_H, BLOCK_N)), Float32)
         t_cs = thr_qk.partition_C(cute.make_identity_tensor((BLOCK_H, BLOCK_N)))
 
-        thr_pv = mma_pv_rs.get_slice(tidx)
+        thr_pv = mma_pv.get_slice(tidx)
         sVt = cute.composition(
             sK, cute.make_ordered_layout((HEAD_DIM, BLOCK_N, NUM_STAGES), order=(1, 0, 2))
         )
-        sV_left = cute.local_tile(sVt, (HEAD_DIM // 2, BLOCK_N, NUM_STAGES), (0, 0, 0))
+        sV_left = cute.local_tile(sVt, (WG0_COLS, BLOCK_N, NUM_STAGES), (0, 0, 0))
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV_left))
         tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((BLOCK_H, BLOCK_N)))
-        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK_H, HEAD_DIM // 2)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK_H, WG0_COLS)), Float32)
         acc_o.fill(0.0)
 
         p_store = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16),
-            mma_qk,
+            mma_qk_rs,
         ).get_slice(tidx)
         tPsP = p_store.partition_D(sP)
         tPrP = p_store.retile(tOrP)
@@ -382,13 +422,18 @@ class SparseDecodeSm90(SparseDecodeProducer):
             pbuf = tile % NUM_P_BUFFERS
             cute.arch.mbarrier_wait(full_bar + stage, (tile // NUM_STAGES) % 2)
             # ---- S = Q K^T (fresh atoms per tile: their ACCUMULATE field is rewritten below)
-            atom_qk = cute.make_mma_atom(mma_qk.op)
-            atom_pv = cute.make_mma_atom(mma_pv_rs.op)
+            atom_qk = cute.make_mma_atom(mma_qk_rs.op)
+            atom_qk_rope = cute.make_mma_atom(mma_qk_ss.op)
+            atom_pv = cute.make_mma_atom(mma_pv.op)
             warpgroup.fence()
             atom_qk.set(warpgroup.Field.ACCUMULATE, False)
             for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
                 cute.gemm(atom_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_s)
                 atom_qk.set(warpgroup.Field.ACCUMULATE, True)
+            atom_qk_rope.set(warpgroup.Field.ACCUMULATE, True)
+            for k in cutlass.range_constexpr(cute.size(tSrQ_rope.shape[2])):
+                cute.gemm(atom_qk_rope, acc_s, tSrQ_rope[None, None, k],
+                          tSrK_rope[None, None, k, stage], acc_s)  # fmt: skip
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             # ---- online softmax (log2 domain); invalid keys carry a -inf bias
@@ -456,7 +501,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
             row_max_smem[row0] = row_m[0]
             row_max_smem[row0 + 8] = row_m[1]
         cute.arch.barrier_arrive(barrier_id=BAR_STATS, number_of_threads=MMA_THREADS)
-        self.epilogue(mO, mLse, mSink, acc_o, tidx, 0, row_l, row_m, row_sum_smem,
+        self.epilogue(mO, mLse, mSink, [(acc_o, 0)], tidx, 0, row_l, row_m, row_sum_smem,
                       token, head_block, split, sQ, True)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
@@ -472,7 +517,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         row_max_smem: cute.Tensor,
         full_bar,
         empty_bar,
-        mma_pv_ss: cute.TiledMma,
+        mma_pv: tuple,
         token: Int32,
         head_block: Int32,
         split: Int32,
@@ -480,16 +525,22 @@ class SparseDecodeSm90(SparseDecodeProducer):
         tidx: Int32,
         sQ_staging: cute.Tensor,
     ):
-        """WG1: O[:, 256:] = O * factor + P V[:, 256:], with P and the factors from WG0."""
-        thr_pv = mma_pv_ss.get_slice(tidx)
+        """WG1: O[:, WG0_COLS:] = O * factor + P V[:, WG0_COLS:] (one MMA per WG1_TILES
+        entry), with P and the factors from WG0."""
         sVt = cute.composition(
             sK, cute.make_ordered_layout((HEAD_DIM, BLOCK_N, NUM_STAGES), order=(1, 0, 2))
         )
-        sV_right = cute.local_tile(sVt, (HEAD_DIM // 2, BLOCK_N, NUM_STAGES), (1, 0, 0))
-        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV_right))
-        tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
-        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK_H, HEAD_DIM // 2)), Float32)
-        acc_o.fill(0.0)
+        tOrV = []
+        tOrP = []
+        accs = []
+        for (offset, width), mma in zip(WG1_TILES, mma_pv, strict=True):
+            thr_pv = mma.get_slice(tidx)
+            sV_part = cute.local_tile(sVt, (width, BLOCK_N, NUM_STAGES), (offset // width, 0, 0))
+            tOrV.append(thr_pv.make_fragment_B(thr_pv.partition_B(sV_part)))
+            tOrP.append(thr_pv.make_fragment_A(thr_pv.partition_A(sP)))
+            acc = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK_H, width)), Float32)
+            acc.fill(0.0)
+            accs.append(acc)
         lane = tidx & 31
         row0 = (tidx >> 5) * 16 + (lane >> 2)
 
@@ -500,14 +551,16 @@ class SparseDecodeSm90(SparseDecodeProducer):
             cute.arch.barrier(barrier_id=BAR_P_FULL + pbuf, number_of_threads=MMA_THREADS)
             f0 = row_factor[row0, pbuf]
             f1 = row_factor[row0 + 8, pbuf]
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[i] = acc_o[i] * (f0 if (i // 2) % 2 == 0 else f1)
-            atom_pv = cute.make_mma_atom(mma_pv_ss.op)
+            for acc in accs:
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = acc[i] * (f0 if (i // 2) % 2 == 0 else f1)
             warpgroup.fence()
-            atom_pv.set(warpgroup.Field.ACCUMULATE, True)
-            for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-                cute.gemm(atom_pv, acc_o, tOrP[None, None, k, pbuf], tOrV[None, None, k, stage],
-                          acc_o)  # fmt: skip
+            for t in cutlass.range_constexpr(len(accs)):
+                atom_pv = cute.make_mma_atom(mma_pv[t].op)
+                atom_pv.set(warpgroup.Field.ACCUMULATE, True)
+                for k in cutlass.range_constexpr(cute.size(tOrP[t].shape[2])):
+                    cute.gemm(atom_pv, accs[t], tOrP[t][None, None, k, pbuf],
+                              tOrV[t][None, None, k, stage], accs[t])  # fmt: skip
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             cute.arch.mbarrier_arrive(empty_bar + stage)
@@ -523,7 +576,8 @@ class SparseDecodeSm90(SparseDecodeProducer):
         row_l[1] = row_sum_smem[row0 + 8]
         row_m[0] = row_max_smem[row0]
         row_m[1] = row_max_smem[row0 + 8]
-        self.epilogue(mO, None, mSink, acc_o, tidx, HEAD_DIM // 2, row_l, row_m, row_sum_smem,
+        self.epilogue(mO, None, mSink, list(zip(accs, [o for o, _ in WG1_TILES], strict=True)),
+                      tidx, 1, row_l, row_m, row_sum_smem,
                       token, head_block, split, sQ_staging, False)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
@@ -533,9 +587,9 @@ class SparseDecodeSm90(SparseDecodeProducer):
         mO: cute.Tensor,
         mLse: cute.Tensor | None,
         mSink: cute.Tensor | None,
-        acc_o: cute.Tensor,
+        accs: list,
         tidx: Int32,
-        col_offset: cutlass.Constexpr[int],
+        wg: cutlass.Constexpr[int],
         row_l: cute.Tensor,
         row_m: cute.Tensor,
         row_sum_smem: cute.Tensor,
@@ -545,8 +599,9 @@ class SparseDecodeSm90(SparseDecodeProducer):
         sQ_staging: cute.Tensor,
         write_lse: cutlass.Constexpr[bool],
     ):
-        """Normalize this warpgroup's 256 output columns, stage them in SMEM, then both MMA
-        warpgroups store the 64 x 512 tile (and WG0 the lse) in 16-byte chunks."""
+        """Normalize this warpgroup's output columns (``accs``: (accumulator, first column)
+        pairs), stage them in SMEM, then both MMA warpgroups (``wg`` 0, 1) store the 64 x 512
+        tile (and WG0 the lse) in 16-byte chunks."""
         lane = tidx & 31
         row0 = (tidx >> 5) * 16 + (lane >> 2)
         # Output row of head h: out_token * num_heads + h (partials: split-major [S, T, H]).
@@ -589,24 +644,25 @@ class SparseDecodeSm90(SparseDecodeProducer):
         partial = const_expr(self.cfg.write_partial)
         row_bytes = STAGE_ROW_BYTES_F32 if partial else STAGE_ROW_BYTES_BF16
         # wgmma accumulator layout: register 4j + 2h + v holds row (row0 + 8h), column
-        # 8j + 2 (lane % 4) + v of this warpgroup's 256 columns.
-        for h in cutlass.range_constexpr(2):
-            row_at = staging + (row0 + 8 * h) * row_bytes
-            for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
-                idx = j * 4 + h * 2
-                v0 = acc_o[idx] * factor[h]
-                v1 = acc_o[idx + 1] * factor[h]
-                col = col_offset + 8 * j + 2 * (lane & 3)
-                if const_expr(partial):
-                    ptx_ops.st_shared_v2_f32(row_at + col * 4, v0, v1)
-                else:
-                    ptx_ops.st_shared_b32(row_at + col * 2, ptx_ops.cvt_bf16x2_f32(v0, v1))
+        # 8j + 2 (lane % 4) + v of the accumulator's columns.
+        for acc_o, col_offset in accs:
+            for h in cutlass.range_constexpr(2):
+                row_at = staging + (row0 + 8 * h) * row_bytes
+                for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
+                    idx = j * 4 + h * 2
+                    v0 = acc_o[idx] * factor[h]
+                    v1 = acc_o[idx + 1] * factor[h]
+                    col = col_offset + 8 * j + 2 * (lane & 3)
+                    if const_expr(partial):
+                        ptx_ops.st_shared_v2_f32(row_at + col * 4, v0, v1)
+                    else:
+                        ptx_ops.st_shared_b32(row_at + col * 2, ptx_ops.cvt_bf16x2_f32(v0, v1))
         cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=MMA_THREADS)
 
         # 16-byte chunks, a warp's 32 consecutive chunks along one row. A partial row without
         # keys stays unwritten: the combine gives it weight 0 from lse = -inf, never reads it.
         chunks_per_row = HEAD_DIM * (4 if partial else 2) // 16
-        copy_tid = tidx + (col_offset // (HEAD_DIM // 2)) * 128
+        copy_tid = tidx + wg * 128
         for i in cutlass.range(BLOCK_H * chunks_per_row // MMA_THREADS, unroll=1):
             chunk = copy_tid + i * MMA_THREADS
             row = chunk // chunks_per_row
