@@ -81,6 +81,7 @@ from dsv4_attn.kernels.sparse_decode_config import (
     ID_STAGES,
     LAUNCH_REGS,
     MMA_THREADS,
+    NOPE_DIM,
     NUM_P_BUFFERS,
     NUM_STAGES,
     NVFP4_DATA_ROW,
@@ -90,11 +91,10 @@ from dsv4_attn.kernels.sparse_decode_config import (
     RAW_STAGES,
     STAGE_ROW_BYTES_BF16,
     STAGE_ROW_BYTES_F32,
-    NOPE_DIM,
     WG0_COLS,
     WG0_REGS,
-    WG1_TILES,
     WG1_REGS,
+    WG1_TILES,
     SparseDecodeConfig,
 )
 from dsv4_attn.kernels.sparse_decode_producer import SparseDecodeProducer
@@ -174,13 +174,12 @@ class SparseDecodeSm90(SparseDecodeProducer):
             BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
             (1, 1, 1), (BLOCK_H, WG0_COLS), a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
-        mma_pv_wg1 = [
-            sm90_helpers.make_trivial_tiled_mma(
+        mma_pv_wg1 = []
+        for _, width in WG1_TILES:
+            mma_pv_wg1.append(sm90_helpers.make_trivial_tiled_mma(
                 BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
                 (1, 1, 1), (BLOCK_H, width),
-            )  # fmt: skip
-            for _, width in WG1_TILES
-        ]
+            ))  # fmt: skip
 
         @cute.struct
         class SharedStorage:
