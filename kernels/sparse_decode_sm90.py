@@ -421,20 +421,12 @@ class SparseDecodeSm90(SparseDecodeProducer):
             pbuf = tile % NUM_P_BUFFERS
             cute.arch.mbarrier_wait(full_bar + stage, (tile // NUM_STAGES) % 2)
             # ---- S = Q K^T (fresh atoms per tile: their ACCUMULATE field is rewritten below)
-            atom_qk = cute.make_mma_atom(mma_qk_rs.op)
-            atom_qk_rope = cute.make_mma_atom(mma_qk_ss.op)
-            atom_pv = cute.make_mma_atom(mma_pv.op)
             warpgroup.fence()
-            atom_qk.set(warpgroup.Field.ACCUMULATE, False)
-            for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
-                cute.gemm(atom_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_s)
-                atom_qk.set(warpgroup.Field.ACCUMULATE, True)
-            atom_qk_rope.set(warpgroup.Field.ACCUMULATE, True)
-            for k in cutlass.range_constexpr(cute.size(tSrQ_rope.shape[2])):
-                cute.gemm(atom_qk_rope, acc_s, tSrQ_rope[None, None, k],
-                          tSrK_rope[None, None, k, stage], acc_s)  # fmt: skip
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            # One copy of the QK chain per stage, so every B descriptor is a constant.
+            if stage == 0:
+                self.qk(mma_qk_rs, mma_qk_ss, acc_s, tSrQ, tSrK, tSrQ_rope, tSrK_rope, 0)
+            else:
+                self.qk(mma_qk_rs, mma_qk_ss, acc_s, tSrQ, tSrK, tSrQ_rope, tSrK_rope, 1)
             # ---- online softmax (log2 domain); invalid keys carry a -inf bias
             tile_max = cute.make_rmem_tensor((2,), Float32)
             tile_max[0] = -math.inf
@@ -481,11 +473,10 @@ class SparseDecodeSm90(SparseDecodeProducer):
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[i] = acc_o[i] * scale_row[(i // 2) % 2]
             warpgroup.fence()
-            atom_pv.set(warpgroup.Field.ACCUMULATE, True)
-            for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-                cute.gemm(atom_pv, acc_o, tOrP[None, None, k], tOrV[None, None, k, stage], acc_o)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            if stage == 0:
+                self.pv([mma_pv], [acc_o], [tOrP], [tOrV], 0)
+            else:
+                self.pv([mma_pv], [acc_o], [tOrP], [tOrV], 1)
             cute.arch.mbarrier_arrive(empty_bar + stage)
 
         # ---- final row statistics, shared with WG1
@@ -502,6 +493,40 @@ class SparseDecodeSm90(SparseDecodeProducer):
         cute.arch.barrier_arrive(barrier_id=BAR_STATS, number_of_threads=MMA_THREADS)
         self.epilogue(mO, mLse, mSink, [(acc_o, 0)], tidx, 0, row_l, row_m, row_sum_smem,
                       token, head_block, split, sQ, True)  # fmt: skip
+
+    @cute.jit
+    def qk(self, mma_qk_rs, mma_qk_ss, acc_s, tSrQ, tSrK, tSrQ_rope, tSrK_rope,
+           stage: cutlass.Constexpr[int]):  # fmt: skip
+        """S = Q K^T over K/V stage ``stage``, then waits. ``stage`` is a constant (the loop
+        branches on it) so every B descriptor is an immediate in uniform registers: with a
+        runtime stage ptxas builds each descriptor in regular registers and moves it over
+        (R2UR) before every HGMMA, which paced QK at ~27 cycles per 64x32x16 HGMMA against
+        16 of tensor work (ncu, v11)."""
+        atom_qk = cute.make_mma_atom(mma_qk_rs.op)
+        atom_qk_rope = cute.make_mma_atom(mma_qk_ss.op)
+        atom_qk.set(warpgroup.Field.ACCUMULATE, False)
+        for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
+            cute.gemm(atom_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_s)
+            atom_qk.set(warpgroup.Field.ACCUMULATE, True)
+        atom_qk_rope.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(cute.size(tSrQ_rope.shape[2])):
+            cute.gemm(atom_qk_rope, acc_s, tSrQ_rope[None, None, k],
+                      tSrK_rope[None, None, k, stage], acc_s)  # fmt: skip
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def pv(self, mma_pv, accs, tOrP, tOrV, stage: cutlass.Constexpr[int]):
+        """O += P V for each (MMA, accumulator, P fragment, V fragment) of a warpgroup, V from
+        K/V stage ``stage`` (a constant, for the same reason as :meth:`qk`); then waits."""
+        for t in cutlass.range_constexpr(len(accs)):
+            atom_pv = cute.make_mma_atom(mma_pv[t].op)
+            atom_pv.set(warpgroup.Field.ACCUMULATE, True)
+            for k in cutlass.range_constexpr(cute.size(tOrP[t].shape[2])):
+                cute.gemm(atom_pv, accs[t], tOrP[t][None, None, k], tOrV[t][None, None, k, stage],
+                          accs[t])  # fmt: skip
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -554,14 +579,11 @@ class SparseDecodeSm90(SparseDecodeProducer):
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     acc[i] = acc[i] * (f0 if (i // 2) % 2 == 0 else f1)
             warpgroup.fence()
-            for t in cutlass.range_constexpr(len(accs)):
-                atom_pv = cute.make_mma_atom(mma_pv[t].op)
-                atom_pv.set(warpgroup.Field.ACCUMULATE, True)
-                for k in cutlass.range_constexpr(cute.size(tOrP[t].shape[2])):
-                    cute.gemm(atom_pv, accs[t], tOrP[t][None, None, k, pbuf],
-                              tOrV[t][None, None, k, stage], accs[t])  # fmt: skip
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            tOrP_buf = [p[None, None, None, pbuf] for p in tOrP]
+            if stage == 0:
+                self.pv(mma_pv, accs, tOrP_buf, tOrV, 0)
+            else:
+                self.pv(mma_pv, accs, tOrP_buf, tOrV, 1)
             cute.arch.mbarrier_arrive(empty_bar + stage)
             if tile + NUM_P_BUFFERS < n_tiles:
                 cute.arch.barrier_arrive(
