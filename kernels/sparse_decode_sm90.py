@@ -32,6 +32,9 @@ Warp roles (384 threads, ``setmaxnreg`` per warpgroup):
     time (rows in flight live in the raw ring, not in registers). Why Q in registers: with Q
     and K both from SMEM a 64x32x16 wgmma reads 3 KB per 16 tensor cycles (SMEM-bound at
     N = 32, and WG0's QK is the loop's critical path); with Q in registers it reads 1 KB.
+    Every wgmma is issued from one copy per K/V stage (the tile loops branch on the stage), so
+    its B descriptors are immediates in uniform registers: with a runtime stage index ptxas
+    moves each descriptor over from regular registers (R2UR) right before its HGMMA.
 
 Shared memory (bytes): Q 65,536 (nope columns read once, RoPE columns every tile) | K/V 2 stages x
     32,768 | P 4,096 | raw ring 4 x 22,528 | slot ids 8 x 512 | key bias, row factors, row stats,
@@ -100,6 +103,9 @@ from dsv4_attn.kernels.sparse_decode_config import (
 from dsv4_attn.kernels.sparse_decode_producer import SparseDecodeProducer
 
 __all__ = ["SparseDecodeSm90"]
+
+# The tile loops issue their wgmmas from one copy per K/V stage (``if stage == 0 ... else``).
+assert NUM_STAGES == 2, NUM_STAGES
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -420,9 +426,8 @@ class SparseDecodeSm90(SparseDecodeProducer):
             stage = tile % NUM_STAGES
             pbuf = tile % NUM_P_BUFFERS
             cute.arch.mbarrier_wait(full_bar + stage, (tile // NUM_STAGES) % 2)
-            # ---- S = Q K^T (fresh atoms per tile: their ACCUMULATE field is rewritten below)
+            # ---- S = Q K^T, one copy per stage (see qk)
             warpgroup.fence()
-            # One copy of the QK chain per stage, so every B descriptor is a constant.
             if stage == 0:
                 self.qk(mma_qk_rs, mma_qk_ss, acc_s, tSrQ, tSrK, tSrQ_rope, tSrK_rope, 0)
             else:
