@@ -123,6 +123,16 @@ def _smem_layout_k_major(rows: int, cols: int, stages: int | None = None):
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
+def _tiled_mma(b_major: OperandMajorMode, n: int, a_in_registers: bool = False):
+    """One warpgroup's bf16 x bf16 -> fp32 wgmma over ``BLOCK_H`` x ``n``: B K-major (K for
+    QK) or MN-major (V for PV); A from registers (RS) or SMEM (SS)."""
+    a_source = warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM
+    return sm90_helpers.make_trivial_tiled_mma(
+        BFloat16, BFloat16, OperandMajorMode.K, b_major, Float32, (1, 1, 1), (BLOCK_H, n),
+        a_source=a_source,
+    )  # fmt: skip
+
+
 class SparseDecodeSm90(SparseDecodeProducer):
     """The split-KV sparse decode kernel for one :class:`SparseDecodeConfig`."""
 
@@ -166,26 +176,12 @@ class SparseDecodeSm90(SparseDecodeProducer):
         sP_layout = _smem_layout_k_major(BLOCK_H, BLOCK_N, NUM_P_BUFFERS)
         # QK: the nope columns with Q from WG0's registers (RS), the RoPE columns with Q from
         # SMEM (SS); both accumulate into the same 64 x 32 S tile.
-        mma_qk_rs = sm90_helpers.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            (1, 1, 1), (BLOCK_H, BLOCK_N), a_source=warpgroup.OperandSource.RMEM,
-        )  # fmt: skip
-        mma_qk_ss = sm90_helpers.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            (1, 1, 1), (BLOCK_H, BLOCK_N),
-        )  # fmt: skip
+        mma_qk_rs = _tiled_mma(OperandMajorMode.K, BLOCK_N, a_in_registers=True)
+        mma_qk_ss = _tiled_mma(OperandMajorMode.K, BLOCK_N)
         # PV: WG0 its WG0_COLS columns with P from registers; WG1 the rest with P from SMEM,
         # as one MMA per entry of WG1_TILES.
-        mma_pv_wg0 = sm90_helpers.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            (1, 1, 1), (BLOCK_H, WG0_COLS), a_source=warpgroup.OperandSource.RMEM,
-        )  # fmt: skip
-        mma_pv_wg1 = []
-        for _, width in WG1_TILES:
-            mma_pv_wg1.append(sm90_helpers.make_trivial_tiled_mma(
-                BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-                (1, 1, 1), (BLOCK_H, width),
-            ))  # fmt: skip
+        mma_pv_wg0 = _tiled_mma(OperandMajorMode.MN, WG0_COLS, a_in_registers=True)
+        mma_pv_wg1 = [_tiled_mma(OperandMajorMode.MN, width) for _, width in WG1_TILES]
 
         @cute.struct
         class SharedStorage:
