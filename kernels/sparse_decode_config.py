@@ -47,10 +47,11 @@ NVFP4_SCALE_ROW = 32
 NVFP4_NOPE_BYTES = 224
 
 # Named barrier ids (0 is __syncthreads; 1 unused: Q arrives by TMA on an mbarrier).
-BAR_P_FULL = 2  # + buffer (2, 3)
-BAR_P_EMPTY = 4  # + buffer (4, 5)
-BAR_STATS = 6
-BAR_EPILOGUE = 7  # both MMA warpgroups: past their last MMA / output tile staged in SMEM
+BAR_P_FULL = 2  # + buffer
+BAR_P_EMPTY = BAR_P_FULL + NUM_P_BUFFERS  # + buffer
+BAR_STATS = BAR_P_EMPTY + NUM_P_BUFFERS
+# Both MMA warpgroups: past their last MMA / output tile staged in SMEM.
+BAR_EPILOGUE = BAR_STATS + 1
 MMA_THREADS = 256
 
 # Output staging (epilogue): the 64 x 512 output tile goes through SMEM (over Q, K/V and P, free

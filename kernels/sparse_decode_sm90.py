@@ -104,11 +104,26 @@ from dsv4_attn.kernels.sparse_decode_producer import SparseDecodeProducer
 
 __all__ = ["SparseDecodeSm90"]
 
-# The tile loops issue their wgmmas from one copy per K/V stage (``if stage == 0 ... else``).
-assert NUM_STAGES == 2, NUM_STAGES
+# The tile loops issue their wgmmas from one copy per K/V stage (:func:`_on_stage`), and WG1
+# reads P buffer ``stage % NUM_P_BUFFERS`` there as a constant: so the buffers must divide the
+# stages.
+assert NUM_STAGES % NUM_P_BUFFERS == 0, (NUM_STAGES, NUM_P_BUFFERS)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+
+
+@cute.jit
+def _on_stage(stage: Int32, issue, s: cutlass.Constexpr[int] = 0):
+    """``issue(stage)`` with ``stage`` (0 .. NUM_STAGES - 1) as a compile-time constant: an
+    if / else chain, one copy of ``issue`` per stage (see :meth:`SparseDecodeSm90.qk`)."""
+    if const_expr(s == NUM_STAGES - 1):
+        issue(s)
+    else:
+        if stage == s:
+            issue(s)
+        else:
+            _on_stage(stage, issue, s + 1)
 
 
 def _smem_layout_k_major(rows: int, cols: int, stages: int | None = None):
@@ -424,10 +439,8 @@ class SparseDecodeSm90(SparseDecodeProducer):
             cute.arch.mbarrier_wait(full_bar + stage, (tile // NUM_STAGES) % 2)
             # ---- S = Q K^T, one copy per stage (see qk)
             warpgroup.fence()
-            if stage == 0:
-                self.qk(mma_qk_rs, mma_qk_ss, acc_s, tSrQ, tSrK, tSrQ_rope, tSrK_rope, 0)
-            else:
-                self.qk(mma_qk_rs, mma_qk_ss, acc_s, tSrQ, tSrK, tSrQ_rope, tSrK_rope, 1)
+            _on_stage(stage, lambda s: self.qk(mma_qk_rs, mma_qk_ss, acc_s, tSrQ, tSrK,
+                                               tSrQ_rope, tSrK_rope, s))  # fmt: skip
             # ---- online softmax (log2 domain); invalid keys carry a -inf bias
             tile_max = cute.make_rmem_tensor((2,), Float32)
             tile_max[0] = -math.inf
@@ -474,10 +487,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[i] = acc_o[i] * scale_row[(i // 2) % 2]
             warpgroup.fence()
-            if stage == 0:
-                self.pv([mma_pv], [acc_o], [tOrP], [tOrV], 0)
-            else:
-                self.pv([mma_pv], [acc_o], [tOrP], [tOrV], 1)
+            _on_stage(stage, lambda s: self.pv([mma_pv], [acc_o], [tOrP], [tOrV], s))
             cute.arch.mbarrier_arrive(empty_bar + stage)
 
         # ---- final row statistics, shared with WG1
@@ -580,11 +590,9 @@ class SparseDecodeSm90(SparseDecodeProducer):
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     acc[i] = acc[i] * (f0 if (i // 2) % 2 == 0 else f1)
             warpgroup.fence()
-            tOrP_buf = [p[None, None, None, pbuf] for p in tOrP]
-            if stage == 0:
-                self.pv(mma_pv, accs, tOrP_buf, tOrV, 0)
-            else:
-                self.pv(mma_pv, accs, tOrP_buf, tOrV, 1)
+            _on_stage(stage, lambda s: self.pv(
+                mma_pv, accs, [p[None, None, None, s % NUM_P_BUFFERS] for p in tOrP], tOrV, s
+            ))  # fmt: skip
             cute.arch.mbarrier_arrive(empty_bar + stage)
             if tile + NUM_P_BUFFERS < n_tiles:
                 cute.arch.barrier_arrive(
