@@ -20,13 +20,14 @@ def test_every_subcommand_is_a_module_with_main():
         "prefill-layer",
         "fallback",
         "step",
+        "wgmma-rate",
     }
     for name, module in bench.SUBCOMMANDS.items():
         assert callable(importlib.import_module(module).main), name
 
 
 def test_unknown_subcommand_names_the_accepted_ones():
-    names = r"\{decode,decode-splits,prefill,prefill-layer,fallback,step\}"
+    names = r"\{decode,decode-splits,prefill,prefill-layer,fallback,step,wgmma-rate\}"
     with pytest.raises(SystemExit, match=names):
         bench.main(["nope"])
     result = subprocess.run([sys.executable, "-m", "dsv4_attn.bench"], capture_output=True,
