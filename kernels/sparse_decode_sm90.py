@@ -70,6 +70,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 
 from dsv4_attn.kernels import ptx_ops
+from dsv4_attn.kernels.fmha_sm90_utils import smem_layout_rowmajor
 from dsv4_attn.kernels.sparse_decode_config import (
     BAR_EPILOGUE,
     BAR_P_EMPTY,
@@ -126,18 +127,6 @@ def _on_stage(stage: Int32, issue, s: cutlass.Constexpr[int] = 0):
             _on_stage(stage, issue, s + 1)
 
 
-def _smem_layout_k_major(rows: int, cols: int, stages: int | None = None):
-    atom = warpgroup.make_smem_layout_atom(
-        sm90_helpers.get_smem_layout_atom(
-            cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, BFloat16, cols
-        ),
-        BFloat16,
-    )
-    if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
-
-
 def _tiled_mma(b_major: OperandMajorMode, n: int, a_in_registers: bool = False):
     """One warpgroup's bf16 x bf16 -> fp32 wgmma over ``BLOCK_H`` x ``n``: B K-major (K for
     QK) or MN-major (V for PV); A from registers (RS) or SMEM (SS)."""
@@ -180,15 +169,15 @@ class SparseDecodeSm90(SparseDecodeProducer):
         tiles_per_split: Int32,
         stream: cuda.CUstream,
     ):
-        sQ_layout = _smem_layout_k_major(BLOCK_H, HEAD_DIM)
+        sQ_layout = smem_layout_rowmajor(BFloat16, BLOCK_H, HEAD_DIM)
         # Q by TMA: a CTA's 64 heads of one token are one (64, 512) box of the (H, 512, T) view;
         # heads past H read as zeros (out of bounds), the box's bytes always arrive in full.
         q_view = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), q_view, sQ_layout, (BLOCK_H, HEAD_DIM)
         )
-        sK_layout = _smem_layout_k_major(BLOCK_N, HEAD_DIM, NUM_STAGES)
-        sP_layout = _smem_layout_k_major(BLOCK_H, BLOCK_N, NUM_P_BUFFERS)
+        sK_layout = smem_layout_rowmajor(BFloat16, BLOCK_N, HEAD_DIM, NUM_STAGES)
+        sP_layout = smem_layout_rowmajor(BFloat16, BLOCK_H, BLOCK_N, NUM_P_BUFFERS)
         # QK: the nope columns with Q from WG0's registers (RS), the RoPE columns with Q from
         # SMEM (SS); both accumulate into the same 64 x 32 S tile.
         mma_qk_rs = _tiled_mma(OperandMajorMode.K, BLOCK_N, a_in_registers=True)

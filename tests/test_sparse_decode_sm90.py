@@ -13,8 +13,10 @@ pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
 import cutlass.cute as cute
+from cutlass import BFloat16
 
 from dsv4_attn.kernels import compile_cache, sass, sparse_decode
+from dsv4_attn.kernels.fmha_sm90_utils import smem_layout_rowmajor
 from dsv4_attn.kernels.precompile import decode_variants
 from dsv4_attn.kernels.resource_usage import read_resources
 from dsv4_attn.kernels.sparse_decode_config import (
@@ -24,7 +26,6 @@ from dsv4_attn.kernels.sparse_decode_config import (
     SparseDecodeConfig,
     swizzled_offset,
 )
-from dsv4_attn.kernels.sparse_decode_sm90 import _smem_layout_k_major
 
 # Every code path (format x extra scope x sink x output kind) with the usual page sizes, plus
 # int64 indices and page sizes that are not powers of two (division path) for one format each.
@@ -127,7 +128,7 @@ def test_swizzled_offset_matches_the_cute_layout():
     @cute.jit
     def evaluate():
         for rows, probe_rows in row_sets.items():  # Q / output staging, a K/V stage
-            layout = _smem_layout_k_major(rows, 512, 2)
+            layout = smem_layout_rowmajor(BFloat16, rows, 512, 2)
             for r in probe_rows:
                 for c in (0, 8, 56, 64, 200, 256, 440, 448, 504):
                     for s in (0, 1):
