@@ -26,7 +26,14 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CACHE_DIR_ENV", "COMPILE_OPTIONS", "CompileCache", "compile_tvm_ffi", "fake_stream"]
+__all__ = [
+    "CACHE_DIR_ENV",
+    "COMPILE_OPTIONS",
+    "CompileCache",
+    "compile_keeping_cubin",
+    "compile_tvm_ffi",
+    "fake_stream",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +54,24 @@ def compile_tvm_ffi(entry: Callable[..., Any], *fake_args: Any, options: str = "
     import cutlass.cute as cute
 
     return cute.compile(entry, *fake_args, fake_stream(), options=f"{COMPILE_OPTIONS} {options}")
+
+
+def compile_keeping_cubin(build: Callable[[], Any], dump_dir: str | os.PathLike) -> bytes:
+    """The cubin of ``build()`` (a function that compiles one kernel through
+    :func:`compile_tvm_ffi`), kept by ptxas under ``dump_dir``: what the CPU tests disassemble
+    and read register / stack use from."""
+    global COMPILE_OPTIONS
+    original = COMPILE_OPTIONS
+    COMPILE_OPTIONS = f"{original} --keep-cubin --dump-dir={dump_dir}"
+    try:
+        compiled = build()
+    finally:
+        COMPILE_OPTIONS = original
+    cubin = compiled.artifacts.CUBIN
+    if isinstance(cubin, str):  # with --dump-dir the artifact is the file's path
+        with open(cubin, "rb") as f:
+            cubin = f.read()
+    return cubin
 
 
 @functools.cache

@@ -18,16 +18,9 @@ from dsv4_attn.kernels.resource_usage import read_resources
 
 @pytest.mark.parametrize("config", combine_variants(), ids=repr)
 def test_combine_compiles_without_spills(config, tmp_path):
-    original = compile_cache.COMPILE_OPTIONS
-    compile_cache.COMPILE_OPTIONS = f"{original} --keep-cubin --dump-dir={tmp_path}"
-    try:
-        compiled = sparse_decode.build_combine_kernel(config)
-    finally:
-        compile_cache.COMPILE_OPTIONS = original
-    cubin = compiled.artifacts.CUBIN
-    if isinstance(cubin, str):
-        with open(cubin, "rb") as f:
-            cubin = f.read()
+    cubin = compile_cache.compile_keeping_cubin(
+        lambda: sparse_decode.build_combine_kernel(config), tmp_path
+    )
     (kernel,) = read_resources(cubin)
     assert kernel.frame_bytes == 0
     assert 0 < kernel.registers <= 64

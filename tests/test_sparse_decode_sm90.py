@@ -36,22 +36,6 @@ VARIANTS = [
 ]
 
 
-def _compile_with_cubin(config, tmp_path):
-    """Compile ``config`` keeping its cubin; return the cubin bytes."""
-    options = f"--keep-cubin --dump-dir={tmp_path}"
-    original = compile_cache.COMPILE_OPTIONS
-    compile_cache.COMPILE_OPTIONS = f"{original} {options}"
-    try:
-        compiled = sparse_decode.build_decode_kernel(config)
-    finally:
-        compile_cache.COMPILE_OPTIONS = original
-    cubin = compiled.artifacts.CUBIN
-    if isinstance(cubin, str):  # with --dump-dir the artifact is the file's path
-        with open(cubin, "rb") as f:
-            cubin = f.read()
-    return cubin
-
-
 @pytest.fixture(scope="module")
 def cubin_of(tmp_path_factory):
     """``cubin_of(config)``: the cubin of ``config``, compiled once per module (the spill, wgmma
@@ -60,7 +44,9 @@ def cubin_of(tmp_path_factory):
 
     def get(config):
         if config not in cubins:
-            cubins[config] = _compile_with_cubin(config, tmp_path_factory.mktemp("cubin"))
+            cubins[config] = compile_cache.compile_keeping_cubin(
+                lambda: sparse_decode.build_decode_kernel(config), tmp_path_factory.mktemp("cubin")
+            )
         return cubins[config]
 
     return get

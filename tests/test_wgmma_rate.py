@@ -13,19 +13,6 @@ from dsv4_attn.kernels.resource_usage import read_resources
 from dsv4_attn.kernels.wgmma_rate import GROUP, WgmmaRate, build_wgmma_rate_kernel
 
 
-def _cubin(tmp_path, *args) -> bytes:
-    original = compile_cache.COMPILE_OPTIONS
-    compile_cache.COMPILE_OPTIONS = f"{original} --keep-cubin --dump-dir={tmp_path}"
-    try:
-        cubin = build_wgmma_rate_kernel(*args).artifacts.CUBIN
-    finally:
-        compile_cache.COMPILE_OPTIONS = original
-    if isinstance(cubin, str):
-        with open(cubin, "rb") as f:
-            cubin = f.read()
-    return cubin
-
-
 @pytest.mark.parametrize("a_in_registers", [True, False], ids=["RS", "SS"])
 def test_one_group_of_wgmmas_per_round_and_one_wait(tmp_path, a_in_registers):
     """Each round issues GROUP HGMMAs back to back and waits once, as the decode kernel's QK
@@ -33,7 +20,9 @@ def test_one_group_of_wgmmas_per_round_and_one_wait(tmp_path, a_in_registers):
     tool = sass.find_cuda_tool("nvdisasm")
     if tool is None:
         pytest.skip("nvdisasm is not installed")
-    cubin = _cubin(tmp_path, 32, a_in_registers, 2, 10)
+    cubin = compile_cache.compile_keeping_cubin(
+        lambda: build_wgmma_rate_kernel(32, a_in_registers, 2, 10), tmp_path
+    )
     counts = sass.opcode_counts(cubin, tool)
     assert counts["HGMMA.64x32x16.F32.BF16"] == GROUP, counts
     hgmma, waits = sass.wgmma_counts(cubin, tool)
