@@ -27,7 +27,13 @@ import argparse
 
 import torch
 
-from dsv4_attn.bench.timing import Ceilings, measure_ceilings, report, time_cuda_us
+from dsv4_attn.bench.timing import (
+    Ceilings,
+    cuda_graph_replay,
+    measure_ceilings,
+    report,
+    time_cuda_us,
+)
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.scope import KVScope
 from dsv4_attn.testing import random_cache
@@ -162,21 +168,9 @@ class _Step:
                                        out=self.out)  # fmt: skip
 
 
-def _graphed(fns) -> torch.cuda.CUDAGraph:
-    for fn in fns:  # warm-up: compile outside the capture
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    torch.cuda.synchronize()
-    return graph
-
-
 def _time_graph(fns, reps: int) -> float:
-    graph = _graphed(fns)
-    return time_cuda_us(graph.replay, reps=reps)["median_us"]
+    """Median microseconds of one replay of ``fns`` captured, in order, in one CUDA graph."""
+    return time_cuda_us(cuda_graph_replay(lambda: [fn() for fn in fns]), reps=reps)["median_us"]
 
 
 def _count_launches(fns) -> int:
