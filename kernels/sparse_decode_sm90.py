@@ -111,6 +111,8 @@ __all__ = ["SparseDecodeSm90"]
 assert NUM_STAGES % NUM_P_BUFFERS == 0, (NUM_STAGES, NUM_P_BUFFERS)
 
 LOG2E = math.log2(math.e)
+# The running max moves only past this many log2 units (so P <= 2^RESCALE_LOG2): see softmax.
+RESCALE_LOG2 = 8.0
 LN2 = math.log(2.0)
 
 
@@ -439,17 +441,29 @@ class SparseDecodeSm90(SparseDecodeProducer):
                 acc_s[i] = x
                 half = (i // 2) % 2
                 tile_max[half] = cute.arch.fmax(tile_max[half], x)
+            # Lazy rescaling: the running max m only moves when some value of this warp's rows
+            # exceeds it by more than 2^RESCALE_LOG2 (then P <= 2^8, as exact in bf16 and summed
+            # in fp32); otherwise no quad reduction, and O is not rescaled (factor 1). Any m gives
+            # the same softmax as long as P, l and O use the same one.
             scale_row = cute.make_rmem_tensor((2,), Float32)
             m_use = cute.make_rmem_tensor((2,), Float32)
+            grows = (tile_max[0] > row_m[0] + RESCALE_LOG2) | (
+                tile_max[1] > row_m[1] + RESCALE_LOG2
+            )
+            rescale = cute.arch.vote_any_sync(grows)
             for h in cutlass.range_constexpr(2):
-                mx = tile_max[h]
-                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
-                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
-                m_new = cute.arch.fmax(row_m[h], mx)
-                m_safe = Float32(cutlass.select_(m_new == -math.inf, Float32(0.0), m_new))
-                m_use[h] = m_safe
-                scale_row[h] = ptx_ops.exp2_approx(row_m[h] - m_safe)
-                row_m[h] = m_new
+                scale_row[h] = 1.0
+                m_use[h] = Float32(cutlass.select_(row_m[h] == -math.inf, Float32(0.0), row_m[h]))
+            if rescale:
+                for h in cutlass.range_constexpr(2):
+                    mx = tile_max[h]
+                    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+                    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+                    m_new = cute.arch.fmax(row_m[h], mx)
+                    m_safe = Float32(cutlass.select_(m_new == -math.inf, Float32(0.0), m_new))
+                    m_use[h] = m_safe
+                    scale_row[h] = ptx_ops.exp2_approx(row_m[h] - m_safe)
+                    row_m[h] = m_new
             tile_sum = cute.make_rmem_tensor((2,), Float32)
             tile_sum[0] = 0.0
             tile_sum[1] = 0.0
@@ -473,8 +487,9 @@ class SparseDecodeSm90(SparseDecodeProducer):
             cute.arch.fence_view_async_shared()
             cute.arch.barrier_arrive(barrier_id=BAR_P_FULL + pbuf, number_of_threads=MMA_THREADS)
             # ---- O_left = O_left * scale + P V_left
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[i] = acc_o[i] * scale_row[(i // 2) % 2]
+            if rescale:
+                for i in cutlass.range_constexpr(cute.size(acc_o)):
+                    acc_o[i] = acc_o[i] * scale_row[(i // 2) % 2]
             warpgroup.fence()
             _on_stage(stage, lambda s: self.pv([mma_pv], [acc_o], [tOrP], [tOrV], s))
             cute.arch.mbarrier_arrive(empty_bar + stage)
