@@ -241,6 +241,63 @@ def test_forced_split_counts(fmt, num_splits):
     _run_case(fmt, 128, 5, 1024, "finite", seed=num_splits * 13 + 1, num_splits=num_splits)
 
 
+def _scored_cache(fmt, block_size, gains, direction, device, gen):
+    """A cache whose slot i holds ``gains[i] * direction`` plus a little noise, so a query along
+    ``direction`` scores slot i in proportion to ``gains[i]``."""
+    n = gains.numel()
+    cache = kv_cache.allocate(math.ceil(n / block_size), block_size, fmt, device=device)
+    noise = 0.05 * torch.randn(n, HEAD_DIM, generator=gen, device=device)
+    rows = gains[:, None] * direction[None, :] + noise
+    kv_cache.write(cache, torch.arange(n, device=device), rows.to(torch.bfloat16), fmt, block_size)
+    return cache
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
+@pytest.mark.parametrize("profile", ["late_jump", "steady_climb", "falling"])
+def test_running_max_that_moves_after_the_first_tile(fmt, profile):
+    """The kernel moves its running max only when a tile's scores pass it by 2^8 (lazy
+    rescaling). Scores along the key list (128 window + 512 extra keys, 20 tiles) that jump by
+    ~60 log2 units in the last tile, climb ~5 per tile (under the threshold in one tile, past it
+    over two), or fall: each must match the reference."""
+    _needs_hopper()
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(11)
+    T, H, K_WIN, K_EXTRA = 3, 64, 128, 512
+    direction = torch.randn(HEAD_DIM, generator=gen, device=device)
+    direction = direction / direction.norm()
+    key = torch.arange(K_WIN + K_EXTRA, device=device, dtype=torch.float32)
+    # A query of norm 320 h (h in [0.5, 1] per head) scores key k at gain * h * 20.4 log2 units
+    # (320 / sqrt(512) * log2(e)): the last tile jumps by up to ~59, a climb of 0.25 per tile
+    # is up to ~5 a tile.
+    if profile == "late_jump":
+        gains = torch.where(key >= K_WIN + K_EXTRA - 32, 3.0, 0.1)
+    elif profile == "steady_climb":
+        gains = 0.25 * (key // 32)
+    else:
+        gains = 3.0 - 0.15 * (key // 32)
+    window_cache = _scored_cache(fmt, 64, gains[:K_WIN], direction, device, gen)
+    extra_cache = _scored_cache(fmt, 16, gains[K_WIN:], direction, device, gen)
+    heads = torch.linspace(0.5, 1.0, H, device=device)
+    q = (320.0 * heads[None, :, None] * direction[None, None, :]).expand(T, H, HEAD_DIM)
+    q = (q + 0.05 * torch.randn(T, H, HEAD_DIM, generator=gen, device=device)).to(torch.bfloat16)
+
+    def scope(cache, bs, width):
+        idx = torch.arange(width, device=device, dtype=torch.int32).expand(T, width).contiguous()
+        return KVScope(cache, fmt, bs, idx, torch.full((T,), width, device=device,
+                                                       dtype=torch.int32))  # fmt: skip
+
+    args = (q, scope(window_cache, 64, K_WIN), None, HEAD_DIM**-0.5,
+            scope(extra_cache, 16, K_EXTRA))  # fmt: skip
+    for num_splits in (1, 4):
+        out = torch.full((T, H, HEAD_DIM), float("nan"), dtype=torch.bfloat16, device=device)
+        lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=device)
+        sparse_decode.sparse_attention(*args, num_splits=num_splits, out=out, lse=lse)
+        torch.cuda.synchronize()
+        ref_out, ref_lse = _reference(*args)
+        _check(out, lse, ref_out, ref_lse)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
 def test_single_key_returns_the_dequantized_row_exactly(fmt):
