@@ -8,7 +8,8 @@ both, no de-duplication); ``-1`` slots are skipped. Grid: ``(head_blocks, num_sp
 Math per CTA (heads are the M dimension of every MMA, as in MQA all heads share each KV row):
     S = Q K^T            Q: 64 x 512 bf16, K: 32 keys x 512 bf16 (SMEM); the 448 nope columns
                          with Q from WG0's registers (RS wgmma), the 64 RoPE columns from SMEM
-    P = exp2(S * scale * log2(e) - m)   online softmax in registers (running max m, sum l)
+    P = exp2(S * scale * log2(e) - m)   online softmax in registers (running max m, sum l);
+                         m moves only when a tile's scores pass it by 2^8 (lazy rescaling)
     O += P V             V = K (the same rows), 512 wide: WG0 columns 0..127, WG1 128..511
 
 Warp roles (384 threads, ``setmaxnreg`` per warpgroup):
