@@ -442,10 +442,10 @@ class SparseDecodeSm90(SparseDecodeProducer):
                 acc_s[i] = x
                 half = (i // 2) % 2
                 tile_max[half] = cute.arch.fmax(tile_max[half], x)
-            # Lazy rescaling: the running max m only moves when some value of this warp's rows
-            # exceeds it by more than 2^RESCALE_LOG2 (then P <= 2^8, as exact in bf16 and summed
-            # in fp32); otherwise no quad reduction, and O is not rescaled (factor 1). Any m gives
-            # the same softmax as long as P, l and O use the same one.
+            # Lazy rescaling: the running max m only moves when some score of this warp's rows
+            # passes it by more than RESCALE_LOG2 (log2 units); otherwise P <= 2^RESCALE_LOG2
+            # (as exact in bf16, summed in fp32), no quad reduction, and O keeps its scale
+            # (factor 1). Any m gives the same softmax as long as P, l and O use the same one.
             scale_row = cute.make_rmem_tensor((2,), Float32)
             m_use = cute.make_rmem_tensor((2,), Float32)
             grows = (tile_max[0] > row_m[0] + RESCALE_LOG2) | (
