@@ -16,7 +16,8 @@ Both cache formats (``dsv4_attn.kv_cache``) decode exactly to bf16, so these hel
   (Folding s_b and 2^(u - 127) into one bf16 first would round s_b * G when it is a bf16
   subnormal, i.e. for u <= 2.) The writer produces u <= 244 for finite bf16 rows.
 
-Cost per 16 values (one lane): FP8 ~32 integer ops + 16 bf16x2 multiplies; NVFP4 ~26 integer ops
+Cost per 16 values (one lane): FP8 ~32 integer ops + 16 bf16x2 multiplies (8 when the block scale
+is at most 2^7, the 2^120 folded into it: :func:`fp8_folded_scale_bf16x2`); NVFP4 ~26 integer ops
 + 16 multiplies. ``tests/test_dequant.py`` checks both recipes against the codecs on every code
 and scale. Plain Python functions: they are traced inline into the calling kernel.
 """
@@ -38,19 +39,35 @@ def fp8_block_scale_bf16x2(e: Uint32) -> Uint32:
     return (e << 7) | (e << 23)
 
 
+# 2^(e - 7) = 2^120 * 2^(e - 127) is a normal bf16 while its exponent field e + 120 <= 254.
+FP8_FOLDED_MAX_EXP = 134
+
+
+def fp8_folded_scale_bf16x2(e: Uint32) -> Uint32:
+    """UE8M0 byte ``e`` (<= ``FP8_FOLDED_MAX_EXP``) -> packed bf16 pair 2^(e - 7): the recipe's
+    two multiplies (2^120, then the block scale) as one. The product (value * 2^-120) * 2^(e - 7)
+    is the same real number as the two-step recipe's, whose first product is exact, and is rounded
+    once to bf16 either way: the same bits."""
+    field = e + 120
+    return (field << 7) | (field << 23)
+
+
 def _fp8x2_to_bf16x2_scaled_down(w: Uint32) -> Uint32:
     """``w`` holds two e4m3 bytes in bits 8-15 and 24-31: bf16 pair (value * 2^-120)."""
     return (w & 0x80008000) | ((w >> 4) & 0x07F007F0)
 
 
-def dequant_fp8_16(words: tuple, scale2: Uint32) -> list:
-    """16 e4m3 values (4 little-endian u32 words) -> 8 packed bf16 pairs, times ``scale2``."""
+def dequant_fp8_16(words: tuple, scale2: Uint32, folded: bool = False) -> list:
+    """16 e4m3 values (4 little-endian u32 words) -> 8 packed bf16 pairs, times 2^120 and
+    ``scale2`` (:func:`fp8_block_scale_bf16x2`), or, ``folded``, times ``scale2`` alone
+    (:func:`fp8_folded_scale_bf16x2`: one bf16x2 multiply per pair instead of two)."""
     out = []
     zero = Uint32(0)
     for x in words:
         for selector in (0x1404, 0x3424):  # bytes (0, 1) and (2, 3) into the high byte of halves
             v = _fp8x2_to_bf16x2_scaled_down(prmt(x, zero, selector))
-            v = mul_bf16x2(v, Uint32(BF16X2_2POW120))
+            if not folded:
+                v = mul_bf16x2(v, Uint32(BF16X2_2POW120))
             out.append(mul_bf16x2(v, scale2))
     return out
 

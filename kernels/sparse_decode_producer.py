@@ -21,9 +21,11 @@ from cutlass import Float32, Int32, Int64, Uint32, const_expr
 
 from dsv4_attn.kernels import ptx_ops
 from dsv4_attn.kernels.dequant import (
+    FP8_FOLDED_MAX_EXP,
     dequant_fp8_16,
     dequant_nvfp4_16,
     fp8_block_scale_bf16x2,
+    fp8_folded_scale_bf16x2,
     nvfp4_block_scale_bf16x2,
     nvfp4_token_scale_bf16x2,
 )
@@ -313,10 +315,35 @@ class SparseDecodeProducer:
             rope_words = [Uint32(cutlass.select_(valid, w, zero)) for w in rope[4 * c : 4 * c + 4]]
             col = NOPE_DIM + 8 * self.rope_chunk(part, parity, c)
             ptx_ops.st_shared_v4(stage_base + swizzled_offset(row, col, BLOCK_N), *rope_words)
+        token_scale2 = None
         if const_expr(not self.is_fp8):
             token_scale2 = Uint32(
                 cutlass.select_(valid, nvfp4_token_scale_bf16x2(scales[7] & 0xFF), zero)
             )
+        if const_expr(self.is_fp8):
+            # One multiply per pair when every block scale of the warp's keys allows folding the
+            # 2^120 into it (scales up to 2^7: all real rows); else the two-multiply recipe.
+            e_max = Uint32(0)
+            for d in cutlass.range_constexpr(7):
+                e_max = cutlass.max(e_max, self.fp8_block_exp(scales, d))
+            if cute.arch.vote_all_sync(e_max <= FP8_FOLDED_MAX_EXP):
+                self.store_nope(unit, valid, row, part, stage_base, scales, None, True)
+            else:
+                self.store_nope(unit, valid, row, part, stage_base, scales, None, False)
+        else:
+            self.store_nope(unit, valid, row, part, stage_base, scales, token_scale2, False)
+
+    @staticmethod
+    def fp8_block_exp(scales, d: int) -> Uint32:
+        """UE8M0 exponent byte of FP8 nope block ``d`` (0..6) from the scale row's words."""
+        return (scales[d // 4] >> (8 * (d % 4))) & 0xFF
+
+    @cute.jit
+    def store_nope(self, unit, valid, row, part, stage_base, scales, token_scale2,
+                   folded: cutlass.Constexpr[bool]):  # fmt: skip
+        """Dequantize the lane's seven nope chunks into K/V stage row ``row`` (zeros if not
+        ``valid``); FP8 ``folded``: one multiply per pair (:func:`fp8_folded_scale_bf16x2`)."""
+        zero = Uint32(0)
         chunk = self.read_nope(unit, 0)
         for d in cutlass.range_constexpr(7):
             chunk_next = chunk
@@ -324,9 +351,12 @@ class SparseDecodeProducer:
                 chunk_next = self.read_nope(unit, d + 1)
             col = 64 * d + 16 * part
             if const_expr(self.is_fp8):
-                e = (scales[d // 4] >> (8 * (d % 4))) & 0xFF
-                scale2 = Uint32(cutlass.select_(valid, fp8_block_scale_bf16x2(e), zero))
-                deq = dequant_fp8_16(chunk, scale2)
+                e = self.fp8_block_exp(scales, d)
+                if const_expr(folded):
+                    scale2 = Uint32(cutlass.select_(valid, fp8_folded_scale_bf16x2(e), zero))
+                else:
+                    scale2 = Uint32(cutlass.select_(valid, fp8_block_scale_bf16x2(e), zero))
+                deq = dequant_fp8_16(chunk, scale2, folded)
             else:
                 block_scale2 = nvfp4_block_scale_bf16x2((scales[d] >> (part * 8)) & 0xFF)
                 deq = dequant_nvfp4_16(chunk, block_scale2, token_scale2)

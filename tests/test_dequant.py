@@ -67,6 +67,24 @@ def test_fp8_recipe_matches_the_codec_on_every_byte_and_scale():
     assert torch.equal(placed_hi, _low_half(placed))
 
 
+def test_fp8_folded_recipe_matches_the_codec_on_every_byte_and_foldable_scale():
+    """One multiply by 2^(e - 7) (the kernel's path when every block scale of a warp's keys is at
+    most 2^7) gives the codec's bits for every byte and every scale it applies to."""
+    codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)])
+    exps = torch.arange(0, dequant.FP8_FOLDED_MAX_EXP + 1)
+    code, e = torch.meshgrid(codes, exps, indexing="ij")
+    code, e = code.reshape(-1), e.reshape(-1)
+    placed = dequant._fp8x2_to_bf16x2_scaled_down(code << 8)
+    factor = _low_half(dequant.fp8_folded_scale_bf16x2(e))
+    assert torch.equal(_bf16_bits_to_float(factor), torch.ldexp(torch.ones(e.shape), e - 7.0))
+    got = _mul_bf16(_low_half(placed), factor).to(torch.int16).view(torch.bfloat16)
+    want = _codec_value(KVFormat.FP8_DS_MLA, code, {0: e})
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    # The next exponent no longer folds: 2^(135 - 7) is past bf16's range.
+    over = dequant.fp8_folded_scale_bf16x2(torch.tensor(dequant.FP8_FOLDED_MAX_EXP + 1))
+    assert not torch.isfinite(_bf16_bits_to_float(_low_half(over)))
+
+
 def test_nvfp4_recipe_matches_the_codec_on_every_code_and_scale():
     nibbles = torch.arange(16)
     block_codes = torch.arange(0, 0x7F)  # every non-negative e4m3 block scale (0x7F is NaN)
