@@ -300,11 +300,8 @@ class SparseDecodeProducer:
     @cute.jit
     def store_key(self, unit, valid, row, lane, parity, stage_base):
         """Dequantize a lane's quarter of one key from its raw-slot column at ``unit`` into K/V
-        stage row ``row`` and store its RoPE values beside them (zeros if not ``valid``).
-
-        Nope chunks are read one ahead of their dequantization: enough to cover the shared
-        load's latency, while ptxas keeps at most two chunks' registers live.
-        """
+        stage row ``row`` (:meth:`store_nope`) and store its RoPE values beside them (zeros if
+        not ``valid``)."""
         words = self.read_scales_rope(unit)
         n_scales = 2 if const_expr(self.is_fp8) else 8  # words of the scale row
         scales = words[:n_scales]
@@ -315,11 +312,6 @@ class SparseDecodeProducer:
             rope_words = [Uint32(cutlass.select_(valid, w, zero)) for w in rope[4 * c : 4 * c + 4]]
             col = NOPE_DIM + 8 * self.rope_chunk(part, parity, c)
             ptx_ops.st_shared_v4(stage_base + swizzled_offset(row, col, BLOCK_N), *rope_words)
-        token_scale2 = None
-        if const_expr(not self.is_fp8):
-            token_scale2 = Uint32(
-                cutlass.select_(valid, nvfp4_token_scale_bf16x2(scales[7] & 0xFF), zero)
-            )
         if const_expr(self.is_fp8):
             # One multiply per pair when every block scale of the warp's keys allows folding the
             # 2^120 into it (scales up to 2^7: all real rows); else the two-multiply recipe.
@@ -331,6 +323,9 @@ class SparseDecodeProducer:
             else:
                 self.store_nope(unit, valid, row, part, stage_base, scales, None, False)
         else:
+            token_scale2 = Uint32(
+                cutlass.select_(valid, nvfp4_token_scale_bf16x2(scales[7] & 0xFF), zero)
+            )
             self.store_nope(unit, valid, row, part, stage_base, scales, token_scale2, False)
 
     @staticmethod
@@ -342,7 +337,11 @@ class SparseDecodeProducer:
     def store_nope(self, unit, valid, row, part, stage_base, scales, token_scale2,
                    folded: cutlass.Constexpr[bool]):  # fmt: skip
         """Dequantize the lane's seven nope chunks into K/V stage row ``row`` (zeros if not
-        ``valid``); FP8 ``folded``: one multiply per pair (:func:`fp8_folded_scale_bf16x2`)."""
+        ``valid``); FP8 ``folded``: one multiply per pair (:func:`fp8_folded_scale_bf16x2`).
+
+        Chunks are read one ahead of their dequantization: enough to cover the shared load's
+        latency, while ptxas keeps at most two chunks' registers live.
+        """
         zero = Uint32(0)
         chunk = self.read_nope(unit, 0)
         for d in cutlass.range_constexpr(7):
