@@ -30,7 +30,6 @@ iff ``j <= i + Sk - Sq``; a window ``w`` further requires ``j > i + Sk - Sq - w`
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Boolean, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
@@ -204,35 +203,12 @@ class FmhaSm90:
                     (self.tile_n, D // 2),
                 )
             tma_atom_v, tma_v = None, None
-            tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
-                self.dtype,
-                self.dtype,
-                warpgroup.OperandMajorMode.K,
-                warpgroup.OperandMajorMode.K,
-                Float32,
-                (1, 1, 1),
-                (64, self.tile_n),
-            )
-            tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
-                self.dtype,
-                self.dtype,
-                warpgroup.OperandMajorMode.K,
-                warpgroup.OperandMajorMode.MN,
-                Float32,
-                (1, 1, 1),
-                (64, D // 2),
-            )
+            tiled_mma_qk = fu.warpgroup_mma(self.dtype, self.tile_n, warpgroup.OperandMajorMode.K)
+            tiled_mma_pv = fu.warpgroup_mma(self.dtype, D // 2, warpgroup.OperandMajorMode.MN)
             # The warpgroup's own P tile goes straight from registers (RS); the other one
             # comes through shared memory (SS, above).
-            tiled_mma_pv_rs = sm90_helpers.make_trivial_tiled_mma(
-                self.dtype,
-                self.dtype,
-                warpgroup.OperandMajorMode.K,
-                warpgroup.OperandMajorMode.MN,
-                Float32,
-                (1, 1, 1),
-                (64, D // 2),
-                a_source=warpgroup.OperandSource.RMEM,
+            tiled_mma_pv_rs = fu.warpgroup_mma(
+                self.dtype, D // 2, warpgroup.OperandMajorMode.MN, a_in_registers=True
             )
             SharedStorage = self._shared_storage_split(sQ_layout, sKV_half_layout, sP_layout)
             sK_layout, sV_layout = sKV_half_layout, sKV_tile_layout
@@ -246,26 +222,14 @@ class FmhaSm90:
             tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
                 tma_op, v3, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, D)
             )
-            atoms = (self.tile_m // 64, 1, 1)
-            tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
-                self.dtype,
-                self.dtype,
-                warpgroup.OperandMajorMode.K,
-                warpgroup.OperandMajorMode.K,
-                Float32,
-                atoms,
-                (64, self.tile_n),
+            warpgroups = self.tile_m // 64
+            tiled_mma_qk = fu.warpgroup_mma(
+                self.dtype, self.tile_n, warpgroup.OperandMajorMode.K, warpgroups=warpgroups
             )
-            tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
-                self.dtype,
-                self.dtype,
-                warpgroup.OperandMajorMode.K,
-                warpgroup.OperandMajorMode.MN,
-                Float32,
-                atoms,
-                (64, D),
-                a_source=warpgroup.OperandSource.RMEM,
-            )
+            tiled_mma_pv = fu.warpgroup_mma(
+                self.dtype, D, warpgroup.OperandMajorMode.MN, a_in_registers=True,
+                warpgroups=warpgroups,
+            )  # fmt: skip
             tiled_mma_pv_rs = None
             SharedStorage = self._shared_storage_rows(sQ_layout, sK_layout, sV_layout)
 

@@ -1,7 +1,7 @@
 """Device-side helpers for the Hopper FMHA kernel (:mod:`dsv4_attn.kernels.fmha_sm90`).
 
-Small, self-contained building blocks: shared-memory layouts for wgmma operands, views of a
-wgmma accumulator as rows x columns, fp32 -> bf16 packing, warpgroup GEMM issue, quad
+Small, self-contained building blocks: tiled MMAs, shared-memory layouts for wgmma operands,
+views of a wgmma accumulator as rows x columns, fp32 -> bf16 packing, warpgroup GEMM issue, quad
 reductions and a bare mbarrier pair (full/empty) with explicit index and phase.
 
 Conventions (Hopper wgmma, one warpgroup = 128 threads, M = 64 rows per warpgroup):
@@ -26,6 +26,20 @@ from cutlass.utils import LayoutEnum
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiled MMAs
+# ----------------------------------------------------------------------------------------------
+def warpgroup_mma(dtype, n: int, b_major, *, a_in_registers: bool = False, warpgroups: int = 1):
+    """A ``dtype`` x ``dtype`` -> fp32 wgmma TiledMma of ``warpgroups`` warpgroups stacked along
+    M, each ``64 x n``: A K-major, from registers (RS) or SMEM (SS); B ``b_major`` (K for
+    ``Q K^T``, MN for ``P V``)."""
+    a_source = warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM
+    return sm90_helpers.make_trivial_tiled_mma(
+        dtype, dtype, warpgroup.OperandMajorMode.K, b_major, Float32, (warpgroups, 1, 1), (64, n),
+        a_source=a_source,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------

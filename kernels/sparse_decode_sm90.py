@@ -66,12 +66,16 @@ import math
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 
 from dsv4_attn.kernels import ptx_ops
-from dsv4_attn.kernels.fmha_sm90_utils import smem_layout_rowmajor
+from dsv4_attn.kernels.fmha_sm90_utils import (
+    quad_max,
+    quad_sum,
+    smem_layout_rowmajor,
+    warpgroup_mma,
+)
 from dsv4_attn.kernels.sparse_decode_config import (
     BAR_EPILOGUE,
     BAR_P_EMPTY,
@@ -130,16 +134,6 @@ def _on_stage(stage: Int32, issue, s: cutlass.Constexpr[int] = 0):
             _on_stage(stage, issue, s + 1)
 
 
-def _tiled_mma(b_major: OperandMajorMode, n: int, a_in_registers: bool = False):
-    """One warpgroup's bf16 x bf16 -> fp32 wgmma over ``BLOCK_H`` x ``n``: B K-major (K for
-    QK) or MN-major (V for PV); A from registers (RS) or SMEM (SS)."""
-    a_source = warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM
-    return sm90_helpers.make_trivial_tiled_mma(
-        BFloat16, BFloat16, OperandMajorMode.K, b_major, Float32, (1, 1, 1), (BLOCK_H, n),
-        a_source=a_source,
-    )  # fmt: skip
-
-
 class SparseDecodeSm90(SparseDecodeProducer):
     """The split-KV sparse decode kernel for one :class:`SparseDecodeConfig`."""
 
@@ -183,12 +177,12 @@ class SparseDecodeSm90(SparseDecodeProducer):
         sP_layout = smem_layout_rowmajor(BFloat16, BLOCK_H, BLOCK_N, NUM_P_BUFFERS)
         # QK: the nope columns with Q from WG0's registers (RS), the RoPE columns with Q from
         # SMEM (SS); both accumulate into the same 64 x 32 S tile.
-        mma_qk_rs = _tiled_mma(OperandMajorMode.K, BLOCK_N, a_in_registers=True)
-        mma_qk_ss = _tiled_mma(OperandMajorMode.K, BLOCK_N)
+        mma_qk_rs = warpgroup_mma(BFloat16, BLOCK_N, OperandMajorMode.K, a_in_registers=True)
+        mma_qk_ss = warpgroup_mma(BFloat16, BLOCK_N, OperandMajorMode.K)
         # PV: WG0 its WG0_COLS columns with P from registers; WG1 the rest with P from SMEM,
         # as one MMA per entry of WG1_TILES.
-        mma_pv_wg0 = _tiled_mma(OperandMajorMode.MN, WG0_COLS, a_in_registers=True)
-        mma_pv_wg1 = [_tiled_mma(OperandMajorMode.MN, width) for _, width in WG1_TILES]
+        mma_pv_wg0 = warpgroup_mma(BFloat16, WG0_COLS, OperandMajorMode.MN, a_in_registers=True)
+        mma_pv_wg1 = [warpgroup_mma(BFloat16, width, OperandMajorMode.MN) for _, width in WG1_TILES]
 
         @cute.struct
         class SharedStorage:
@@ -457,10 +451,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
                 m_use[h] = Float32(cutlass.select_(row_m[h] == -math.inf, Float32(0.0), row_m[h]))
             if rescale:
                 for h in cutlass.range_constexpr(2):
-                    mx = tile_max[h]
-                    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
-                    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
-                    m_new = cute.arch.fmax(row_m[h], mx)
+                    m_new = cute.arch.fmax(row_m[h], quad_max(tile_max[h]))
                     m_safe = Float32(cutlass.select_(m_new == -math.inf, Float32(0.0), m_new))
                     m_use[h] = m_safe
                     scale_row[h] = ptx_ops.exp2_approx(row_m[h] - m_safe)
@@ -497,10 +488,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
 
         # ---- final row statistics, shared with WG1
         for h in cutlass.range_constexpr(2):
-            s = row_l[h]
-            s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
-            s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
-            row_l[h] = s
+            row_l[h] = quad_sum(row_l[h])
         if (lane & 3) == 0:
             row_sum_smem[row0] = row_l[0]
             row_sum_smem[row0 + 8] = row_l[1]

@@ -15,11 +15,10 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import BFloat16, Float32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warp, warpgroup
 
-from dsv4_attn.kernels.fmha_sm90_utils import smem_layout_rowmajor
+from dsv4_attn.kernels.fmha_sm90_utils import smem_layout_rowmajor, warpgroup_mma
 
 __all__ = ["GROUP", "K_TILE", "M", "WgmmaRate", "build_wgmma_rate_kernel"]
 
@@ -51,13 +50,9 @@ class WgmmaRate:
         The grid is ``mOut``'s length / threads per CTA."""
         sA_layout = smem_layout_rowmajor(BFloat16, M, K_TILE)
         sB_layout = smem_layout_rowmajor(BFloat16, self.n, K_TILE)
-        a_source = (
-            warpgroup.OperandSource.RMEM if self.a_in_registers else warpgroup.OperandSource.SMEM
+        tiled_mma = warpgroup_mma(
+            BFloat16, self.n, OperandMajorMode.K, a_in_registers=self.a_in_registers
         )
-        tiled_mma = sm90_helpers.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            (1, 1, 1), (M, self.n), a_source=a_source,
-        )  # fmt: skip
 
         @cute.struct
         class SharedStorage:
