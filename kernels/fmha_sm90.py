@@ -27,6 +27,8 @@ bottom-right aligned: query ``i`` of a sequence with ``Sq`` queries and ``Sk`` k
 iff ``j <= i + Sk - Sq``; a window ``w`` further requires ``j > i + Sk - Sq - w``.
 """
 
+from typing import NamedTuple
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -42,14 +44,39 @@ __all__ = ["FmhaSm90"]
 _BAR_EPILOGUE = 1  # all 256 compute threads
 _BAR_SCHED_WG1 = 2  # ping-pong turn of compute warpgroup 1 (row split)
 _BAR_SCHED_WG2 = 3  # ping-pong turn of compute warpgroup 2 (row split)
-_BAR_MAX = 4  # column split: both warpgroups published their row max
-_BAR_P = 5  # column split: both warpgroups wrote their P tile
+_BAR_MAX_LEAD = 4  # column split: the lead warpgroup published its running row max
+_BAR_MAX_FOLLOW = 5  # column split: the follower published the merged row max
 _BAR_SUM = 6  # column split: both warpgroups published their row sums
+_BAR_P_LEAD = 7  # column split: the lead's P tile is in shared memory
+_BAR_P_FOLLOW = 8  # column split: the follower's P tile is in shared memory
+# Initial running max of the column split, in log2 units: finite, so exp2(old - new) is 0 or 1,
+# never NaN, and far below any score bf16 inputs produce.
+_MAX_INIT = -1.0e30
 
 _THREADS_PER_WG = 128
+_SPLIT_THREADS = 2 * _THREADS_PER_WG  # the two compute warpgroups (named-barrier count)
 _GATHER_ROWS = 64  # rows per gathered KV tile (one warpgroup's S tile)
 # Registers per thread at launch: 64K / 384 threads, rounded down to ptxas's granule of 8.
 _LAUNCH_REGS = 168
+
+
+class _SplitOperands(NamedTuple):
+    """What both column-split mainloops read and never rebind: MMAs, fragments, barriers."""
+
+    mma_qk: cute.TiledMma
+    mma_pv: cute.TiledMma  # P from shared memory (the other warpgroup's tile)
+    mma_pv_rs: cute.TiledMma  # P from registers (this warpgroup's own tile)
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor  # (MMA, N, K, 2 tiles)
+    tOrP: cute.Tensor  # (MMA, M, K, 2 P tiles)
+    tOrV: cute.Tensor  # (MMA, N, K, 4 halves)
+    tOrV_rs: cute.Tensor
+    copy_p: cute.ThrCopy  # registers -> sP (stmatrix)
+    tPsP: cute.Tensor
+    t_coord: cute.Tensor  # (row, col) of each S accumulator element
+    s_max: cute.Tensor  # [64] fp32: the running max handed between the warpgroups
+    mbar_full: cute.Pointer
+    mbar_empty: cute.Pointer
 
 
 class FmhaSm90:
@@ -299,7 +326,7 @@ class FmhaSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 1]
             mbar_kv_full: cute.struct.MemRange[cutlass.Int64, 4]
             mbar_kv_empty: cute.struct.MemRange[cutlass.Int64, 4]
-            row_max: cute.struct.MemRange[Float32, 2 * 64]
+            row_max: cute.struct.MemRange[Float32, 64]
             row_sum: cute.struct.MemRange[Float32, 2 * 64]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[
@@ -865,8 +892,9 @@ class FmhaSm90:
     # 3 = b 256..511. Warpgroup w computes S for tile w and the output columns of half w.
     # Readers: half 0 = wg0 (QK, PV), 1 = wg0 (QK) + wg1 (PV), 2 = wg1 (QK) + wg0 (PV),
     # 3 = wg1 (QK, PV). The PV reader releases a half; its QK reader finished before the
-    # _BAR_MAX barrier that both passed before any PV. Producer order: the halves released
-    # first (0 after wg0's first PV, 3 after wg1's first PV) are refilled first.
+    # reader's PV could start (half 1: wg0's QK before it handed P_a over; half 2: wg1's QK
+    # before it published its max). Producer order: the halves released first (0 after wg0's
+    # own PV, 3 after wg1's) are refilled first.
     _HALF_ORDER = ((0, 0, 0), (3, 1, 1), (1, 0, 1), (2, 1, 0))  # (half, tile of step, column half)
 
     @cute.jit
@@ -972,6 +1000,11 @@ class FmhaSm90:
         mLens, scale_log2, window, m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min,
         n_max, ctidx,
     ):  # fmt: skip
+        """Compute warpgroups of the column split: set up, run the staggered mainloop, store.
+
+        The running row max lives in log2 units (``score * scale_log2``) and starts at the
+        finite :data:`_MAX_INIT`, so that rescale factors never meet ``-inf - -inf``.
+        """
         wg = cute.arch.make_warp_uniform(ctidx // _THREADS_PER_WG)
         wtidx = ctidx % _THREADS_PER_WG
         lane = cute.arch.lane_idx()
@@ -979,135 +1012,58 @@ class FmhaSm90:
         sKVt = storage.sKV.get_tensor(sKV_tile_layout.outer, swizzle=sKV_tile_layout.inner)
         sKVh = storage.sKV.get_tensor(sKV_half_layout.outer, swizzle=sKV_half_layout.inner)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-        s_max = storage.row_max.get_tensor(cute.make_layout((rows, 2)))
         s_sum = storage.row_sum.get_tensor(cute.make_layout((rows, 2)))
         thr_mma_qk = tiled_mma_qk.get_slice(wtidx)
         thr_mma_pv = tiled_mma_pv.get_slice(wtidx)
-        tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
-        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sKVt))
-        tOrP = thr_mma_pv.make_fragment_A(thr_mma_pv.partition_A(sP))
         sVt = fu.transpose_view(sKVh)
-        tOrV = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
         thr_mma_pv_rs = tiled_mma_pv_rs.get_slice(wtidx)
-        tOrV_rs = thr_mma_pv_rs.make_fragment_B(thr_mma_pv_rs.partition_B(sVt))
-        acc_o = cute.make_rmem_tensor(
-            thr_mma_pv.partition_shape_C((rows, self.head_dim // 2)), Float32
-        )
-        shape_s = thr_mma_qk.partition_shape_C((rows, self.tile_n))
-        t_coord = thr_mma_qk.partition_C(cute.make_identity_tensor((rows, self.tile_n)))
-        c_mn = fu.acc_as_mn(t_coord)
         st_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
         )
         thr_copy_p = cute.make_tiled_copy_C(st_atom, tiled_mma_qk).get_slice(wtidx)
-        tPsP = thr_copy_p.partition_D(sP)  # (CPY, M, N, 2 tiles)
+        t_coord = thr_mma_qk.partition_C(cute.make_identity_tensor((rows, self.tile_n)))
+        ops = _SplitOperands(
+            mma_qk=tiled_mma_qk,
+            mma_pv=tiled_mma_pv,
+            mma_pv_rs=tiled_mma_pv_rs,
+            tSrQ=thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ)),
+            tSrK=thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sKVt)),
+            tOrP=thr_mma_pv.make_fragment_A(thr_mma_pv.partition_A(sP)),
+            tOrV=thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt)),
+            tOrV_rs=thr_mma_pv_rs.make_fragment_B(thr_mma_pv_rs.partition_B(sVt)),
+            copy_p=thr_copy_p,
+            tPsP=thr_copy_p.partition_D(sP),  # (CPY, M, N, 2 tiles)
+            t_coord=t_coord,
+            s_max=storage.row_max.get_tensor(cute.make_layout(rows)),
+            mbar_full=mbar_full,
+            mbar_empty=mbar_empty,
+        )
+        acc_o = cute.make_rmem_tensor(
+            thr_mma_pv.partition_shape_C((rows, self.head_dim // 2)), Float32
+        )
+        acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((rows, self.tile_n)), Float32)
+        c_mn = fu.acc_as_mn(t_coord)
         num_rows = cute.size(fu.acc_as_mn(acc_o).shape[0])
         row_max = cute.make_rmem_tensor(num_rows, Float32)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
-        m_loc = cute.make_rmem_tensor(num_rows, Float32)
-        row_scale = cute.make_rmem_tensor(num_rows, Float32)
-        row_max.fill(-Float32.inf)
+        row_max.fill(_MAX_INIT)
         row_sum.fill(0.0)
         acc_o.fill(0.0)
         row0 = m_block * rows
-        # PV halves of warpgroup w: its own tile's half w first, then the other tile's half w.
-        half_first = 3 * wg
-        half_second = 2 * (1 - wg) + wg
 
         fu.mbar_wait(mbar_q, 0, 0)
         num_steps = cute.ceil_div(n_max - n_min, 2)
-        # Gathered: this warpgroup's index entries are loaded a step ahead (the next step's tile
-        # is tile + 2) and only read, as validity bits, after the step's QK MMA.
-        entries = (Int32(-1), Int32(-1))
-        if const_expr(self.gather):
-            entries = self._gather_entries(mIndices, q_l, seqlen_k, n_min + wg, lane)
-        for step in cutlass.range(num_steps, unroll=1):
-            phase = step & 1
-            tile = n_min + 2 * step + wg
-            entries_next = entries
-            if const_expr(self.gather):
-                entries_next = self._gather_entries(mIndices, q_l, seqlen_k, tile + 2, lane)
-            acc_s = cute.make_rmem_tensor(shape_s, Float32)
-            k_half = self.head_dim // 32  # k-blocks (of 16) per 256 columns
-            if wg == 0:
-                self._wait_kv_half(mbar_full, 0, phase)
-                fu.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, 0], True, 0, k_half)
-                self._wait_kv_half(mbar_full, 1, phase)
-                fu.wgmma(
-                    tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, 0], False, k_half,
-                    2 * k_half,
-                )  # fmt: skip
-            else:
-                self._wait_kv_half(mbar_full, 3, phase)
-                fu.wgmma(
-                    tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, 1], True, k_half,
-                    2 * k_half,
-                )  # fmt: skip
-                self._wait_kv_half(mbar_full, 2, phase)
-                fu.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, 1], False, 0, k_half)
-            warpgroup.wait_group(0)
-
-            acc_mn = fu.acc_as_mn(acc_s)
-            if const_expr(self.gather):
-                # Validity of this tile's 64 gathered entries, one bit per column (2 words).
-                valid_lo = cute.arch.vote_ballot_sync(entries[0] >= 0)
-                valid_hi = cute.arch.vote_ballot_sync(entries[1] >= 0)
-                for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
-                    col = c_mn[0, c][1]
-                    bits = valid_lo if col < 32 else valid_hi
-                    if ((bits >> (col % 32)) & 1) == 0:
-                        for r in cutlass.range_constexpr(num_rows):
-                            acc_mn[r, c] = -Float32.inf
-            else:
-                self._apply_mask(
-                    acc_s, t_coord, row0, tile * self.tile_n, seqlen_q, seqlen_k, window
-                )
-
-            # Publish this tile's row max; agree on the new running max.
-            for r in cutlass.range_constexpr(num_rows):
-                m_loc[r] = fu.quad_max(fu.row_max(acc_mn[r, None].load(), -Float32.inf))
-                if lane % 4 == 0:
-                    s_max[c_mn[r, 0][0], wg] = m_loc[r]
-            cute.arch.barrier(barrier_id=_BAR_MAX, number_of_threads=2 * _THREADS_PER_WG)
-            for r in cutlass.range_constexpr(num_rows):
-                m_other = s_max[c_mn[r, 0][0], 1 - wg]
-                m_old = row_max[r]
-                m_new = cute.arch.fmax(cute.arch.fmax(m_old, m_loc[r]), m_other)
-                row_max[r] = m_new
-                m_safe = 0.0 if m_new == -Float32.inf else m_new
-                m_scaled = m_safe * scale_log2
-                p = cute.math.exp2(acc_mn[r, None].load() * scale_log2 - m_scaled, fastmath=True)
-                acc_mn[r, None].store(p)
-                scale = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
-                row_scale[r] = scale
-                row_sum[r] = row_sum[r] * scale + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
-            self._rescale_rows(acc_o, row_scale)
-
-            # Own P tile: bf16 in registers, multiplied at once with this warpgroup's half of
-            # its own V tile (RS); the same registers (accumulator order) go to shared memory
-            # for the other warpgroup (SMEM-P).
-            r_p = cute.make_rmem_tensor(shape_s, self.dtype)
-            fu.convert_to_bf16(acc_s, r_p)
-            fu.mbar_wait(mbar_full, half_first, phase)  # waited and fenced for QK already
-            fu.wgmma(
-                tiled_mma_pv_rs, acc_o, fu.acc_as_operand_a(r_p),
-                tOrV_rs[None, None, None, half_first], False,
-            )  # fmt: skip
-            cute.copy(thr_copy_p, thr_copy_p.retile(r_p), tPsP[None, None, None, wg])
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=_BAR_P, number_of_threads=2 * _THREADS_PER_WG)
-            self._wait_kv_half(mbar_full, half_second, phase)
-            fu.wgmma(
-                tiled_mma_pv, acc_o, tOrP[None, None, None, 1 - wg],
-                tOrV[None, None, None, half_second], False,
-            )  # fmt: skip
-            warpgroup.wait_group(1)
-            fu.mbar_arrive_one_per_warp(mbar_empty, half_first)
-            warpgroup.wait_group(0)
-            fu.mbar_arrive_one_per_warp(mbar_empty, half_second)
-            entries = entries_next
+        loop_args = (
+            ops, acc_s, acc_o, row_max, row_sum, mIndices, scale_log2, window, row0, q_l,
+            seqlen_q, seqlen_k, n_min, num_steps, lane,
+        )  # fmt: skip
+        if wg == 0:
+            self._split_mainloop_lead(*loop_args)
+        else:
+            self._split_mainloop_follow(*loop_args)
 
         # ---- epilogue: combine the two warpgroups' row sums, normalise, store ------------------
+        # Both warpgroups end on the same running max (the follower's merge of the last step).
         for r in cutlass.range_constexpr(num_rows):
             row_sum[r] = fu.quad_sum(row_sum[r])
             if lane % 4 == 0:
@@ -1124,10 +1080,11 @@ class FmhaSm90:
                     sink_log2[r] = mSink[q_row0 + row] * fu.LOG2_E
             else:
                 sink_log2[r] = mSink[q_l] * fu.LOG2_E
-        lse = self._finalize(acc_o, row_max, row_sum, sink_log2, scale_log2)
+        lse = self._finalize(acc_o, row_max, row_sum, sink_log2, Float32(1.0))
         if wg == 0:
             self._store_lse(mLSE, lse, thr_mma_qk, q_row0, q_l, row_limit)
-        # O halves -> shared (the Q buffer: every QK finished before the last _BAR_MAX).
+        # O halves -> shared (the Q buffer). Every QK has finished: the leader's last one before
+        # it handed over its last P tile, the follower's before it published its last max.
         sO = sQ
         sO_half = cute.local_tile(sO, (rows, self.head_dim // 2), (0, wg))
         r_o = cute.make_rmem_tensor(acc_o.layout.shape, self.dtype)
@@ -1137,6 +1094,194 @@ class FmhaSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=2 * _THREADS_PER_WG)
         self._copy_o_to_global(sO, mO, q_row0, q_l, row_limit, ctidx)
+
+    # The two compute warpgroups run staggered so that one's softmax overlaps the other's MMAs:
+    #
+    #   lead (wg0):   softmax(S_a) | PV own P_a, aL | wait merged max, rescale P_a, hand it over
+    #                 | wait P_b | PV P_b, bL | QK of the next step's tile a (aL, aR)
+    #   follow (wg1): QK of tile b (bR, bL) | wait lead's max, softmax(S_b), publish the merged
+    #                 max | PV own P_b, bR | hand P_b over | wait P_a | PV P_a, aR
+    #
+    # The lead multiplies its own P tile before the merged max exists (against its own running
+    # max) and rescales O, the row sum and the P tile it hands over once the follower has merged.
+    @cute.jit
+    def _split_mainloop_lead(
+        self, ops, acc_s, acc_o, row_max, row_sum, mIndices, scale_log2, window, row0, q_l,
+        seqlen_q, seqlen_k, n_min, num_steps, lane,
+    ):  # fmt: skip
+        """Warpgroup 0 of the column split: S of tile a, output columns 0..255 (halves 0, 2)."""
+        num_rows = cute.size(row_max)
+        c_mn = fu.acc_as_mn(ops.t_coord)
+        row_scale = cute.make_rmem_tensor(num_rows, Float32)
+        entries = self._split_entries(mIndices, q_l, seqlen_k, n_min, lane)
+        if num_steps > 0:  # no rows are coming otherwise
+            self._split_qk(ops, acc_s, 0, Int32(0))
+            self._split_qk(ops, acc_s, 1, Int32(0))
+            warpgroup.wait_group(0)
+        for step in cutlass.range(num_steps, unroll=1):
+            phase = step & 1
+            tile = n_min + 2 * step
+            entries_next = self._split_entries(mIndices, q_l, seqlen_k, tile + 2, lane)
+            self._split_mask(acc_s, entries, ops.t_coord, row0, tile, seqlen_q, seqlen_k, window)
+            self._split_softmax(acc_s, row_max, row_max, row_sum, row_scale, scale_log2)
+            if lane % 4 == 0:
+                for r in cutlass.range_constexpr(num_rows):
+                    ops.s_max[c_mn[r, 0][0]] = row_max[r]
+            cute.arch.barrier_arrive(barrier_id=_BAR_MAX_LEAD, number_of_threads=_SPLIT_THREADS)
+            self._rescale_rows(acc_o, row_scale)
+            r_p = cute.make_rmem_tensor(acc_s.layout.shape, self.dtype)
+            fu.convert_to_bf16(acc_s, r_p)
+            self._split_pv_own(ops, acc_o, r_p, 0)
+            warpgroup.wait_group(0)  # r_p is rewritten below
+            fu.mbar_arrive_one_per_warp(ops.mbar_empty, 0)
+
+            # The follower's merged max: rescale O, the sum and P_a to it; hand P_a over.
+            cute.arch.barrier(barrier_id=_BAR_MAX_FOLLOW, number_of_threads=_SPLIT_THREADS)
+            for r in cutlass.range_constexpr(num_rows):
+                m_merged = ops.s_max[c_mn[r, 0][0]]
+                scale = cute.math.exp2(row_max[r] - m_merged, fastmath=True)
+                row_scale[r] = scale
+                row_sum[r] = row_sum[r] * scale
+                row_max[r] = m_merged
+            self._rescale_rows(acc_s, row_scale)
+            fu.convert_to_bf16(acc_s, r_p)
+            cute.copy(ops.copy_p, ops.copy_p.retile(r_p), ops.tPsP[None, None, None, 0])
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=_BAR_P_LEAD, number_of_threads=_SPLIT_THREADS)
+            self._rescale_rows(acc_o, row_scale)
+            cute.arch.barrier(barrier_id=_BAR_P_FOLLOW, number_of_threads=_SPLIT_THREADS)
+            self._split_pv_other(ops, acc_o, 1, 2)
+            if step + 1 < num_steps:
+                # The next step's S_a runs behind this PV; half 2 is free once the PV is done.
+                self._split_qk(ops, acc_s, 0, phase ^ 1)
+                warpgroup.wait_group(1)
+                fu.mbar_arrive_one_per_warp(ops.mbar_empty, 2)
+                self._split_qk(ops, acc_s, 1, phase ^ 1)
+                warpgroup.wait_group(0)
+            else:
+                warpgroup.wait_group(0)
+                fu.mbar_arrive_one_per_warp(ops.mbar_empty, 2)
+            entries = entries_next
+
+    @cute.jit
+    def _split_mainloop_follow(
+        self, ops, acc_s, acc_o, row_max, row_sum, mIndices, scale_log2, window, row0, q_l,
+        seqlen_q, seqlen_k, n_min, num_steps, lane,
+    ):  # fmt: skip
+        """Warpgroup 1 of the column split: S of tile b, output columns 256..511 (halves 3, 1)."""
+        num_rows = cute.size(row_max)
+        c_mn = fu.acc_as_mn(ops.t_coord)
+        row_scale = cute.make_rmem_tensor(num_rows, Float32)
+        m_lead = cute.make_rmem_tensor(num_rows, Float32)
+        entries = self._split_entries(mIndices, q_l, seqlen_k, n_min + 1, lane)
+        for step in cutlass.range(num_steps, unroll=1):
+            phase = step & 1
+            tile = n_min + 2 * step + 1
+            entries_next = self._split_entries(mIndices, q_l, seqlen_k, tile + 2, lane)
+            self._split_qk(ops, acc_s, 3, phase)
+            self._split_qk(ops, acc_s, 2, phase)
+            warpgroup.wait_group(0)
+            self._split_mask(acc_s, entries, ops.t_coord, row0, tile, seqlen_q, seqlen_k, window)
+
+            # Merge with the lead's running max (never below this warpgroup's own).
+            cute.arch.barrier(barrier_id=_BAR_MAX_LEAD, number_of_threads=_SPLIT_THREADS)
+            for r in cutlass.range_constexpr(num_rows):
+                m_lead[r] = ops.s_max[c_mn[r, 0][0]]
+            cute.arch.sync_warp()  # the quad leaders overwrite what their quads just read
+            self._split_softmax(acc_s, m_lead, row_max, row_sum, row_scale, scale_log2)
+            if lane % 4 == 0:
+                for r in cutlass.range_constexpr(num_rows):
+                    ops.s_max[c_mn[r, 0][0]] = row_max[r]
+            cute.arch.barrier_arrive(barrier_id=_BAR_MAX_FOLLOW, number_of_threads=_SPLIT_THREADS)
+            self._rescale_rows(acc_o, row_scale)
+            r_p = cute.make_rmem_tensor(acc_s.layout.shape, self.dtype)
+            fu.convert_to_bf16(acc_s, r_p)
+            self._split_pv_own(ops, acc_o, r_p, 3)
+            cute.copy(ops.copy_p, ops.copy_p.retile(r_p), ops.tPsP[None, None, None, 1])
+            cute.arch.barrier(barrier_id=_BAR_P_LEAD, number_of_threads=_SPLIT_THREADS)
+            self._split_pv_other(ops, acc_o, 0, 1)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=_BAR_P_FOLLOW, number_of_threads=_SPLIT_THREADS)
+            warpgroup.wait_group(1)
+            fu.mbar_arrive_one_per_warp(ops.mbar_empty, 3)
+            warpgroup.wait_group(0)
+            fu.mbar_arrive_one_per_warp(ops.mbar_empty, 1)
+            entries = entries_next
+
+    @cute.jit
+    def _split_qk(self, ops, acc_s, half: cutlass.Constexpr[int], phase):
+        """Issue the 256-column half ``half`` of ``S = Q K^T`` for the tile stored in it (one
+        wgmma group, after waiting for its rows). Halves 0 and 3 start the tiles' sums."""
+        tile, col_half = half // 2, half % 2
+        k_half = self.head_dim // 32  # k-blocks (of 16) per 256 columns
+        self._wait_kv_half(ops.mbar_full, half, phase)
+        fu.wgmma(
+            ops.mma_qk, acc_s, ops.tSrQ, ops.tSrK[None, None, None, tile], half in (0, 3),
+            col_half * k_half, (col_half + 1) * k_half,
+        )  # fmt: skip
+
+    @cute.jit
+    def _split_pv_own(self, ops, acc_o, r_p, half: cutlass.Constexpr[int]):
+        """Issue ``O += P V[half]`` with this warpgroup's bf16 P tile from registers (RS)."""
+        fu.wgmma(
+            ops.mma_pv_rs, acc_o, fu.acc_as_operand_a(r_p), ops.tOrV_rs[None, None, None, half],
+            False,
+        )  # fmt: skip
+
+    @cute.jit
+    def _split_pv_other(
+        self, ops, acc_o, p_tile: cutlass.Constexpr[int], half: cutlass.Constexpr[int]
+    ):
+        """Issue ``O += P V[half]`` with the other warpgroup's P tile from shared memory (SS)."""
+        fu.wgmma(
+            ops.mma_pv, acc_o, ops.tOrP[None, None, None, p_tile],
+            ops.tOrV[None, None, None, half], False,
+        )  # fmt: skip
+
+    @cute.jit
+    def _split_entries(self, mIndices, token, num_keys, tile, lane):
+        """Gathered: this lane's two index entries of ``tile`` (validity bits for the mask)."""
+        entries = (Int32(-1), Int32(-1))
+        if const_expr(self.gather):
+            entries = self._gather_entries(mIndices, token, num_keys, tile, lane)
+        return entries
+
+    @cute.jit
+    def _split_mask(self, acc_s, entries, t_coord, row0, tile, seqlen_q, seqlen_k, window):
+        """Set the scores of keys this warpgroup's tile must not see to ``-inf``."""
+        if const_expr(self.gather):
+            acc_mn = fu.acc_as_mn(acc_s)
+            c_mn = fu.acc_as_mn(t_coord)
+            # Validity of the tile's 64 gathered entries, one bit per column (2 words).
+            valid_lo = cute.arch.vote_ballot_sync(entries[0] >= 0)
+            valid_hi = cute.arch.vote_ballot_sync(entries[1] >= 0)
+            for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
+                col = c_mn[0, c][1]
+                bits = valid_lo if col < 32 else valid_hi
+                if ((bits >> (col % 32)) & 1) == 0:
+                    for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+                        acc_mn[r, c] = -Float32.inf
+        else:
+            self._apply_mask(acc_s, t_coord, row0, tile * self.tile_n, seqlen_q, seqlen_k, window)
+
+    @cute.jit
+    def _split_softmax(self, acc_s, m_floor, row_max, row_sum, row_scale, scale_log2):
+        """Scores -> probabilities in place, against ``m_new = max(m_floor, tile row max)``.
+
+        Maxima in log2 units. Writes ``exp2(row_max - m_new)`` (the factor for what was summed
+        before) to ``row_scale``, folds it into ``row_sum`` and adds the tile's sum (this
+        thread's columns only); ``row_max`` becomes ``m_new``.
+        """
+        acc_mn = fu.acc_as_mn(acc_s)
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            m_tile = fu.quad_max(fu.row_max(acc_mn[r, None].load(), -Float32.inf)) * scale_log2
+            m_new = cute.arch.fmax(m_floor[r], m_tile)
+            p = cute.math.exp2(acc_mn[r, None].load() * scale_log2 - m_new, fastmath=True)
+            acc_mn[r, None].store(p)
+            scale = cute.math.exp2(row_max[r] - m_new, fastmath=True)
+            row_scale[r] = scale
+            row_sum[r] = row_sum[r] * scale + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+            row_max[r] = m_new
 
     @cute.jit
     def _wait_kv_half(self, mbar_full, half, phase):
