@@ -25,7 +25,12 @@ import torch
 from dsv4_attn import reference
 from dsv4_attn.kernels import fmha, sass
 from dsv4_attn.kernels.resource_usage import read_resources
-from dsv4_attn.prefill_cases import make_dense_case, make_random_sparse_case, make_v4_sparse_case
+from dsv4_attn.prefill_cases import (
+    SparseCase,
+    make_dense_case,
+    make_random_sparse_case,
+    make_v4_sparse_case,
+)
 
 try:
     import cutlass  # noqa: F401
@@ -240,6 +245,39 @@ def test_gpu_sparse_kernel_matches_reference(heads, shape):
 def test_gpu_sparse_kernel_v4_layout(heads, topk):
     case = make_v4_sparse_case(300, heads, topk, device="cuda", seed=topk)
     _run_sparse_and_check(f"sparse-v4-h{heads}-k{topk}", case)
+
+
+# Row scale of the kv rows of each 64-entry tile (20 tiles): the scores of a tile grow with it,
+# so the running max jumps in the last tile, climbs ~5 log2 units per tile, or only falls.
+MAX_PROFILES = {
+    "jump": [1.0] * 19 + [12.0],
+    "climb": [1.0 + 0.5 * t for t in range(20)],
+    "fall": [10.0 - 0.45 * t for t in range(20)],
+}
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("profile", list(MAX_PROFILES))
+def test_gpu_sparse_running_max_that_moves_after_the_first_tile(heads, profile):
+    """The column split keeps a running max per row, handed between its two warpgroups and
+    moved only when scores pass it by a margin; scores that grow late must still rescale O."""
+    tiles = MAX_PROFILES[profile]
+    tokens, width = 3, 64 * len(tiles)
+    g = torch.Generator().manual_seed(len(profile) + heads)
+    row_scale = torch.tensor(tiles).repeat_interleave(64)
+    kv = torch.randn(tokens * width, 512, generator=g) * row_scale.repeat(tokens)[:, None]
+    q = torch.randn(tokens, heads, 512, generator=g)
+    indices = torch.arange(tokens * width).view(tokens, width)
+    indices[torch.rand(tokens, width, generator=g) < 0.1] = -1
+    lens = torch.tensor([width, width - 37, 64 * 7 + 5])
+    case = SparseCase(
+        q.to("cuda", torch.bfloat16), kv.to("cuda", torch.bfloat16),
+        indices.to("cuda", torch.int32), lens.to("cuda", torch.int32),
+        torch.randn(heads, generator=g).to("cuda"), 512**-0.5,
+    )  # fmt: skip
+    _run_sparse_and_check(f"sparse-max-{profile}-h{heads}", case)
 
 
 def _run_sparse_and_check(name, case):
