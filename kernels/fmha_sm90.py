@@ -52,6 +52,9 @@ _BAR_P_FOLLOW = 8  # column split: the follower's P tile is in shared memory
 # Initial running max of the column split, in log2 units: finite, so exp2(old - new) is 0 or 1,
 # never NaN, and far below any score bf16 inputs produce.
 _MAX_INIT = -1.0e30
+# Lazy rescaling of the column split: the running max moves only when a score passes it by more
+# than this (log2 units), so P <= 2^8.
+_RESCALE_LOG2 = 8.0
 
 _THREADS_PER_WG = 128
 _SPLIT_THREADS = 2 * _THREADS_PER_WG  # the two compute warpgroups (named-barrier count)
@@ -1128,7 +1131,7 @@ class FmhaSm90:
                 for r in cutlass.range_constexpr(num_rows):
                     ops.s_max[c_mn[r, 0][0]] = row_max[r]
             cute.arch.barrier_arrive(barrier_id=_BAR_MAX_LEAD, number_of_threads=_SPLIT_THREADS)
-            self._rescale_rows(acc_o, row_scale)
+            self._rescale_rows_if_moved(acc_o, row_scale)
             r_p = cute.make_rmem_tensor(acc_s.layout.shape, self.dtype)
             fu.convert_to_bf16(acc_s, r_p)
             self._split_pv_own(ops, acc_o, r_p, 0)
@@ -1143,12 +1146,12 @@ class FmhaSm90:
                 row_scale[r] = scale
                 row_sum[r] = row_sum[r] * scale
                 row_max[r] = m_merged
-            self._rescale_rows(acc_s, row_scale)
+            self._rescale_rows_if_moved(acc_s, row_scale)
             fu.convert_to_bf16(acc_s, r_p)
             cute.copy(ops.copy_p, ops.copy_p.retile(r_p), ops.tPsP[None, None, None, 0])
             cute.arch.fence_view_async_shared()
             cute.arch.barrier_arrive(barrier_id=_BAR_P_LEAD, number_of_threads=_SPLIT_THREADS)
-            self._rescale_rows(acc_o, row_scale)
+            self._rescale_rows_if_moved(acc_o, row_scale)
             cute.arch.barrier(barrier_id=_BAR_P_FOLLOW, number_of_threads=_SPLIT_THREADS)
             self._split_pv_other(ops, acc_o, 1, 2)
             if step + 1 < num_steps:
@@ -1193,7 +1196,7 @@ class FmhaSm90:
                 for r in cutlass.range_constexpr(num_rows):
                     ops.s_max[c_mn[r, 0][0]] = row_max[r]
             cute.arch.barrier_arrive(barrier_id=_BAR_MAX_FOLLOW, number_of_threads=_SPLIT_THREADS)
-            self._rescale_rows(acc_o, row_scale)
+            self._rescale_rows_if_moved(acc_o, row_scale)
             r_p = cute.make_rmem_tensor(acc_s.layout.shape, self.dtype)
             fu.convert_to_bf16(acc_s, r_p)
             self._split_pv_own(ops, acc_o, r_p, 3)
@@ -1266,22 +1269,43 @@ class FmhaSm90:
 
     @cute.jit
     def _split_softmax(self, acc_s, m_floor, row_max, row_sum, row_scale, scale_log2):
-        """Scores -> probabilities in place, against ``m_new = max(m_floor, tile row max)``.
+        """Scores -> probabilities in place, against a running max ``m_new >= m_floor``.
 
-        Maxima in log2 units. Writes ``exp2(row_max - m_new)`` (the factor for what was summed
-        before) to ``row_scale``, folds it into ``row_sum`` and adds the tile's sum (this
-        thread's columns only); ``row_max`` becomes ``m_new``.
+        Maxima in log2 units. Lazy: ``m_new`` moves past ``m_floor`` (to the tile's row max)
+        only when some score of this warp's rows passes ``m_floor`` by more than
+        :data:`_RESCALE_LOG2`; otherwise P <= 2^_RESCALE_LOG2 (as exact in bf16, summed in
+        fp32). Any max gives the same softmax as long as P, the sums and O share it. Writes
+        ``exp2(row_max - m_new)`` (the factor for what was summed before) to ``row_scale``,
+        folds it into ``row_sum`` and adds the tile's sum (this thread's columns only);
+        ``row_max`` becomes ``m_new``.
         """
         acc_mn = fu.acc_as_mn(acc_s)
-        for r in cutlass.range_constexpr(cute.size(row_max)):
-            m_tile = fu.quad_max(fu.row_max(acc_mn[r, None].load(), -Float32.inf)) * scale_log2
-            m_new = cute.arch.fmax(m_floor[r], m_tile)
+        num_rows = cute.size(row_max)
+        m_tile = cute.make_rmem_tensor(num_rows, Float32)
+        grows = Boolean(False)
+        for r in cutlass.range_constexpr(num_rows):
+            m_tile[r] = fu.row_max(acc_mn[r, None].load(), -Float32.inf) * scale_log2
+            grows = grows | (m_tile[r] > m_floor[r] + _RESCALE_LOG2)
+        moves = cute.arch.vote_any_sync(grows)
+        for r in cutlass.range_constexpr(num_rows):
+            m_new = m_floor[r]
+            if moves:
+                m_new = cute.arch.fmax(m_floor[r], fu.quad_max(m_tile[r]))
             p = cute.math.exp2(acc_mn[r, None].load() * scale_log2 - m_new, fastmath=True)
             acc_mn[r, None].store(p)
             scale = cute.math.exp2(row_max[r] - m_new, fastmath=True)
             row_scale[r] = scale
             row_sum[r] = row_sum[r] * scale + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
             row_max[r] = m_new
+
+    @cute.jit
+    def _rescale_rows_if_moved(self, acc, row_scale):
+        """:meth:`_rescale_rows`, skipped when every factor of the warp's rows is exactly 1."""
+        moved = Boolean(False)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            moved = moved | (row_scale[r] != 1.0)
+        if cute.arch.vote_any_sync(moved):
+            self._rescale_rows(acc, row_scale)
 
     @cute.jit
     def _wait_kv_half(self, mbar_full, half, phase):
