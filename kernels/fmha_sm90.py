@@ -539,7 +539,11 @@ class FmhaSm90:
             cute.group_modes(gQ, 0, 2),
         )  # fmt: skip
         fu.mbar_expect_tx(mbar_q, 0, self.q_bytes)
-        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=mbar_q)
+        # Q is read by this CTA only: evict it first, so that the K/V rows other CTAs read again
+        # stay in L2.
+        cute.copy(
+            tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=mbar_q, cache_policy=ptx_ops.l2_policy_evict_first()
+        )
 
     @cute.jit
     def _produce_rows(
@@ -886,9 +890,15 @@ class FmhaSm90:
         t_coord = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
         r_o = cute.make_rmem_tensor_like(tOsO, self.dtype)
         cute.autovec_copy(tOsO, r_o)
+        r_o_words = cute.recast_tensor(r_o, cutlass.Uint32)
         for m in cutlass.range_constexpr(cute.size(tOsO.shape[1])):
             if t_coord[0, m, 0][0] < row_limit:
-                cute.copy(tiled_copy, r_o[None, m, None], tOgO[None, m, None])
+                # Streaming stores: O is not read again by this kernel (keep K/V in L2).
+                for k in cutlass.range_constexpr(cute.size(tOsO.shape[2])):
+                    w = r_o_words[None, m, k]
+                    ptx_ops.st_global_cs_v4_b32(
+                        tOgO[None, m, k].iterator.toint(), w[0], w[1], w[2], w[3]
+                    )
 
     # ---- column split (head_dim 512) ---------------------------------------------------------
     # KV halves in shared memory: 0 = tile a cols 0..255, 1 = a 256..511, 2 = b 0..255,

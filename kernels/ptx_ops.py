@@ -158,6 +158,28 @@ def st_global_v4_b32(
 
 
 @dsl_user_op
+def st_global_cs_v4_b32(
+    addr: Int64, a: Uint32, b: Uint32, c: Uint32, d: Uint32, *, loc=None, ip=None
+) -> None:
+    """16-byte store marked streaming (``.cs``: likely read once, evicted first from L2)."""
+    _statement(
+        [_i64(addr, loc, ip)] + [_u32(x, loc, ip) for x in (a, b, c, d)],
+        "st.global.cs.v4.b32 [$0], {$1, $2, $3, $4};",
+        "l,r,r,r,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def l2_policy_evict_first(*, loc=None, ip=None) -> Int64:
+    """An L2 cache policy (for ``.L2::cache_hint`` operands) that evicts the data first."""
+    return _scalar(
+        Int64, T.i64(), [], "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l", loc, ip
+    )
+
+
+@dsl_user_op
 def st_global_f32(addr: Int64, v: Float32, *, loc=None, ip=None) -> None:
     _statement([_i64(addr, loc, ip), _f32(v, loc, ip)], "st.global.f32 [$0], $1;", "l,f", loc, ip)
 
