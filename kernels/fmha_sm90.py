@@ -58,6 +58,7 @@ _RESCALE_LOG2 = 8.0
 
 _THREADS_PER_WG = 128
 _SPLIT_THREADS = 2 * _THREADS_PER_WG  # the two compute warpgroups (named-barrier count)
+_HALF_BYTES = 64 * 256 * 2  # one K/V half of the column split: 64 rows x 256 bf16
 _GATHER_ROWS = 64  # rows per gathered KV tile (one warpgroup's S tile)
 # Registers per thread at launch: 64K / 384 threads, rounded down to ptxas's granule of 8.
 _LAUNCH_REGS = 168
@@ -923,28 +924,46 @@ class FmhaSm90:
         if const_expr(self.gather):
             token = token_or_offset_k
             num_keys = mLens[token]
-            lane = tidx % 32
-            # Each lane holds entries 64 t + lane and + 32 of the step's two tiles t, loaded a
-            # step ahead; a row's entry reaches the lanes copying it by shuffle.
-            entries = (
-                *self._gather_entries(mIndices, token, num_keys, 0, lane),
-                *self._gather_entries(mIndices, token, num_keys, 1, lane),
+            # 16 groups of 8 threads: a group copies the 128-byte atom rows (8 x 16 B) of rows
+            # group + 16 i (i < 4) of a tile, for each of the 4 atoms of a 256-column half. Every
+            # row of a group has the same swizzle (row % 8 = group % 8), so a thread's shared
+            # offsets are one constant plus compile-time steps.
+            chunk = tidx % 8
+            group = tidx // 8
+            dst_thread = (
+                sKVh.iterator.toint()
+                + ((group >> 3) << 10)
+                + ((group & 7) << 7)
+                + ((chunk ^ (group & 7)) << 4)
             )
+            src_chunk = mKV.iterator.toint() + Int64(chunk * 16)
+            row_bytes = Int64(mKV.stride[0] * 2)
+            entry_base = mIndices.iterator.toint() + Int64(token) * Int64(mIndices.stride[0]) * 4
+            # This thread's 8 rows of the step (2 tiles x 4), loaded a step ahead.
+            rows = self._gather_rows(entry_base, num_keys, 0, group)
             for step in cutlass.range(num_steps, unroll=1):
                 phase = step & 1
-                entries_next = (
-                    *self._gather_entries(mIndices, token, num_keys, 2 * step + 2, lane),
-                    *self._gather_entries(mIndices, token, num_keys, 2 * step + 3, lane),
-                )
+                rows_next = self._gather_rows(entry_base, num_keys, 2 * step + 2, group)
                 for j in cutlass.range_constexpr(4):
                     half, tile_in_step, col_half = self._HALF_ORDER[j]
                     fu.mbar_wait(mbar_empty, half, phase ^ 1)
-                    self._gather_half(
-                        mKV, entries[2 * tile_in_step : 2 * tile_in_step + 2], col_half,
-                        sKVh[None, None, half], tidx,
-                    )  # fmt: skip
+                    for i in cutlass.range_constexpr(4):
+                        row = rows[4 * tile_in_step + i]
+                        # -1 (a hole or past the keys): zeros, nothing read.
+                        nbytes = Int32(cutlass.select_(row >= 0, Int32(16), Int32(0)))
+                        src = (
+                            src_chunk
+                            + Int64(cutlass.max(row, 0)) * row_bytes
+                            + col_half * (self.head_dim // 2) * 2
+                        )
+                        for atom in cutlass.range_constexpr(4):
+                            ptx_ops.cp_async_16_prefetch_256(
+                                dst_thread + half * _HALF_BYTES + i * 2048 + atom * 8192,
+                                src + atom * 128,
+                                nbytes,
+                            )
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar_full + half)
-                entries = entries_next
+                rows = rows_next
             # Do not retire with copies in flight (the consumers wait on them anyway).
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
@@ -972,39 +991,6 @@ class FmhaSm90:
                             tma_atom_k, tKgK[None, tile, col_half], tKsK[None, half],
                             tma_bar_ptr=mbar_full + half,
                         )  # fmt: skip
-
-    @cute.jit
-    def _gather_half(self, mKV, tile_entries, col_half, sHalf, tidx):
-        """cp.async rows ``kv[entry r]`` of one 64-entry tile, columns of ``col_half``, r < 64.
-
-        ``tile_entries``: this lane's two entries of the tile (r = lane, lane + 32; -1 past the
-        token's keys), as :meth:`_gather_entries` loaded them. 128 threads: 32 consecutive
-        16-byte chunks (512 B of one row) per warp, 4 rows per pass. Entries past the keys or
-        equal to -1 load row 0 instead (finite data; the consumers mask those columns), so
-        P = 0 never meets uninitialised shared memory.
-        """
-        vec = 8
-        atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-            self.dtype,
-            num_bits_per_copy=128,
-        )
-        thr_layout = cute.make_ordered_layout((4, 32), order=(1, 0))
-        tiled_copy = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, vec)))
-        thr_copy = tiled_copy.get_slice(tidx)
-        tXsX = thr_copy.partition_D(sHalf)  # (CPY, 16 rows, 1)
-        col = col_half * (self.head_dim // 2) + (tidx % 32) * vec
-        warp = cute.arch.make_warp_uniform(tidx // 32)
-        for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
-            # Entry r = warp + 4 m is held by lane r % 32, in its word r // 32 (m < 8: word 0).
-            word = (4 * m) // 32
-            row = Int32(cute.arch.shuffle_sync(tile_entries[word], warp + 4 * m - 32 * word))
-            row = cutlass.max(row, 0)
-            # Rows and chunk offsets are 16-byte aligned (checked on the host).
-            addr = (mKV.iterator + cute.crd2idx((row, col), mKV.layout)).toint()
-            src_ptr = cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
-            src = cute.make_tensor(src_ptr, tXsX[None, m, 0].layout)
-            cute.copy(tiled_copy, src, tXsX[None, m, 0])
 
     @cute.jit
     def _consume_split(
@@ -1328,6 +1314,18 @@ class FmhaSm90:
         fu.mbar_wait(mbar_full, half, phase)
         if const_expr(self.gather):
             cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def _gather_rows(self, entry_base, num_keys, tile, group):
+        """KV rows of entries ``64 t + group + 16 i`` (i < 4) of tiles ``t = tile, tile + 1``
+        (-1 past ``num_keys``), as 8 predicated loads nobody waits for until they are read."""
+        out = []
+        for t in cutlass.range_constexpr(2):
+            for i in cutlass.range_constexpr(4):
+                entry = (tile + t) * self.tile_n + group + 16 * i
+                present = Int32(cutlass.select_(entry < num_keys, Int32(1), Int32(0)))
+                out.append(ptx_ops.ld_global_nc_b32_if(entry_base + Int64(entry) * 4, present, -1))
+        return tuple(out)
 
     @cute.jit
     def _gather_entries(self, mIndices, token, num_keys, tile, lane):

@@ -200,12 +200,12 @@ def st_global_v2_f32(addr: Int64, a: Float32, b: Float32, *, loc=None, ip=None) 
 # ---------------------------------------------------------------------------------------------
 
 
-def _cp_async(dst, src, src_bytes, size: int, cache: str, loc, ip) -> None:
+def _cp_async(dst, src, src_bytes, size: int, cache: str, loc, ip, suffix: str = "") -> None:
     """``size``-byte global -> shared ``cp.async`` (``cache``: ``cg`` = L2 only, 16 bytes only;
-    ``ca``); bytes past ``src_bytes`` are zero-filled."""
+    ``ca``); bytes past ``src_bytes`` are zero-filled (none read when it is 0)."""
     _statement(
         [_i32(dst, loc, ip), _i64(src, loc, ip), _i32(src_bytes, loc, ip)],
-        f"cp.async.{cache}.shared.global [$0], [$1], {size}, $2;",
+        f"cp.async.{cache}.shared.global{suffix} [$0], [$1], {size}, $2;",
         "r,l,r",
         loc,
         ip,
@@ -216,6 +216,15 @@ def _cp_async(dst, src, src_bytes, size: int, cache: str, loc, ip) -> None:
 def cp_async_16(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
     """16-byte global -> shared async copy (L2 only); bytes past ``src_bytes`` are zero-filled."""
     _cp_async(dst, src, src_bytes, 16, "cg", loc, ip)
+
+
+@dsl_user_op
+def cp_async_16_prefetch_256(
+    dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None
+) -> None:
+    """:func:`cp_async_16` that also has L2 fetch the whole 256-byte block around ``src`` from
+    DRAM on a miss (``.L2::256B``: the neighbouring chunks of a row come next)."""
+    _cp_async(dst, src, src_bytes, 16, "cg", loc, ip, suffix=".L2::256B")
 
 
 @dsl_user_op
