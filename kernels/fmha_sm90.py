@@ -13,12 +13,16 @@ rows), warpgroups 1 and 2 compute. Two mainloops share the producer, the masks a
 * **column split** (head_dim 512; DESIGN.md §5): a ``64 x 512`` fp32 output is half the register
   file and a wgmma has N <= 256, so the CTA owns 64 query rows (dense: positions of one head;
   gather: 64 heads of one token) and each warpgroup owns 256 output columns (multi-PV-tile).
-  KV is consumed in steps of two 64-row tiles a and b; warpgroup 1 computes ``S_a``, warpgroup
-  2 ``S_b``; they agree on the running row max through shared memory, each multiplies its own
-  P tile from registers and the other's through shared memory (SMEM-P), both with its half of
-  V. K and V are the same rows (MQA latent, DeepSeek-V4), so one tile of shared memory serves
-  as both; it is split into four 32 KB column halves (aL, aR, bL, bR) with their own barriers so
-  that the producer refills a half as soon as its last reader is done.
+  KV is consumed in steps of two 64-row tiles a and b; warpgroup 1 (the lead) computes ``S_a``,
+  warpgroup 2 (the follower) ``S_b``, staggered: the lead's softmax runs against its own
+  running max while the follower's QK runs, the follower merges the two maxima while the lead's
+  PV runs; each multiplies its own P tile from registers and the other's through shared memory
+  (SMEM-P), both with its half of V, and the lead issues the next step's QK behind its last
+  PV. Maxima are lazy (they move only by more than 2^8). K and V are the same rows (MQA latent,
+  DeepSeek-V4), so one tile of shared memory serves as both; it is split into four 32 KB column
+  halves (aL, aR, bL, bR) with their own barriers so that the producer refills a half as soon
+  as its last reader is done. Gathered rows come by ``cp.async``, 8 threads per 128-byte
+  swizzle-atom row; Q is loaded evict-first and O stored streaming, so K/V rows stay in L2.
 
 Semantics (checked against ``dsv4_attn.reference``): ``s = scale * <q, k>``; masked or invalid
 keys are dropped; ``lse = log(sum exp(s))`` (natural log, sink excluded, ``-inf`` with no valid
