@@ -43,3 +43,16 @@ def test_decode_splits_options():
     assert decode_splits.parse_args([]).splits == list(decode_splits.SPLITS)
     with pytest.raises(SystemExit):
         decode_splits.parse_args(["--splits", "0"])
+
+
+def test_prefill_sweep_fit_recovers_fixed_and_step_costs():
+    """The sweep's fit splits a CTA's time into a fixed part and a part per 128-key step."""
+    from dsv4_attn.bench.prefill import fit_cta_costs
+
+    tokens, sms, fixed, step = 4096, 132, 6.5, 2.75
+    widths = [128, 256, 512, 1024, 2048]
+    times = [tokens / sms * (fixed + step * w / 128) for w in widths]
+    fit = fit_cta_costs(widths, times, tokens, sms)
+    assert abs(fit["fixed_us"] - fixed) < 1e-9 and abs(fit["step_us"] - step) < 1e-9
+    with pytest.raises(ValueError, match="at least two widths"):
+        fit_cta_costs([512], times[:1], tokens, sms)

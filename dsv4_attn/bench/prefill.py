@@ -203,6 +203,63 @@ def sparse_rows(tokens: int, reps: int, ceiling: float, against: str | None) -> 
     return rows
 
 
+def fit_cta_costs(widths: list[int], times_us: list[float], tokens: int, sms: int) -> dict:
+    """Least-squares fit of ``time = waves * (fixed + steps * step)`` over a sweep of list
+    widths (one 64-head CTA per token, ``waves = tokens / sms``, ``steps = width / 128``).
+
+    Returns ``fixed_us`` (a CTA's cost that does not scale with its keys: launch, Q load,
+    first fill, epilogue) and ``step_us`` (one step of 128 keys). Needs two widths or more.
+    """
+    if len(widths) < 2:
+        raise ValueError(f"a cost fit needs at least two widths, got {widths}")
+    waves = tokens / sms
+    xs = [w / 128 for w in widths]
+    ys = [t / waves for t in times_us]
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    var = sum((x - mean_x) ** 2 for x in xs)
+    step = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var
+    return {"fixed_us": mean_y - step * mean_x, "step_us": step}
+
+
+def sweep_rows(tokens: int, widths: list[int], reps: int, against: str | None) -> list[dict]:
+    """Pure top-k lists of growing width at H 64 (s_kv 32K, no holes): ours and FlashMLA's
+    time per CTA split into a fixed part and a part per 128-key step (:func:`fit_cta_costs`)."""
+    flash_mla = import_flash_mla() if against == "flashmla" else None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for width in widths:
+        case = make_random_sparse_case(
+            tokens, 64, 32768, width, lens="full", hole_fraction=0.0, device="cuda",
+            seed=width,
+        )  # fmt: skip
+        args = case.args()
+
+        def call(args=args):
+            return fmha_ops.sparse_prefill(*args, backend="cutedsl", check_values=False)
+
+        row = {"width": width, "tokens": tokens, "median_us": time_cuda_us(call, reps=reps)[
+            "median_us"]}  # fmt: skip
+        if flash_mla is not None:
+            row["flashmla_us"] = time_cuda_us(_flash_mla_sparse(flash_mla, case), reps=reps)[
+                "median_us"
+            ]
+            row["vs_flashmla"] = row["flashmla_us"] / row["median_us"]
+        rows.append(row)
+        print(f"sweep width {width}: {row}", flush=True)
+        del case, args
+        torch.cuda.empty_cache()
+    fits = {"ours": fit_cta_costs(widths, [r["median_us"] for r in rows], tokens, sms)}
+    if flash_mla is not None:
+        fits["flashmla"] = fit_cta_costs(widths, [r["flashmla_us"] for r in rows], tokens, sms)
+    for name, fit in fits.items():
+        print(f"sweep fit {name}: {fit['fixed_us']:.2f} us per CTA fixed, "
+              f"{fit['step_us']:.2f} us per 128-key step ({sms} SMs)", flush=True)  # fmt: skip
+    for row in rows:
+        row["fit"] = fits
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dsv4_attn.bench prefill")
     parser.add_argument("--dims", type=int, nargs="+", default=[128, 256, 512])
@@ -218,6 +275,14 @@ def main(argv: list[str] | None = None) -> None:
         help="also time FlashMLA's sparse "
         "prefill on the same rows and lists (imported when present)",
     )
+    parser.add_argument(
+        "--sweep",
+        type=int,
+        nargs="*",
+        metavar="WIDTH",
+        help="also time pure top-k lists of these widths (default 128 256 512 1024 2048) at "
+        "H 64 and fit each kernel's time per CTA as fixed + per 128-key step",
+    )
     parser.add_argument("--json", default="bench_prefill.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -230,6 +295,10 @@ def main(argv: list[str] | None = None) -> None:
         rows += dense_rows(args.dims, args.heads, args.seqlen, args.reps, ceilings.bf16_tflops)
     if not args.skip_sparse:
         rows += sparse_rows(args.tokens, args.reps, ceilings.bf16_tflops, args.against)
+    sweep = []
+    if args.sweep is not None:
+        sweep = sweep_rows(args.tokens, args.sweep or [128, 256, 512, 1024, 2048], args.reps,
+                           args.against)  # fmt: skip
     for row in rows:
         for key, value in row.items():
             if isinstance(value, float) and not math.isfinite(value):
@@ -237,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(format_table(rows, COLUMNS))
     print(f"bf16 ceiling (8192^3 matmul, same run): {ceilings.bf16_tflops:.0f} TFLOP/s")
-    write_json(args.json, "prefill", ceilings, rows)
+    write_json(args.json, "prefill", ceilings, rows + sweep)
     print(f"wrote {args.json}")
 
 
