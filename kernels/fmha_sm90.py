@@ -943,21 +943,26 @@ class FmhaSm90:
             src_chunk = mKV.iterator.toint() + Int64(chunk * 16)
             row_bytes = Int64(mKV.stride[0] * 2)
             entry_base = mIndices.iterator.toint() + Int64(token) * Int64(mIndices.stride[0]) * 4
-            # This thread's 8 rows of the step (2 tiles x 4), loaded a step ahead.
-            rows = self._gather_rows(entry_base, num_keys, 0, group)
+            width = cute.size(mIndices.shape[1])
+            # This thread's 8 rows of the step (2 tiles x 4), loaded a step ahead. The loads
+            # are bounded by the list's width, not the token's length, so that the first ones
+            # leave together with the length's load instead of after it.
+            rows = self._gather_rows(entry_base, width, 0, group)
             for step in cutlass.range(num_steps, unroll=1):
                 phase = step & 1
-                rows_next = self._gather_rows(entry_base, num_keys, 2 * step + 2, group)
+                rows_next = self._gather_rows(entry_base, width, 2 * step + 2, group)
                 for j in cutlass.range_constexpr(4):
                     half, tile_in_step, col_half = self._HALF_ORDER[j]
                     fu.mbar_wait(mbar_empty, half, phase ^ 1)
                     for i in cutlass.range_constexpr(4):
                         row = rows[4 * tile_in_step + i]
-                        # -1 (a hole or past the keys): zeros, nothing read.
-                        nbytes = Int32(cutlass.select_(row >= 0, Int32(16), Int32(0)))
+                        entry = (2 * step + tile_in_step) * self.tile_n + group + 16 * i
+                        # A hole (-1) or an entry past the token's keys: zeros, nothing read.
+                        live = (row >= 0) & (entry < num_keys)
+                        nbytes = Int32(cutlass.select_(live, Int32(16), Int32(0)))
                         src = (
                             src_chunk
-                            + Int64(cutlass.max(row, 0)) * row_bytes
+                            + Int64(cutlass.select_(live, row, Int32(0))) * row_bytes
                             + col_half * (self.head_dim // 2) * 2
                         )
                         for atom in cutlass.range_constexpr(4):
@@ -1116,7 +1121,7 @@ class FmhaSm90:
         num_rows = cute.size(row_max)
         c_mn = fu.acc_as_mn(ops.t_coord)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
-        entries = self._split_entries(mIndices, q_l, seqlen_k, n_min, lane)
+        entries = self._split_entries(mIndices, q_l, n_min, lane)
         if num_steps > 0:  # no rows are coming otherwise
             self._split_qk(ops, acc_s, 0, Int32(0))
             self._split_qk(ops, acc_s, 1, Int32(0))
@@ -1124,7 +1129,7 @@ class FmhaSm90:
         for step in cutlass.range(num_steps, unroll=1):
             phase = step & 1
             tile = n_min + 2 * step
-            entries_next = self._split_entries(mIndices, q_l, seqlen_k, tile + 2, lane)
+            entries_next = self._split_entries(mIndices, q_l, tile + 2, lane)
             self._split_mask(acc_s, entries, ops.t_coord, row0, tile, seqlen_q, seqlen_k, window)
             self._split_softmax(acc_s, row_max, row_max, row_sum, row_scale, scale_log2)
             if lane % 4 == 0:
@@ -1176,11 +1181,11 @@ class FmhaSm90:
         c_mn = fu.acc_as_mn(ops.t_coord)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         m_lead = cute.make_rmem_tensor(num_rows, Float32)
-        entries = self._split_entries(mIndices, q_l, seqlen_k, n_min + 1, lane)
+        entries = self._split_entries(mIndices, q_l, n_min + 1, lane)
         for step in cutlass.range(num_steps, unroll=1):
             phase = step & 1
             tile = n_min + 2 * step + 1
-            entries_next = self._split_entries(mIndices, q_l, seqlen_k, tile + 2, lane)
+            entries_next = self._split_entries(mIndices, q_l, tile + 2, lane)
             self._split_qk(ops, acc_s, 3, phase)
             self._split_qk(ops, acc_s, 2, phase)
             warpgroup.wait_group(0)
@@ -1242,11 +1247,11 @@ class FmhaSm90:
         )  # fmt: skip
 
     @cute.jit
-    def _split_entries(self, mIndices, token, num_keys, tile, lane):
+    def _split_entries(self, mIndices, token, tile, lane):
         """Gathered: this lane's two index entries of ``tile`` (validity bits for the mask)."""
         entries = (Int32(-1), Int32(-1))
         if const_expr(self.gather):
-            entries = self._gather_entries(mIndices, token, num_keys, tile, lane)
+            entries = self._gather_entries(mIndices, token, tile, lane)
         return entries
 
     @cute.jit
@@ -1255,9 +1260,11 @@ class FmhaSm90:
         if const_expr(self.gather):
             acc_mn = fu.acc_as_mn(acc_s)
             c_mn = fu.acc_as_mn(t_coord)
-            # Validity of the tile's 64 gathered entries, one bit per column (2 words).
-            valid_lo = cute.arch.vote_ballot_sync(entries[0] >= 0)
-            valid_hi = cute.arch.vote_ballot_sync(entries[1] >= 0)
+            # Validity of the tile's 64 gathered entries, one bit per column (2 words): not a
+            # hole and before the token's length (``seqlen_k``).
+            entry = tile * self.tile_n + cute.arch.lane_idx()
+            valid_lo = cute.arch.vote_ballot_sync((entries[0] >= 0) & (entry < seqlen_k))
+            valid_hi = cute.arch.vote_ballot_sync((entries[1] >= 0) & (entry + 32 < seqlen_k))
             for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
                 col = c_mn[0, c][1]
                 bits = valid_lo if col < 32 else valid_hi
@@ -1320,25 +1327,28 @@ class FmhaSm90:
             cute.arch.fence_view_async_shared()
 
     @cute.jit
-    def _gather_rows(self, entry_base, num_keys, tile, group):
+    def _gather_rows(self, entry_base, width, tile, group):
         """KV rows of entries ``64 t + group + 16 i`` (i < 4) of tiles ``t = tile, tile + 1``
-        (-1 past ``num_keys``), as 8 predicated loads nobody waits for until they are read."""
+        (-1 past the list's ``width``; entries past the token's length are the caller's to
+        drop), as 8 predicated loads nobody waits for until they are read."""
         out = []
         for t in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(4):
                 entry = (tile + t) * self.tile_n + group + 16 * i
-                present = Int32(cutlass.select_(entry < num_keys, Int32(1), Int32(0)))
+                present = Int32(cutlass.select_(entry < width, Int32(1), Int32(0)))
                 out.append(ptx_ops.ld_global_nc_b32_if(entry_base + Int64(entry) * 4, present, -1))
         return tuple(out)
 
     @cute.jit
-    def _gather_entries(self, mIndices, token, num_keys, tile, lane):
-        """Index entries ``64*tile + lane`` and ``+ 32`` of ``token`` (-1 past ``num_keys``), as
-        loaded: one predicated load each, so nothing waits for them until they are read."""
+    def _gather_entries(self, mIndices, token, tile, lane):
+        """Index entries ``64*tile + lane`` and ``+ 32`` of ``token`` (-1 past the list's width;
+        the token's length is applied by the mask), as loaded: one predicated load each, so
+        nothing waits for them until they are read, not even for the length."""
         row = mIndices.iterator.toint() + Int64(token) * Int64(mIndices.stride[0]) * 4
+        width = cute.size(mIndices.shape[1])
         out = []
         for half in cutlass.range_constexpr(2):
             entry = tile * self.tile_n + lane + 32 * half
-            present = Int32(cutlass.select_(entry < num_keys, Int32(1), Int32(0)))
+            present = Int32(cutlass.select_(entry < width, Int32(1), Int32(0)))
             out.append(ptx_ops.ld_global_nc_b32_if(row + Int64(entry) * 4, present, -1))
         return out[0], out[1]
