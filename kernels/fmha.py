@@ -21,6 +21,7 @@ compiled and tested; the switch exists to compare and to debug on a GPU).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import tempfile
@@ -182,6 +183,7 @@ def _compile(variant: FmhaVariant, extra_options: str = ""):
         cutlass.Float32(1.0),  # softmax scale
         cutlass.Int32(0),  # window
         cutlass.Int32(1),  # max_seqlen_q
+        cutlass.Int32(1),  # max_ctas
         options=extra_options,
     )
     return fn, kernel
@@ -348,8 +350,15 @@ def run_dense(
         float(scale),
         int(window) if window is not None else 0,
         int(max_seqlen_q),
+        1,  # max_ctas: gathered only
     )
     return out, lse
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (the persistent gathered kernel's grid)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def run_sparse(
@@ -385,5 +394,6 @@ def run_sparse(
         float(scale),
         0,
         1,
+        _sm_count(q.device),  # persistent: one CTA per SM at most
     )
     return out, lse

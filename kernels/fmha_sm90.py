@@ -85,6 +85,7 @@ class _SplitOperands(NamedTuple):
     s_max: cute.Tensor  # [64] fp32: the running max handed between the warpgroups
     mbar_full: cute.Pointer
     mbar_empty: cute.Pointer
+    mbar_q_empty: cute.Pointer | None  # gathered: Q's buffer may be refilled
 
 
 class FmhaSm90:
@@ -193,6 +194,7 @@ class FmhaSm90:
         softmax_scale: Float32,
         window: Int32,
         max_seqlen_q: Int32,
+        max_ctas: Int32,
         stream: cuda.CUstream,
     ):
         """Build layouts and TMA descriptors, then launch.
@@ -200,6 +202,8 @@ class FmhaSm90:
         Dense: ``mQ``/``mO`` ``[total_q, H, D]``, ``mK``/``mV`` ``[total_k, Hk, D]`` (``mV`` None
         when ``kv_shared``), ``mLSE`` ``[total_q, H]`` fp32, cumulative sequence offsets
         ``mCuSeqlensQ``/``mCuSeqlensK`` ``[B + 1]`` int32, ``max_seqlen_q`` sizes the grid.
+        Gather: ``max_ctas`` caps the grid (one CTA per SM: each walks its share of the
+        (token, head block) items); ignored when dense.
         Gather: ``mQ``/``mO`` ``[T, H, 512]``, ``mK`` = kv ``[N, 512]``, ``mLSE`` ``[T, H]``,
         ``mIndices`` ``[T, K]`` int32 (-1 = skip), ``mLens`` ``[T]`` int32.
         ``mSink`` ``[H]`` fp32 (``-inf`` = no sink). bf16 data, fp32 LSE.
@@ -274,10 +278,12 @@ class FmhaSm90:
         self.k_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
 
         if const_expr(self.gather):
-            # One flat x dimension (up to 2^31 - 1 blocks): the head blocks of a token are
-            # neighbours, so the CTAs that read the same KV rows run at the same time.
+            # Persistent: CTA c takes items c, c + grid, ... (item = token * head blocks + head
+            # block, so the head blocks of a token, which read the same KV rows, are neighbours
+            # and run at the same time).
             num_heads = cute.size(mQ.shape[1])
-            grid = (cute.size(mQ.shape[0]) * cute.ceil_div(num_heads, self.tile_m), 1, 1)
+            num_items = cute.size(mQ.shape[0]) * cute.ceil_div(num_heads, self.tile_m)
+            grid = (cutlass.min(num_items, max_ctas), 1, 1)
         else:
             grid = (
                 cute.ceil_div(max_seqlen_q, self.tile_m),
@@ -332,10 +338,13 @@ class FmhaSm90:
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 1]
+            mbar_q_empty: cute.struct.MemRange[cutlass.Int64, 1]
             mbar_kv_full: cute.struct.MemRange[cutlass.Int64, 4]
             mbar_kv_empty: cute.struct.MemRange[cutlass.Int64, 4]
             row_max: cute.struct.MemRange[Float32, 64]
-            row_sum: cute.struct.MemRange[Float32, 2 * 64]
+            # [row, warpgroup, item parity]: a CTA's next item may publish its sums before the
+            # other warpgroup has read this item's.
+            row_sum: cute.struct.MemRange[Float32, 2 * 2 * 64]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sKV_half_layout)], 1024
@@ -392,8 +401,11 @@ class FmhaSm90:
         if const_expr(self.split_cols):
             mbar_full = storage.mbar_kv_full.data_ptr()
             mbar_empty = storage.mbar_kv_empty.data_ptr()
+            mbar_q_empty = storage.mbar_q_empty.data_ptr()
             if warp_idx == 0:
                 fu.mbar_init(mbar_q, 1, 1)
+                # Gathered: Q's buffer is free again once the 8 compute warps' last QK is done.
+                fu.mbar_init(mbar_q_empty, 1, 8)
                 # gather: every producer thread arrives through cp.async; TMA: one thread.
                 fu.mbar_init(mbar_full, 4, _THREADS_PER_WG if self.gather else 1)
                 # Each half is released by the 4 warps of the one warpgroup that reads it last.
@@ -413,24 +425,25 @@ class FmhaSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        # ---- this CTA's tile and KV range (identical in every thread) ------------------------
         if const_expr(self.gather):
-            head_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
-            token = bidx // head_blocks
-            head_block = bidx - token * head_blocks
-            row_limit = cute.size(mQ.shape[0]) - head_block * self.tile_m
-            num_keys = mLens[token]
-            q_row0 = head_block * self.tile_m
-            q_l = token
-            n_min = Int32(0)
-            n_max = cute.ceil_div(num_keys, self.tile_n)
-            seqlen_q = Int32(0)
-            seqlen_k = num_keys
-            offset_k = Int32(0)
-            head_kv = Int32(0)
-            tile_valid = Boolean(True)
-            m_block = head_block
+            # Persistent CTAs: the items of this CTA are walked inside the roles.
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.regs_producer)
+                self._produce_gather(
+                    mQ, mKV, mIndices, mLens, tma_atom_q, sQ, storage, sK_layout, mbar_q,
+                    mbar_q_empty, mbar_full, mbar_empty, warp_idx, tidx,
+                )  # fmt: skip
+            else:
+                cute.arch.setmaxregister_increase(self.regs_mma)
+                self._consume_split(
+                    tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage, sK_layout,
+                    sV_layout, sP_layout, mbar_q, mbar_q_empty, mbar_full, mbar_empty, mO,
+                    mLSE, mSink, mIndices, mLens, scale_log2, window, Int32(0), Int32(0),
+                    Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0),
+                    tidx - _THREADS_PER_WG,
+                )  # fmt: skip
         else:
+            # ---- this CTA's tile and KV range (identical in every thread) --------------------
             # Longest (causal) tiles first: reverse the m order.
             m_block = cute.arch.grid_dim()[0] - 1 - bidx
             head = bidy
@@ -440,46 +453,44 @@ class FmhaSm90:
             offset_k = mCuSeqlensK[batch]
             seqlen_k = mCuSeqlensK[batch + 1] - offset_k
             row_limit = seqlen_q - m_block * self.tile_m
-            tile_valid = row_limit > 0
             q_row0 = offset_q + m_block * self.tile_m
             q_l = head
             head_kv = head // (cute.size(mO.shape[2]) // cute.size(mKV.shape[2]))
             n_min, n_max = self._kv_block_range(m_block, seqlen_q, seqlen_k, window)
-
-        if tile_valid:
-            if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(self.regs_producer)
-                if const_expr(self.split_cols):
-                    self._produce_split(
-                        mQ, mK, mKV, mIndices, mLens, tma_atom_q, tma_atom_k, sQ,
-                        storage, sK_layout, mbar_q, mbar_full, mbar_empty,
-                        q_row0, q_l, token if const_expr(self.gather) else offset_k,
-                        head_kv, n_min, n_max, warp_idx, tidx,
-                    )  # fmt: skip
+            if row_limit > 0:
+                if warp_idx < 4:
+                    cute.arch.setmaxregister_decrease(self.regs_producer)
+                    if const_expr(self.split_cols):
+                        self._produce_split(
+                            mQ, mK, tma_atom_q, tma_atom_k, sQ, storage, sK_layout, mbar_q,
+                            mbar_full, mbar_empty, q_row0, q_l, offset_k, head_kv, n_min,
+                            n_max, warp_idx,
+                        )  # fmt: skip
+                    else:
+                        self._produce_rows(
+                            mQ, mK, mV, tma_atom_q, tma_atom_k, tma_atom_v, sQ, storage,
+                            sK_layout, sV_layout, mbar_q, mbar_k_full, mbar_k_empty,
+                            mbar_v_full, mbar_v_empty, q_row0, q_l, offset_k, head_kv,
+                            n_min, n_max, warp_idx,
+                        )  # fmt: skip
                 else:
-                    self._produce_rows(
-                        mQ, mK, mV, tma_atom_q, tma_atom_k, tma_atom_v, sQ, storage,
-                        sK_layout, sV_layout, mbar_q, mbar_k_full, mbar_k_empty,
-                        mbar_v_full, mbar_v_empty, q_row0, q_l, offset_k, head_kv,
-                        n_min, n_max, warp_idx,
-                    )  # fmt: skip
-            else:
-                cute.arch.setmaxregister_increase(self.regs_mma)
-                ctidx = tidx - _THREADS_PER_WG
-                if const_expr(self.split_cols):
-                    self._consume_split(
-                        tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage, sK_layout,
-                        sV_layout, sP_layout, mbar_q, mbar_full, mbar_empty, mO, mLSE, mSink,
-                        mIndices, mLens, scale_log2, window, m_block, q_row0, q_l, row_limit,
-                        seqlen_q, seqlen_k, n_min, n_max, ctidx,
-                    )  # fmt: skip
-                else:
-                    self._consume_rows(
-                        tiled_mma_qk, tiled_mma_pv, sQ, storage, sK_layout, sV_layout,
-                        mbar_q, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty, mO,
-                        mLSE, mSink, scale_log2, window, m_block, q_row0, q_l, row_limit,
-                        seqlen_q, seqlen_k, n_min, n_max, ctidx,
-                    )  # fmt: skip
+                    cute.arch.setmaxregister_increase(self.regs_mma)
+                    ctidx = tidx - _THREADS_PER_WG
+                    if const_expr(self.split_cols):
+                        self._consume_split(
+                            tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage,
+                            sK_layout, sV_layout, sP_layout, mbar_q, None, mbar_full,
+                            mbar_empty, mO, mLSE, mSink, mIndices, mLens, scale_log2, window,
+                            m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min, n_max,
+                            ctidx,
+                        )  # fmt: skip
+                    else:
+                        self._consume_rows(
+                            tiled_mma_qk, tiled_mma_pv, sQ, storage, sK_layout, sV_layout,
+                            mbar_q, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty, mO,
+                            mLSE, mSink, scale_log2, window, m_block, q_row0, q_l, row_limit,
+                            seqlen_q, seqlen_k, n_min, n_max, ctidx,
+                        )  # fmt: skip
 
     # ---- KV range and masks ------------------------------------------------------------------
     @cute.jit
@@ -917,39 +928,88 @@ class FmhaSm90:
 
     @cute.jit
     def _produce_split(
-        self, mQ, mK, mKV, mIndices, mLens, tma_atom_q, tma_atom_k, sQ, storage,
-        sKV_half_layout, mbar_q, mbar_full, mbar_empty, q_row0, q_l, token_or_offset_k,
-        head_kv, n_min, n_max, warp_idx, tidx,
+        self, mQ, mK, tma_atom_q, tma_atom_k, sQ, storage, sKV_half_layout, mbar_q, mbar_full,
+        mbar_empty, q_row0, q_l, offset_k, head_kv, n_min, n_max, warp_idx,
     ):  # fmt: skip
-        sKVh = storage.sKV.get_tensor(sKV_half_layout.outer, swizzle=sKV_half_layout.inner)
-        num_steps = cute.ceil_div(n_max - n_min, 2)
+        """Dense column split: one warp loads Q, then the KV halves by TMA."""
         if warp_idx == 0:
             self._load_q(mQ, tma_atom_q, sQ, mbar_q, q_row0, q_l)
-        if const_expr(self.gather):
-            token = token_or_offset_k
-            num_keys = mLens[token]
-            # 16 groups of 8 threads: a group copies the 128-byte atom rows (8 x 16 B) of rows
-            # group + 16 i (i < 4) of a tile, for each of the 4 atoms of a 256-column half. Every
-            # row of a group has the same swizzle (row % 8 = group % 8), so a thread's shared
-            # offsets are one constant plus compile-time steps.
-            chunk = tidx % 8
-            group = tidx // 8
-            dst_thread = (
-                sKVh.iterator.toint()
-                + ((group >> 3) << 10)
-                + ((group & 7) << 7)
-                + ((chunk ^ (group & 7)) << 4)
+            sKVh = storage.sKV.get_tensor(sKV_half_layout.outer, swizzle=sKV_half_layout.inner)
+            gK = cute.local_tile(
+                cute.domain_offset((offset_k, 0), mK[None, None, head_kv]),
+                (self.tile_n, self.head_dim // 2),
+                (None, None),
             )
-            src_chunk = mKV.iterator.toint() + Int64(chunk * 16)
-            row_bytes = Int64(mKV.stride[0] * 2)
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sKVh, 0, 2),
+                cute.group_modes(gK, 0, 2),
+            )  # fmt: skip
+            for step in cutlass.range(cute.ceil_div(n_max - n_min, 2), unroll=1):
+                phase = step & 1
+                for j in cutlass.range_constexpr(4):
+                    half, tile_in_step, col_half = self._HALF_ORDER[j]
+                    # A tile past the end (odd count) reads zeros or other keys; masked.
+                    tile = n_min + 2 * step + tile_in_step
+                    fu.mbar_wait(mbar_empty, half, phase ^ 1)
+                    fu.mbar_expect_tx(mbar_full, half, self.k_bytes)
+                    cute.copy(
+                        tma_atom_k, tKgK[None, tile, col_half], tKsK[None, half],
+                        tma_bar_ptr=mbar_full + half,
+                    )  # fmt: skip
+
+    @cute.jit
+    def _gather_item(self, mQ, mLens, item):
+        """``(token, first head, heads in the block, keys)`` of gathered work item ``item``
+        (``mQ``: Q as ``(H, D, T)``)."""
+        num_heads = cute.size(mQ.shape[0])
+        head_blocks = cute.ceil_div(num_heads, self.tile_m)
+        token = item // head_blocks
+        q_row0 = (item - token * head_blocks) * self.tile_m
+        return token, q_row0, num_heads - q_row0, mLens[token]
+
+    @cute.jit
+    def _produce_gather(
+        self, mQ, mKV, mIndices, mLens, tma_atom_q, sQ, storage, sKV_half_layout, mbar_q,
+        mbar_q_empty, mbar_full, mbar_empty, warp_idx, tidx,
+    ):  # fmt: skip
+        """Producer of the persistent gathered kernel: for each item of this CTA, Q by TMA (as
+        soon as the previous item's last QK is done) and the rows of its lists by ``cp.async``
+        (as soon as a half is free: the next item's first rows stream in during the last PVs).
+        Barrier phases run on across items (``steps_done``)."""
+        sKVh = storage.sKV.get_tensor(sKV_half_layout.outer, swizzle=sKV_half_layout.inner)
+        # 16 groups of 8 threads: a group copies the 128-byte atom rows (8 x 16 B) of rows
+        # group + 16 i (i < 4) of a tile, for each of the 4 atoms of a 256-column half. Every
+        # row of a group has the same swizzle (row % 8 = group % 8), so a thread's shared
+        # offsets are one constant plus compile-time steps.
+        chunk = tidx % 8
+        group = tidx // 8
+        dst_thread = (
+            sKVh.iterator.toint()
+            + ((group >> 3) << 10)
+            + ((group & 7) << 7)
+            + ((chunk ^ (group & 7)) << 4)
+        )
+        src_chunk = mKV.iterator.toint() + Int64(chunk * 16)
+        row_bytes = Int64(mKV.stride[0] * 2)
+        width = cute.size(mIndices.shape[1])
+        num_items = cute.size(mQ.shape[2]) * cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
+        steps_done = Int32(0)
+        parity = Int32(0)
+        for item in cutlass.range(
+            cute.arch.block_idx()[0], num_items, cute.arch.grid_dim()[0], unroll=1
+        ):
+            token, q_row0, _, num_keys = self._gather_item(mQ, mLens, item)
+            if warp_idx == 0:
+                fu.mbar_wait(mbar_q_empty, 0, parity ^ 1)
+                self._load_q(mQ, tma_atom_q, sQ, mbar_q, q_row0, token)
             entry_base = mIndices.iterator.toint() + Int64(token) * Int64(mIndices.stride[0]) * 4
-            width = cute.size(mIndices.shape[1])
             # This thread's 8 rows of the step (2 tiles x 4), loaded a step ahead. The loads
             # are bounded by the list's width, not the token's length, so that the first ones
             # leave together with the length's load instead of after it.
             rows = self._gather_rows(entry_base, width, 0, group)
+            num_steps = cute.ceil_div(num_keys, 2 * self.tile_n)
             for step in cutlass.range(num_steps, unroll=1):
-                phase = step & 1
+                phase = (steps_done + step) & 1
                 rows_next = self._gather_rows(entry_base, width, 2 * step + 2, group)
                 for j in cutlass.range_constexpr(4):
                     half, tile_in_step, col_half = self._HALF_ORDER[j]
@@ -973,54 +1033,30 @@ class FmhaSm90:
                             )
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar_full + half)
                 rows = rows_next
-            # Do not retire with copies in flight (the consumers wait on them anyway).
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
-        else:
-            if warp_idx == 0:
-                offset_k = token_or_offset_k
-                gK = cute.local_tile(
-                    cute.domain_offset((offset_k, 0), mK[None, None, head_kv]),
-                    (self.tile_n, self.head_dim // 2),
-                    (None, None),
-                )
-                tKsK, tKgK = cpasync.tma_partition(
-                    tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sKVh, 0, 2),
-                    cute.group_modes(gK, 0, 2),
-                )  # fmt: skip
-                for step in cutlass.range(num_steps, unroll=1):
-                    phase = step & 1
-                    for j in cutlass.range_constexpr(4):
-                        half, tile_in_step, col_half = self._HALF_ORDER[j]
-                        # A tile past the end (odd count) reads zeros or other keys; masked.
-                        tile = n_min + 2 * step + tile_in_step
-                        fu.mbar_wait(mbar_empty, half, phase ^ 1)
-                        fu.mbar_expect_tx(mbar_full, half, self.k_bytes)
-                        cute.copy(
-                            tma_atom_k, tKgK[None, tile, col_half], tKsK[None, half],
-                            tma_bar_ptr=mbar_full + half,
-                        )  # fmt: skip
+            steps_done += num_steps
+            parity ^= 1
+        # Do not retire with copies in flight (the consumers wait on them anyway).
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
 
     @cute.jit
     def _consume_split(
         self, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage, sKV_half_layout,
-        sKV_tile_layout, sP_layout, mbar_q, mbar_full, mbar_empty, mO, mLSE, mSink, mIndices,
-        mLens, scale_log2, window, m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min,
-        n_max, ctidx,
+        sKV_tile_layout, sP_layout, mbar_q, mbar_q_empty, mbar_full, mbar_empty, mO, mLSE,
+        mSink, mIndices, mLens, scale_log2, window, m_block, q_row0, q_l, row_limit, seqlen_q,
+        seqlen_k, n_min, n_max, ctidx,
     ):  # fmt: skip
-        """Compute warpgroups of the column split: set up, run the staggered mainloop, store.
+        """Compute warpgroups of the column split: set up, then per item (gathered: each item
+        of this persistent CTA; dense: the CTA's tile) the staggered mainloop and the store.
 
         The running row max lives in log2 units (``score * scale_log2``) and starts at the
         finite :data:`_MAX_INIT`, so that rescale factors never meet ``-inf - -inf``.
         """
-        wg = cute.arch.make_warp_uniform(ctidx // _THREADS_PER_WG)
         wtidx = ctidx % _THREADS_PER_WG
-        lane = cute.arch.lane_idx()
         rows = 64
         sKVt = storage.sKV.get_tensor(sKV_tile_layout.outer, swizzle=sKV_tile_layout.inner)
         sKVh = storage.sKV.get_tensor(sKV_half_layout.outer, swizzle=sKV_half_layout.inner)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-        s_sum = storage.row_sum.get_tensor(cute.make_layout((rows, 2)))
         thr_mma_qk = tiled_mma_qk.get_slice(wtidx)
         thr_mma_pv = tiled_mma_pv.get_slice(wtidx)
         sVt = fu.transpose_view(sKVh)
@@ -1029,7 +1065,6 @@ class FmhaSm90:
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
         )
         thr_copy_p = cute.make_tiled_copy_C(st_atom, tiled_mma_qk).get_slice(wtidx)
-        t_coord = thr_mma_qk.partition_C(cute.make_identity_tensor((rows, self.tile_n)))
         ops = _SplitOperands(
             mma_qk=tiled_mma_qk,
             mma_pv=tiled_mma_pv,
@@ -1041,29 +1076,68 @@ class FmhaSm90:
             tOrV_rs=thr_mma_pv_rs.make_fragment_B(thr_mma_pv_rs.partition_B(sVt)),
             copy_p=thr_copy_p,
             tPsP=thr_copy_p.partition_D(sP),  # (CPY, M, N, 2 tiles)
-            t_coord=t_coord,
+            t_coord=thr_mma_qk.partition_C(cute.make_identity_tensor((rows, self.tile_n))),
             s_max=storage.row_max.get_tensor(cute.make_layout(rows)),
             mbar_full=mbar_full,
             mbar_empty=mbar_empty,
+            mbar_q_empty=mbar_q_empty,
         )
         acc_o = cute.make_rmem_tensor(
             thr_mma_pv.partition_shape_C((rows, self.head_dim // 2)), Float32
         )
         acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((rows, self.tile_n)), Float32)
-        c_mn = fu.acc_as_mn(t_coord)
         num_rows = cute.size(fu.acc_as_mn(acc_o).shape[0])
         row_max = cute.make_rmem_tensor(num_rows, Float32)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
+        s_sum = storage.row_sum.get_tensor(cute.make_layout((rows, 2, 2)))
+        item_args = (ops, acc_s, acc_o, row_max, row_sum, s_sum, thr_mma_qk, thr_mma_pv, sQ,
+                     mbar_q, mO, mLSE, mSink, mIndices, scale_log2, window)  # fmt: skip
+        if const_expr(self.gather):
+            num_items = cute.size(mO.shape[2]) * cute.ceil_div(cute.size(mO.shape[0]), rows)
+            steps_done = Int32(0)
+            parity = Int32(0)
+            for item in cutlass.range(
+                cute.arch.block_idx()[0], num_items, cute.arch.grid_dim()[0], unroll=1
+            ):
+                token, item_row0, item_rows, num_keys = self._gather_item(mO, mLens, item)
+                num_steps = cute.ceil_div(num_keys, 2 * self.tile_n)
+                self._split_item(
+                    *item_args, Int32(0), item_row0, token, item_rows, Int32(0), num_keys,
+                    Int32(0), num_steps, steps_done, parity, ctidx,
+                )  # fmt: skip
+                steps_done += num_steps
+                parity ^= 1
+        else:
+            self._split_item(
+                *item_args, m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min,
+                cute.ceil_div(n_max - n_min, 2), Int32(0), Int32(0), ctidx,
+            )  # fmt: skip
+
+    @cute.jit
+    def _split_item(
+        self, ops, acc_s, acc_o, row_max, row_sum, s_sum, thr_mma_qk, thr_mma_pv, sQ, mbar_q,
+        mO, mLSE, mSink, mIndices, scale_log2, window, m_block, q_row0, q_l, row_limit,
+        seqlen_q, seqlen_k, n_min, num_steps, steps_done, parity, ctidx,
+    ):  # fmt: skip
+        """One 64-row output tile: wait for its Q, run the mainloop (barrier phases continue
+        from ``steps_done``), combine the row sums, normalise and store O and the LSE."""
+        wg = cute.arch.make_warp_uniform(ctidx // _THREADS_PER_WG)
+        wtidx = ctidx % _THREADS_PER_WG
+        lane = cute.arch.lane_idx()
+        rows = 64
+        c_mn = fu.acc_as_mn(ops.t_coord)
+        num_rows = cute.size(row_max)
         row_max.fill(_MAX_INIT)
         row_sum.fill(0.0)
         acc_o.fill(0.0)
-        row0 = m_block * rows
 
-        fu.mbar_wait(mbar_q, 0, 0)
-        num_steps = cute.ceil_div(n_max - n_min, 2)
+        fu.mbar_wait(mbar_q, 0, parity)
+        if const_expr(self.gather):  # noqa: SIM102 - static outer, dynamic inner
+            if num_steps == 0:  # no QK: Q's buffer is free at once
+                fu.mbar_arrive_one_per_warp(ops.mbar_q_empty, 0)
         loop_args = (
-            ops, acc_s, acc_o, row_max, row_sum, mIndices, scale_log2, window, row0, q_l,
-            seqlen_q, seqlen_k, n_min, num_steps, lane,
+            ops, acc_s, acc_o, row_max, row_sum, mIndices, scale_log2, window, m_block * rows,
+            q_l, seqlen_q, seqlen_k, n_min, num_steps, steps_done, lane,
         )  # fmt: skip
         if wg == 0:
             self._split_mainloop_lead(*loop_args)
@@ -1075,12 +1149,12 @@ class FmhaSm90:
         for r in cutlass.range_constexpr(num_rows):
             row_sum[r] = fu.quad_sum(row_sum[r])
             if lane % 4 == 0:
-                s_sum[c_mn[r, 0][0], wg] = row_sum[r]
+                s_sum[c_mn[r, 0][0], wg, parity] = row_sum[r]
         cute.arch.barrier(barrier_id=_BAR_SUM, number_of_threads=2 * _THREADS_PER_WG)
         sink_log2 = cute.make_rmem_tensor(num_rows, Float32)
         for r in cutlass.range_constexpr(num_rows):
             row = c_mn[r, 0][0]
-            row_sum[r] = s_sum[row, 0] + s_sum[row, 1]
+            row_sum[r] = s_sum[row, 0, parity] + s_sum[row, 1, parity]
             if const_expr(self.gather):
                 # Rows are heads; padding rows past H must not read the sink.
                 sink_log2[r] = -Float32.inf
@@ -1091,17 +1165,45 @@ class FmhaSm90:
         lse = self._finalize(acc_o, row_max, row_sum, sink_log2, Float32(1.0))
         if wg == 0:
             self._store_lse(mLSE, lse, thr_mma_qk, q_row0, q_l, row_limit)
-        # O halves -> shared (the Q buffer). Every QK has finished: the leader's last one before
-        # it handed over its last P tile, the follower's before it published its last max.
-        sO = sQ
-        sO_half = cute.local_tile(sO, (rows, self.head_dim // 2), (0, wg))
+        if const_expr(self.gather):
+            # Straight from registers: Q's buffer already holds the next item's Q.
+            self._store_o_half_direct(thr_mma_pv, acc_o, mO, q_row0, q_l, row_limit, wg)
+        else:
+            # O halves -> shared (the Q buffer). Every QK has finished: the leader's last one
+            # before it handed over its last P tile, the follower's before it published its
+            # last max.
+            sO = sQ
+            sO_half = cute.local_tile(sO, (rows, self.head_dim // 2), (0, wg))
+            r_o = cute.make_rmem_tensor(acc_o.layout.shape, self.dtype)
+            fu.convert_to_bf16(acc_o, r_o)
+            st_atom = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+            )
+            thr_copy_o = cute.make_tiled_copy_C(st_atom, ops.mma_pv).get_slice(wtidx)
+            cute.copy(thr_copy_o, thr_copy_o.retile(r_o), thr_copy_o.partition_D(sO_half))
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=2 * _THREADS_PER_WG)
+            self._copy_o_to_global(sO, mO, q_row0, q_l, row_limit, ctidx)
+
+    @cute.jit
+    def _store_o_half_direct(self, thr_mma_pv, acc_o, mO, q_row0, q_l, row_limit, wg):
+        """Warpgroup ``wg``'s 64 x 256 half of O (``mO``: ``(H, D, T)``) from registers to
+        global memory: each thread's column pairs as 4-byte streaming stores, rows below
+        ``row_limit`` only."""
         r_o = cute.make_rmem_tensor(acc_o.layout.shape, self.dtype)
         fu.convert_to_bf16(acc_o, r_o)
-        thr_copy_o = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(wtidx)
-        cute.copy(thr_copy_o, thr_copy_o.retile(r_o), thr_copy_o.partition_D(sO_half))
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=2 * _THREADS_PER_WG)
-        self._copy_o_to_global(sO, mO, q_row0, q_l, row_limit, ctidx)
+        words = cute.recast_tensor(r_o, cutlass.Uint32)  # (column c, c + 1) of one row each
+        coord = thr_mma_pv.partition_C(cute.make_identity_tensor((64, self.head_dim // 2)))
+        row_stride = Int64(mO.stride[0])
+        base = (
+            mO.iterator.toint()
+            + (Int64(q_l) * Int64(mO.stride[2]) + Int64(q_row0) * row_stride) * 2
+            + wg * self.head_dim
+        )
+        for w in cutlass.range_constexpr(cute.size(words)):
+            row, col = coord[2 * w]
+            if row < row_limit:
+                ptx_ops.st_global_cs_b32(base + (Int64(row) * row_stride + col) * 2, words[w])
 
     # The two compute warpgroups run staggered so that one's softmax overlaps the other's MMAs:
     #
@@ -1115,7 +1217,7 @@ class FmhaSm90:
     @cute.jit
     def _split_mainloop_lead(
         self, ops, acc_s, acc_o, row_max, row_sum, mIndices, scale_log2, window, row0, q_l,
-        seqlen_q, seqlen_k, n_min, num_steps, lane,
+        seqlen_q, seqlen_k, n_min, num_steps, steps_done, lane,
     ):  # fmt: skip
         """Warpgroup 0 of the column split: S of tile a, output columns 0..255 (halves 0, 2)."""
         num_rows = cute.size(row_max)
@@ -1123,11 +1225,13 @@ class FmhaSm90:
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         entries = self._split_entries(mIndices, q_l, n_min, lane)
         if num_steps > 0:  # no rows are coming otherwise
-            self._split_qk(ops, acc_s, 0, Int32(0))
-            self._split_qk(ops, acc_s, 1, Int32(0))
+            self._split_qk(ops, acc_s, 0, steps_done & 1)
+            self._split_qk(ops, acc_s, 1, steps_done & 1)
             warpgroup.wait_group(0)
+            if num_steps == 1:
+                self._release_q(ops)
         for step in cutlass.range(num_steps, unroll=1):
-            phase = step & 1
+            phase = (steps_done + step) & 1
             tile = n_min + 2 * step
             entries_next = self._split_entries(mIndices, q_l, tile + 2, lane)
             self._split_mask(acc_s, entries, ops.t_coord, row0, tile, seqlen_q, seqlen_k, window)
@@ -1166,6 +1270,8 @@ class FmhaSm90:
                 fu.mbar_arrive_one_per_warp(ops.mbar_empty, 2)
                 self._split_qk(ops, acc_s, 1, phase ^ 1)
                 warpgroup.wait_group(0)
+                if step + 2 == num_steps:
+                    self._release_q(ops)
             else:
                 warpgroup.wait_group(0)
                 fu.mbar_arrive_one_per_warp(ops.mbar_empty, 2)
@@ -1174,7 +1280,7 @@ class FmhaSm90:
     @cute.jit
     def _split_mainloop_follow(
         self, ops, acc_s, acc_o, row_max, row_sum, mIndices, scale_log2, window, row0, q_l,
-        seqlen_q, seqlen_k, n_min, num_steps, lane,
+        seqlen_q, seqlen_k, n_min, num_steps, steps_done, lane,
     ):  # fmt: skip
         """Warpgroup 1 of the column split: S of tile b, output columns 256..511 (halves 3, 1)."""
         num_rows = cute.size(row_max)
@@ -1183,12 +1289,14 @@ class FmhaSm90:
         m_lead = cute.make_rmem_tensor(num_rows, Float32)
         entries = self._split_entries(mIndices, q_l, n_min + 1, lane)
         for step in cutlass.range(num_steps, unroll=1):
-            phase = step & 1
+            phase = (steps_done + step) & 1
             tile = n_min + 2 * step + 1
             entries_next = self._split_entries(mIndices, q_l, tile + 2, lane)
             self._split_qk(ops, acc_s, 3, phase)
             self._split_qk(ops, acc_s, 2, phase)
             warpgroup.wait_group(0)
+            if step + 1 == num_steps:
+                self._release_q(ops)
             self._split_mask(acc_s, entries, ops.t_coord, row0, tile, seqlen_q, seqlen_k, window)
 
             # Merge with the lead's running max (never below this warpgroup's own).
@@ -1215,6 +1323,12 @@ class FmhaSm90:
             warpgroup.wait_group(0)
             fu.mbar_arrive_one_per_warp(ops.mbar_empty, 1)
             entries = entries_next
+
+    @cute.jit
+    def _release_q(self, ops):
+        """Gathered: this warpgroup's last QK of the item is done; Q's buffer may be refilled."""
+        if const_expr(self.gather):
+            fu.mbar_arrive_one_per_warp(ops.mbar_q_empty, 0)
 
     @cute.jit
     def _split_qk(self, ops, acc_s, half: cutlass.Constexpr[int], phase):
