@@ -1090,8 +1090,8 @@ class FmhaSm90:
         row_max = cute.make_rmem_tensor(num_rows, Float32)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
         s_sum = storage.row_sum.get_tensor(cute.make_layout((rows, 2, 2)))
-        item_args = (ops, acc_s, acc_o, row_max, row_sum, s_sum, thr_mma_qk, thr_mma_pv, sQ,
-                     mbar_q, mO, mLSE, mSink, mIndices, scale_log2, window)  # fmt: skip
+        item_args = (ops, acc_s, acc_o, row_max, row_sum, s_sum, thr_mma_qk, sQ, sP, mbar_q,
+                     mO, mLSE, mSink, mIndices, scale_log2, window)  # fmt: skip
         if const_expr(self.gather):
             num_items = cute.size(mO.shape[2]) * cute.ceil_div(cute.size(mO.shape[0]), rows)
             steps_done = Int32(0)
@@ -1115,9 +1115,9 @@ class FmhaSm90:
 
     @cute.jit
     def _split_item(
-        self, ops, acc_s, acc_o, row_max, row_sum, s_sum, thr_mma_qk, thr_mma_pv, sQ, mbar_q,
-        mO, mLSE, mSink, mIndices, scale_log2, window, m_block, q_row0, q_l, row_limit,
-        seqlen_q, seqlen_k, n_min, num_steps, steps_done, parity, ctidx,
+        self, ops, acc_s, acc_o, row_max, row_sum, s_sum, thr_mma_qk, sQ, sP, mbar_q, mO, mLSE,
+        mSink, mIndices, scale_log2, window, m_block, q_row0, q_l, row_limit, seqlen_q,
+        seqlen_k, n_min, num_steps, steps_done, parity, ctidx,
     ):  # fmt: skip
         """One 64-row output tile: wait for its Q, run the mainloop (barrier phases continue
         from ``steps_done``), combine the row sums, normalise and store O and the LSE."""
@@ -1166,8 +1166,8 @@ class FmhaSm90:
         if wg == 0:
             self._store_lse(mLSE, lse, thr_mma_qk, q_row0, q_l, row_limit)
         if const_expr(self.gather):
-            # Straight from registers: Q's buffer already holds the next item's Q.
-            self._store_o_half_direct(thr_mma_pv, acc_o, mO, q_row0, q_l, row_limit, wg)
+            # Not through Q's buffer: it already holds the next item's Q.
+            self._store_o_half_staged(ops, acc_o, sP, mO, q_row0, q_l, row_limit, wg, wtidx)
         else:
             # O halves -> shared (the Q buffer). Every QK has finished: the leader's last one
             # before it handed over its last P tile, the follower's before it published its
@@ -1186,24 +1186,45 @@ class FmhaSm90:
             self._copy_o_to_global(sO, mO, q_row0, q_l, row_limit, ctidx)
 
     @cute.jit
-    def _store_o_half_direct(self, thr_mma_pv, acc_o, mO, q_row0, q_l, row_limit, wg):
-        """Warpgroup ``wg``'s 64 x 256 half of O (``mO``: ``(H, D, T)``) from registers to
-        global memory: each thread's column pairs as 4-byte streaming stores, rows below
-        ``row_limit`` only."""
-        r_o = cute.make_rmem_tensor(acc_o.layout.shape, self.dtype)
-        fu.convert_to_bf16(acc_o, r_o)
-        words = cute.recast_tensor(r_o, cutlass.Uint32)  # (column c, c + 1) of one row each
-        coord = thr_mma_pv.partition_C(cute.make_identity_tensor((64, self.head_dim // 2)))
+    def _store_o_half_staged(self, ops, acc_o, sP, mO, q_row0, q_l, row_limit, wg, wtidx):
+        """Warpgroup ``wg``'s 64 x 256 half of O (``mO``: ``(H, D, T)``) to global memory, 64
+        columns at a time through the warpgroup's own P tile, each warp through its own 16
+        rows of it (no barrier but the warp's): stmatrix, then 16-byte loads and streaming
+        stores of whole 128-byte row pieces, rows below ``row_limit`` only.
+
+        The P tiles are free here: the last PV that read them completed before the row-sum
+        barrier, and the next item writes them only after this warpgroup's next softmax.
+        """
+        warp = wtidx // 32
+        lane = wtidx % 32
+        chunk = lane % 8  # 16-byte piece of a 128-byte row
+        tile_base = sP.iterator.toint() + wg * (64 * self.tile_n * 2)
         row_stride = Int64(mO.stride[0])
-        base = (
+        o_base = (
             mO.iterator.toint()
             + (Int64(q_l) * Int64(mO.stride[2]) + Int64(q_row0) * row_stride) * 2
             + wg * self.head_dim
+            + chunk * 16
         )
-        for w in cutlass.range_constexpr(cute.size(words)):
-            row, col = coord[2 * w]
-            if row < row_limit:
-                ptx_ops.st_global_cs_b32(base + (Int64(row) * row_stride + col) * 2, words[w])
+        r_chunk = cute.make_rmem_tensor(ops.t_coord.shape, self.dtype)
+        words = cute.recast_tensor(r_chunk, Int32)
+        per_chunk = cute.size(r_chunk)  # a thread's part of 64 x 64
+        for j in cutlass.range_constexpr(self.head_dim // 2 // self.tile_n):
+            for i in cutlass.range_constexpr(per_chunk // 2):
+                words[i] = fu.cvt_bf16x2(
+                    acc_o[j * per_chunk + 2 * i], acc_o[j * per_chunk + 2 * i + 1]
+                )
+            cute.copy(ops.copy_p, ops.copy_p.retile(r_chunk), ops.tPsP[None, None, None, wg])
+            cute.arch.sync_warp()
+            for i in cutlass.range_constexpr(4):
+                row = 16 * warp + 4 * i + lane // 8
+                v = ptx_ops.ld_shared_v4(tile_base + row * 128 + ((chunk ^ (row % 8)) << 4))
+                if row < row_limit:
+                    ptx_ops.st_global_cs_v4_b32(
+                        o_base + Int64(row) * row_stride * 2 + j * self.tile_n * 2,
+                        v[0], v[1], v[2], v[3],
+                    )  # fmt: skip
+            cute.arch.sync_warp()  # the next chunk's stmatrix overwrites these rows
 
     # The two compute warpgroups run staggered so that one's softmax overlaps the other's MMAs:
     #
