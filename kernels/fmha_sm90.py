@@ -23,6 +23,11 @@ rows), warpgroups 1 and 2 compute. Two mainloops share the producer, the masks a
   halves (aL, aR, bL, bR) with their own barriers so that the producer refills a half as soon
   as its last reader is done. Gathered rows come by ``cp.async``, 8 threads per 128-byte
   swizzle-atom row; Q is loaded evict-first and O stored streaming, so K/V rows stay in L2.
+  The gathered kernel is persistent: one CTA per SM walks its share of the (token, head block)
+  items, the barrier phases running on across them; the next item's Q is loaded as soon as
+  the last QK of the current one is done and its first rows stream in during the last PVs,
+  so a CTA's start-up (Q, index lists, first rows) hides behind the previous item's end. Its
+  O leaves through each warp's rows of the P tiles, not Q's buffer.
 
 Semantics (checked against ``dsv4_attn.reference``): ``s = scale * <q, k>``; masked or invalid
 keys are dropped; ``lse = log(sum exp(s))`` (natural log, sink excluded, ``-inf`` with no valid
@@ -435,11 +440,11 @@ class FmhaSm90:
                 )  # fmt: skip
             else:
                 cute.arch.setmaxregister_increase(self.regs_mma)
+                # The tile arguments (m_block .. n_max) are per item here: zeros.
                 self._consume_split(
                     tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage, sK_layout,
                     sV_layout, sP_layout, mbar_q, mbar_q_empty, mbar_full, mbar_empty, mO,
-                    mLSE, mSink, mIndices, mLens, scale_log2, window, Int32(0), Int32(0),
-                    Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0),
+                    mLSE, mSink, mIndices, mLens, scale_log2, window, *([Int32(0)] * 8),
                     tidx - _THREADS_PER_WG,
                 )  # fmt: skip
         else:

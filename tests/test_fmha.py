@@ -224,6 +224,9 @@ SPARSE_SHAPES = {
     "ragged": (33, 5000, 640, "random", "random"),
     "wide": (17, 20000, 2048, "random", "inf"),
     "empty": (5, 100, 70, "zero", "random"),
+    # More (token, head block) items than SMs: each persistent CTA walks several, of 0 to 5
+    # steps, its barrier phases running on across them.
+    "many": (700, 3000, 600, "random", "random"),
 }
 
 
