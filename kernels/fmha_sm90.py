@@ -207,10 +207,10 @@ class FmhaSm90:
         Dense: ``mQ``/``mO`` ``[total_q, H, D]``, ``mK``/``mV`` ``[total_k, Hk, D]`` (``mV`` None
         when ``kv_shared``), ``mLSE`` ``[total_q, H]`` fp32, cumulative sequence offsets
         ``mCuSeqlensQ``/``mCuSeqlensK`` ``[B + 1]`` int32, ``max_seqlen_q`` sizes the grid.
-        Gather: ``max_ctas`` caps the grid (one CTA per SM: each walks its share of the
-        (token, head block) items); ignored when dense.
         Gather: ``mQ``/``mO`` ``[T, H, 512]``, ``mK`` = kv ``[N, 512]``, ``mLSE`` ``[T, H]``,
-        ``mIndices`` ``[T, K]`` int32 (-1 = skip), ``mLens`` ``[T]`` int32.
+        ``mIndices`` ``[T, K]`` int32 (-1 = skip), ``mLens`` ``[T]`` int32; ``max_ctas`` caps
+        the grid (one CTA per SM: each walks its share of the (token, head block) items;
+        ignored when dense).
         ``mSink`` ``[H]`` fp32 (``-inf`` = no sink). bf16 data, fp32 LSE.
         """
         D = self.head_dim
@@ -962,6 +962,11 @@ class FmhaSm90:
                         tma_bar_ptr=mbar_full + half,
                     )  # fmt: skip
 
+    def _num_gather_items(self, mQ):
+        """(token, head block) work items of the gathered kernel (``mQ``: Q or O as ``(H, D,
+        T)``); CTA ``c`` takes items ``c, c + grid, ...``."""
+        return cute.size(mQ.shape[2]) * cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
+
     @cute.jit
     def _gather_item(self, mQ, mLens, item):
         """``(token, first head, heads in the block, keys)`` of gathered work item ``item``
@@ -997,7 +1002,7 @@ class FmhaSm90:
         src_chunk = mKV.iterator.toint() + Int64(chunk * 16)
         row_bytes = Int64(mKV.stride[0] * 2)
         width = cute.size(mIndices.shape[1])
-        num_items = cute.size(mQ.shape[2]) * cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
+        num_items = self._num_gather_items(mQ)
         steps_done = Int32(0)
         parity = Int32(0)
         for item in cutlass.range(
@@ -1095,10 +1100,10 @@ class FmhaSm90:
         row_max = cute.make_rmem_tensor(num_rows, Float32)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
         s_sum = storage.row_sum.get_tensor(cute.make_layout((rows, 2, 2)))
-        item_args = (ops, acc_s, acc_o, row_max, row_sum, s_sum, thr_mma_qk, sQ, sP, mbar_q,
-                     mO, mLSE, mSink, mIndices, scale_log2, window)  # fmt: skip
+        item_args = (ops, acc_s, acc_o, row_max, row_sum, s_sum, thr_mma_qk, st_atom, sQ, sP,
+                     mbar_q, mO, mLSE, mSink, mIndices, scale_log2, window)  # fmt: skip
         if const_expr(self.gather):
-            num_items = cute.size(mO.shape[2]) * cute.ceil_div(cute.size(mO.shape[0]), rows)
+            num_items = self._num_gather_items(mO)
             steps_done = Int32(0)
             parity = Int32(0)
             for item in cutlass.range(
@@ -1120,9 +1125,9 @@ class FmhaSm90:
 
     @cute.jit
     def _split_item(
-        self, ops, acc_s, acc_o, row_max, row_sum, s_sum, thr_mma_qk, sQ, sP, mbar_q, mO, mLSE,
-        mSink, mIndices, scale_log2, window, m_block, q_row0, q_l, row_limit, seqlen_q,
-        seqlen_k, n_min, num_steps, steps_done, parity, ctidx,
+        self, ops, acc_s, acc_o, row_max, row_sum, s_sum, thr_mma_qk, st_atom, sQ, sP, mbar_q,
+        mO, mLSE, mSink, mIndices, scale_log2, window, m_block, q_row0, q_l, row_limit,
+        seqlen_q, seqlen_k, n_min, num_steps, steps_done, parity, ctidx,
     ):  # fmt: skip
         """One 64-row output tile: wait for its Q, run the mainloop (barrier phases continue
         from ``steps_done``), combine the row sums, normalise and store O and the LSE."""
@@ -1181,9 +1186,6 @@ class FmhaSm90:
             sO_half = cute.local_tile(sO, (rows, self.head_dim // 2), (0, wg))
             r_o = cute.make_rmem_tensor(acc_o.layout.shape, self.dtype)
             fu.convert_to_bf16(acc_o, r_o)
-            st_atom = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
-            )
             thr_copy_o = cute.make_tiled_copy_C(st_atom, ops.mma_pv).get_slice(wtidx)
             cute.copy(thr_copy_o, thr_copy_o.retile(r_o), thr_copy_o.partition_D(sO_half))
             cute.arch.fence_view_async_shared()

@@ -158,14 +158,6 @@ def st_global_v4_b32(
 
 
 @dsl_user_op
-def st_global_cs_b32(addr: Int64, v: Uint32, *, loc=None, ip=None) -> None:
-    """4-byte store marked streaming (``.cs``: likely read once, evicted first from L2)."""
-    _statement(
-        [_i64(addr, loc, ip), _u32(v, loc, ip)], "st.global.cs.b32 [$0], $1;", "l,r", loc, ip
-    )
-
-
-@dsl_user_op
 def st_global_cs_v4_b32(
     addr: Int64, a: Uint32, b: Uint32, c: Uint32, d: Uint32, *, loc=None, ip=None
 ) -> None:
