@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dsv4_attn import bench
 
@@ -56,3 +57,33 @@ def test_prefill_sweep_fit_recovers_fixed_and_step_costs():
     assert abs(fit["fixed_us"] - fixed) < 1e-9 and abs(fit["step_us"] - step) < 1e-9
     with pytest.raises(ValueError, match="at least two widths"):
         fit_cta_costs([512], times[:1], tokens, sms)
+
+
+@pytest.mark.parametrize("heads", [8, 70])
+def test_gather_copy_moves_every_listed_row(monkeypatch, heads):
+    """The prefill bench's memory floor kernel (Triton's interpreter on the CPU) reads every
+    counted row: out = q + the rows' sum, to bf16 rounding, with holes and ragged lengths."""
+    from dsv4_attn.bench import gather_copy as gc
+    from dsv4_attn.prefill_cases import make_random_sparse_case
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gc._kernel.cache_clear()
+    try:
+        case = make_random_sparse_case(6, heads, 300, 40, head_dim=64, seed=heads)
+        out = torch.full_like(case.q, float("nan"))
+        gc.gather_copy(case.q, case.kv, case.indices, case.lens, out=out)
+    finally:
+        gc._kernel.cache_clear()
+    ref = gc.gather_copy_reference(case.q, case.kv, case.indices, case.lens)
+    assert case.lens.min() == 0 and (case.indices < 0).any()
+
+    def past_rounding(x):  # one bf16 ulp (the interpreter rounds toward zero, CUDA to nearest)
+        return ((x.double() - ref).abs() - ref.abs() * 2.0**-7 * 1.01).max().item()
+
+    assert past_rounding(out) <= 1e-3
+    # The check can fail: a result without one counted row is far past the rounding.
+    counted = torch.arange(case.indices.shape[1])[None] < case.lens[:, None]
+    token, entry = ((case.indices >= 0) & counted).nonzero()[0].tolist()
+    dropped = case.indices.clone()
+    dropped[token, entry] = -1
+    assert past_rounding(gc.gather_copy_reference(case.q, case.kv, dropped, case.lens)) > 0.1

@@ -5,7 +5,9 @@ Shapes (issue 5): dense causal attention at 8K tokens, D in {128, 256, 512}, H i
 same inputs; sparse prefill shaped like DeepSeek-V4-Flash (H = 64, 128-token window + top-512:
 K = 640) and V4-Pro (H = 128, K = 1152) at T = 4096. TFLOP/s count the masked work only (visible
 query-key pairs, or valid gathered entries); the bf16 matmul ceiling is measured in the same run.
-Prints a table and writes JSON.
+Each sparse row also times a memory-only kernel on the same bytes (:mod:`.gather_copy`: Q, the
+listed rows per 64-head block, O) as its memory floor: ``copy/ours`` near 1 means the kernel
+runs at the speed of its loads. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from dsv4_attn import fmha_ops
 from dsv4_attn.bench.anchors import import_flash_mla
+from dsv4_attn.bench.gather_copy import gather_copy, gather_copy_reference
 from dsv4_attn.bench.timing import format_table, measure_ceilings, time_cuda_us, write_json
 from dsv4_attn.prefill_cases import (
     make_dense_case,
@@ -43,7 +46,13 @@ COLUMNS = [
     ("flashmla_us", "FlashMLA us", ".0f"),
     ("vs_flashmla", "x FlashMLA", ".2f"),
     ("max_abs_diff_vs_flashmla", "max|d| FM", ".4f"),
+    ("copy_us", "copy us", ".0f"),
+    ("copy_of_ours", "copy/ours", ".2f"),
+    ("copy_of_flashmla", "copy/FM", ".2f"),
 ]
+
+# (rows per load, warps, stages) of the memory-only copy kernel; its best time is the floor.
+_COPY_CONFIGS = ((16, 4, 3), (32, 8, 3), (16, 4, 4))
 
 
 def _sdpa_time(case, reps: int) -> float | None:
@@ -134,6 +143,32 @@ def _flash_mla_sparse(flash_mla, case):
     return call
 
 
+def _copy_floor(case, reps: int) -> dict:
+    """Best median over :data:`_COPY_CONFIGS` of the memory-only kernel on the case's bytes
+    (16 of its tokens checked against the float64 reference first, so a floor is never timed
+    on a kernel that skipped work)."""
+    q, kv, indices, lens = case.q, case.kv, case.indices, case.lens
+    out = torch.full_like(q, float("nan"))
+    gather_copy(q, kv, indices, lens, out=out)
+    checked = torch.linspace(0, q.shape[0] - 1, 16, device=q.device).long()
+    ref = gather_copy_reference(q[checked], kv, indices[checked], lens[checked])
+    err = ((out[checked].double() - ref).abs() - ref.abs() * 2.0**-7 * 1.01).max().item()
+    if not err <= 1e-3:
+        raise RuntimeError(f"gather_copy disagrees with its reference by {err} past bf16 rounding")
+    del ref
+    best = None
+    for entries, warps, stages in _COPY_CONFIGS:
+
+        def call(entries=entries, warps=warps, stages=stages):
+            return gather_copy(q, kv, indices, lens, out=out, entries_per_load=entries,
+                               num_warps=warps, num_stages=stages)  # fmt: skip
+
+        t = time_cuda_us(call, reps=reps)["median_us"]
+        if best is None or t < best["copy_us"]:
+            best = {"copy_us": t, "copy_config": [entries, warps, stages]}
+    return best
+
+
 def _sparse_configs(tokens: int) -> list[tuple[str, int, object]]:
     """(name, heads, case maker): the issue's shapes (s_kv 32K, pure top-k) and the layouts the
     backend runs (window 128 + top-k; HCA: every visible entry then the window, the last
@@ -196,6 +231,10 @@ def sparse_rows(tokens: int, reps: int, ceiling: float, against: str | None) -> 
             row.update(flashmla_us=fm_t, flashmla_tflops=flops / (fm_t * 1e6),
                        vs_flashmla=fm_t / t, meets_target=fm_t / t >= 1.1,
                        max_abs_diff_vs_flashmla=diff)  # fmt: skip
+        row.update(_copy_floor(case, reps))
+        row["copy_of_ours"] = row["copy_us"] / t
+        if row.get("flashmla_us"):
+            row["copy_of_flashmla"] = row["copy_us"] / row["flashmla_us"]
         rows.append(row)
         print(f"sparse {name}: {row}", flush=True)
         del case, args
