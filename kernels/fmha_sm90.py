@@ -80,7 +80,7 @@ class _SplitOperands(NamedTuple):
     mma_pv: cute.TiledMma  # P from shared memory (the other warpgroup's tile)
     mma_pv_rs: cute.TiledMma  # P from registers (this warpgroup's own tile)
     tSrQ: cute.Tensor
-    tSrK: cute.Tensor  # (MMA, N, K, 2 tiles)
+    tSrK: cute.Tensor  # (MMA, N, K, 4 halves)
     tOrP: cute.Tensor  # (MMA, M, K, 2 P tiles)
     tOrV: cute.Tensor  # (MMA, N, K, 4 halves)
     tOrV_rs: cute.Tensor
@@ -922,14 +922,30 @@ class FmhaSm90:
                     )
 
     # ---- column split (head_dim 512) ---------------------------------------------------------
-    # KV halves in shared memory: 0 = tile a cols 0..255, 1 = a 256..511, 2 = b 0..255,
-    # 3 = b 256..511. Warpgroup w computes S for tile w and the output columns of half w.
-    # Readers: half 0 = wg0 (QK, PV), 1 = wg0 (QK) + wg1 (PV), 2 = wg1 (QK) + wg0 (PV),
-    # 3 = wg1 (QK, PV). The PV reader releases a half; its QK reader finished before the
-    # reader's PV could start (half 1: wg0's QK before it handed P_a over; half 2: wg1's QK
-    # before it published its max). Producer order: the halves released first (0 after wg0's
-    # own PV, 3 after wg1's) are refilled first.
-    _HALF_ORDER = ((0, 0, 0), (3, 1, 1), (1, 0, 1), (2, 1, 0))  # (half, tile of step, column half)
+    # KV halves of a step: 0 = tile a cols 0..255, 1 = a 256..511, 2 = b 0..255, 3 = b
+    # 256..511. Warpgroup w computes S for tile w and the output columns of half w. Readers:
+    # half 0 = wg0 (QK, PV), 1 = wg0 (QK) + wg1 (PV), 2 = wg1 (QK) + wg0 (PV), 3 = wg1 (QK,
+    # PV). The PV reader releases a half; its QK reader finished before the reader's PV could
+    # start (half 1: wg0's QK before it handed P_a over; half 2: wg1's QK before it published
+    # its max).
+    #
+    # Halves 0 and 3 are released mid-step (after each warpgroup's own PV), 1 and 2 at its end
+    # (after the PVs with the other's P). Tile a of the next step is what wg0 multiplies first,
+    # so it goes into the buffers released mid-step: half 1 and half 3 trade buffers every step
+    # (buffer of half h at step parity p: _HALF_BUFFERS[p][h]), and the buffers refilled last
+    # are the ones wg1 needs, whose QK runs beside wg0's softmax. Producer order: tile a, then
+    # half 3 (its buffer freed by wg1's last PV), then half 2 (by wg0's).
+    _HALF_BUFFERS = ((0, 1, 2, 3), (0, 3, 2, 1))
+    _HALF_ORDER = ((0, 0, 0), (1, 0, 1), (3, 1, 1), (2, 1, 0))  # (half, tile of step, column half)
+
+    @cute.jit
+    def _half_buffer(self, half: cutlass.Constexpr[int], phase):
+        """Shared-memory buffer of KV half ``half`` at a step of parity ``phase``."""
+        even, odd = self._HALF_BUFFERS[0][half], self._HALF_BUFFERS[1][half]
+        buffer = Int32(even)
+        if const_expr(even != odd):
+            buffer = cutlass.select_(phase == 0, Int32(even), Int32(odd))
+        return buffer
 
     @cute.jit
     def _produce_split(
@@ -955,11 +971,12 @@ class FmhaSm90:
                     half, tile_in_step, col_half = self._HALF_ORDER[j]
                     # A tile past the end (odd count) reads zeros or other keys; masked.
                     tile = n_min + 2 * step + tile_in_step
-                    fu.mbar_wait(mbar_empty, half, phase ^ 1)
-                    fu.mbar_expect_tx(mbar_full, half, self.k_bytes)
+                    buffer = self._half_buffer(half, phase)
+                    fu.mbar_wait(mbar_empty, buffer, phase ^ 1)
+                    fu.mbar_expect_tx(mbar_full, buffer, self.k_bytes)
                     cute.copy(
-                        tma_atom_k, tKgK[None, tile, col_half], tKsK[None, half],
-                        tma_bar_ptr=mbar_full + half,
+                        tma_atom_k, tKgK[None, tile, col_half], tKsK[None, buffer],
+                        tma_bar_ptr=mbar_full + buffer,
                     )  # fmt: skip
 
     def _num_gather_items(self, mQ):
@@ -1023,7 +1040,9 @@ class FmhaSm90:
                 rows_next = self._gather_rows(entry_base, width, 2 * step + 2, group)
                 for j in cutlass.range_constexpr(4):
                     half, tile_in_step, col_half = self._HALF_ORDER[j]
-                    fu.mbar_wait(mbar_empty, half, phase ^ 1)
+                    buffer = self._half_buffer(half, phase)
+                    fu.mbar_wait(mbar_empty, buffer, phase ^ 1)
+                    dst_half = dst_thread + buffer * _HALF_BYTES
                     for i in cutlass.range_constexpr(4):
                         row = rows[4 * tile_in_step + i]
                         entry = (2 * step + tile_in_step) * self.tile_n + group + 16 * i
@@ -1037,11 +1056,11 @@ class FmhaSm90:
                         )
                         for atom in cutlass.range_constexpr(4):
                             ptx_ops.cp_async_16_prefetch_256(
-                                dst_thread + half * _HALF_BYTES + i * 2048 + atom * 8192,
+                                dst_half + i * 2048 + atom * 8192,
                                 src + atom * 128,
                                 nbytes,
                             )
-                    cute.arch.cp_async_mbarrier_arrive_noinc(mbar_full + half)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(mbar_full + buffer)
                 rows = rows_next
             steps_done += num_steps
             parity ^= 1
@@ -1064,7 +1083,6 @@ class FmhaSm90:
         """
         wtidx = ctidx % _THREADS_PER_WG
         rows = 64
-        sKVt = storage.sKV.get_tensor(sKV_tile_layout.outer, swizzle=sKV_tile_layout.inner)
         sKVh = storage.sKV.get_tensor(sKV_half_layout.outer, swizzle=sKV_half_layout.inner)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         thr_mma_qk = tiled_mma_qk.get_slice(wtidx)
@@ -1080,7 +1098,7 @@ class FmhaSm90:
             mma_pv=tiled_mma_pv,
             mma_pv_rs=tiled_mma_pv_rs,
             tSrQ=thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ)),
-            tSrK=thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sKVt)),
+            tSrK=thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sKVh)),
             tOrP=thr_mma_pv.make_fragment_A(thr_mma_pv.partition_A(sP)),
             tOrV=thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt)),
             tOrV_rs=thr_mma_pv_rs.make_fragment_B(thr_mma_pv_rs.partition_B(sVt)),
@@ -1271,9 +1289,9 @@ class FmhaSm90:
             self._rescale_rows_if_moved(acc_o, row_scale)
             r_p = cute.make_rmem_tensor(acc_s.layout.shape, self.dtype)
             fu.convert_to_bf16(acc_s, r_p)
-            self._split_pv_own(ops, acc_o, r_p, 0)
+            self._split_pv_own(ops, acc_o, r_p, 0, phase)
             warpgroup.wait_group(0)  # r_p is rewritten below
-            fu.mbar_arrive_one_per_warp(ops.mbar_empty, 0)
+            fu.mbar_arrive_one_per_warp(ops.mbar_empty, self._half_buffer(0, phase))
 
             # The follower's merged max: rescale O, the sum and P_a to it; hand P_a over.
             cute.arch.barrier(barrier_id=_BAR_MAX_FOLLOW, number_of_threads=_SPLIT_THREADS)
@@ -1290,19 +1308,19 @@ class FmhaSm90:
             cute.arch.barrier_arrive(barrier_id=_BAR_P_LEAD, number_of_threads=_SPLIT_THREADS)
             self._rescale_rows_if_moved(acc_o, row_scale)
             cute.arch.barrier(barrier_id=_BAR_P_FOLLOW, number_of_threads=_SPLIT_THREADS)
-            self._split_pv_other(ops, acc_o, 1, 2)
+            self._split_pv_other(ops, acc_o, 1, 2, phase)
             if step + 1 < num_steps:
                 # The next step's S_a runs behind this PV; half 2 is free once the PV is done.
                 self._split_qk(ops, acc_s, 0, phase ^ 1)
                 warpgroup.wait_group(1)
-                fu.mbar_arrive_one_per_warp(ops.mbar_empty, 2)
+                fu.mbar_arrive_one_per_warp(ops.mbar_empty, self._half_buffer(2, phase))
                 self._split_qk(ops, acc_s, 1, phase ^ 1)
                 warpgroup.wait_group(0)
                 if step + 2 == num_steps:
                     self._release_q(ops)
             else:
                 warpgroup.wait_group(0)
-                fu.mbar_arrive_one_per_warp(ops.mbar_empty, 2)
+                fu.mbar_arrive_one_per_warp(ops.mbar_empty, self._half_buffer(2, phase))
             entries = entries_next
 
     @cute.jit
@@ -1340,16 +1358,16 @@ class FmhaSm90:
             self._rescale_rows_if_moved(acc_o, row_scale)
             r_p = cute.make_rmem_tensor(acc_s.layout.shape, self.dtype)
             fu.convert_to_bf16(acc_s, r_p)
-            self._split_pv_own(ops, acc_o, r_p, 3)
+            self._split_pv_own(ops, acc_o, r_p, 3, phase)
             cute.copy(ops.copy_p, ops.copy_p.retile(r_p), ops.tPsP[None, None, None, 1])
             cute.arch.barrier(barrier_id=_BAR_P_LEAD, number_of_threads=_SPLIT_THREADS)
-            self._split_pv_other(ops, acc_o, 0, 1)
+            self._split_pv_other(ops, acc_o, 0, 1, phase)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier_arrive(barrier_id=_BAR_P_FOLLOW, number_of_threads=_SPLIT_THREADS)
             warpgroup.wait_group(1)
-            fu.mbar_arrive_one_per_warp(ops.mbar_empty, 3)
+            fu.mbar_arrive_one_per_warp(ops.mbar_empty, self._half_buffer(3, phase))
             warpgroup.wait_group(0)
-            fu.mbar_arrive_one_per_warp(ops.mbar_empty, 1)
+            fu.mbar_arrive_one_per_warp(ops.mbar_empty, self._half_buffer(1, phase))
             entries = entries_next
 
     @cute.jit
@@ -1362,30 +1380,69 @@ class FmhaSm90:
     def _split_qk(self, ops, acc_s, half: cutlass.Constexpr[int], phase):
         """Issue the 256-column half ``half`` of ``S = Q K^T`` for the tile stored in it (one
         wgmma group, after waiting for its rows). Halves 0 and 3 start the tiles' sums."""
-        tile, col_half = half // 2, half % 2
+        buffer = self._half_buffer(half, phase)
+        self._wait_kv_half(ops.mbar_full, buffer, phase)
+        even, odd = self._HALF_BUFFERS[0][half], self._HALF_BUFFERS[1][half]
+        # One copy of the issue per buffer, so that every wgmma descriptor is an immediate.
+        if const_expr(even == odd):
+            self._split_qk_from(ops, acc_s, half, even)
+        else:
+            if phase == 0:  # static outer, dynamic inner
+                self._split_qk_from(ops, acc_s, half, even)
+            else:
+                self._split_qk_from(ops, acc_s, half, odd)
+
+    @cute.jit
+    def _split_qk_from(
+        self, ops, acc_s, half: cutlass.Constexpr[int], buffer: cutlass.Constexpr[int]
+    ):
         k_half = self.head_dim // 32  # k-blocks (of 16) per 256 columns
-        self._wait_kv_half(ops.mbar_full, half, phase)
+        col_half = half % 2
         fu.wgmma(
-            ops.mma_qk, acc_s, ops.tSrQ, ops.tSrK[None, None, None, tile], half in (0, 3),
-            col_half * k_half, (col_half + 1) * k_half,
+            ops.mma_qk, acc_s, ops.tSrQ, ops.tSrK[None, None, None, buffer], half in (0, 3),
+            col_half * k_half, (col_half + 1) * k_half, b_shift=-col_half * k_half,
         )  # fmt: skip
 
     @cute.jit
-    def _split_pv_own(self, ops, acc_o, r_p, half: cutlass.Constexpr[int]):
+    def _split_pv_own(self, ops, acc_o, r_p, half: cutlass.Constexpr[int], phase):
         """Issue ``O += P V[half]`` with this warpgroup's bf16 P tile from registers (RS)."""
+        even, odd = self._HALF_BUFFERS[0][half], self._HALF_BUFFERS[1][half]
+        if const_expr(even == odd):
+            self._split_pv_own_from(ops, acc_o, r_p, even)
+        else:
+            if phase == 0:  # static outer, dynamic inner
+                self._split_pv_own_from(ops, acc_o, r_p, even)
+            else:
+                self._split_pv_own_from(ops, acc_o, r_p, odd)
+
+    @cute.jit
+    def _split_pv_own_from(self, ops, acc_o, r_p, buffer: cutlass.Constexpr[int]):
         fu.wgmma(
-            ops.mma_pv_rs, acc_o, fu.acc_as_operand_a(r_p), ops.tOrV_rs[None, None, None, half],
+            ops.mma_pv_rs, acc_o, fu.acc_as_operand_a(r_p), ops.tOrV_rs[None, None, None, buffer],
             False,
         )  # fmt: skip
 
     @cute.jit
     def _split_pv_other(
-        self, ops, acc_o, p_tile: cutlass.Constexpr[int], half: cutlass.Constexpr[int]
+        self, ops, acc_o, p_tile: cutlass.Constexpr[int], half: cutlass.Constexpr[int], phase
     ):
         """Issue ``O += P V[half]`` with the other warpgroup's P tile from shared memory (SS)."""
+        even, odd = self._HALF_BUFFERS[0][half], self._HALF_BUFFERS[1][half]
+        if const_expr(even == odd):
+            self._split_pv_other_from(ops, acc_o, p_tile, even)
+        else:
+            if phase == 0:  # static outer, dynamic inner
+                self._split_pv_other_from(ops, acc_o, p_tile, even)
+            else:
+                self._split_pv_other_from(ops, acc_o, p_tile, odd)
+
+    @cute.jit
+    def _split_pv_other_from(
+        self, ops, acc_o, p_tile: cutlass.Constexpr[int], buffer: cutlass.Constexpr[int]
+    ):
         fu.wgmma(
             ops.mma_pv, acc_o, ops.tOrP[None, None, None, p_tile],
-            ops.tOrV[None, None, None, half], False,
+            ops.tOrV[None, None, None, buffer], False,
         )  # fmt: skip
 
     @cute.jit

@@ -190,8 +190,10 @@ def wgmma(
     zero_init,
     k_begin: cutlass.Constexpr[int] = 0,
     k_end: cutlass.Constexpr[int] = -1,
+    b_shift: cutlass.Constexpr[int] = 0,
 ) -> None:
-    """Issue ``acc (+)= A[:, k_begin:k_end] @ B[:, k_begin:k_end]`` as one wgmma group.
+    """Issue ``acc (+)= A[:, k_begin:k_end] @ B[:, k_begin + b_shift:k_end + b_shift]`` as one
+    wgmma group (``b_shift``: B holds only part of the K range, e.g. one column half).
 
     ``frag_a``/``frag_b`` are ``(MMA, M, K)`` / ``(MMA, N, K)`` fragments of one warpgroup;
     ``zero_init`` (bool, static or dynamic) drops the old accumulator on the first k-block.
@@ -204,7 +206,7 @@ def wgmma(
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
     for k in cutlass.range_constexpr(k_begin, stop):
-        cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
+        cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k + b_shift], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
 
