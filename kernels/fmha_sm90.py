@@ -234,9 +234,8 @@ class FmhaSm90:
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_op, q3, sQ_layout, (self.tile_m, D))
 
         if const_expr(self.split_cols):
-            # KV: 2 tiles x (64 rows x 512), addressed as 4 column halves of 64 x 256.
+            # KV: 2 tiles x (64 rows x 512) as 4 buffers of one column half (64 x 256) each.
             sKV_half_layout = fu.smem_layout_rowmajor(self.dtype, self.tile_n, D // 2, 4)
-            sKV_tile_layout = fu.smem_layout_rowmajor(self.dtype, self.tile_n, D, 2)
             sP_layout = fu.smem_layout_rowmajor(self.dtype, self.tile_m, self.tile_n, 2)
             tma_atom_k, tma_k = None, None
             if const_expr(not self.gather):
@@ -255,7 +254,7 @@ class FmhaSm90:
                 self.dtype, D // 2, warpgroup.OperandMajorMode.MN, a_in_registers=True
             )
             SharedStorage = self._shared_storage_split(sQ_layout, sKV_half_layout, sP_layout)
-            sK_layout, sV_layout = sKV_half_layout, sKV_tile_layout
+            sK_layout = sV_layout = sKV_half_layout  # sV_layout: unused by the split
         else:
             sK_layout = fu.smem_layout_rowmajor(self.dtype, self.tile_n, D, self.num_stages)
             sV_layout = sK_layout
@@ -443,8 +442,8 @@ class FmhaSm90:
                 # The tile arguments (m_block .. n_max) are per item here: zeros.
                 self._consume_split(
                     tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage, sK_layout,
-                    sV_layout, sP_layout, mbar_q, mbar_q_empty, mbar_full, mbar_empty, mO,
-                    mLSE, mSink, mIndices, mLens, scale_log2, window, *([Int32(0)] * 8),
+                    sP_layout, mbar_q, mbar_q_empty, mbar_full, mbar_empty, mO, mLSE, mSink,
+                    mIndices, mLens, scale_log2, window, *([Int32(0)] * 8),
                     tidx - _THREADS_PER_WG,
                 )  # fmt: skip
         else:
@@ -484,7 +483,7 @@ class FmhaSm90:
                     if const_expr(self.split_cols):
                         self._consume_split(
                             tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage,
-                            sK_layout, sV_layout, sP_layout, mbar_q, None, mbar_full,
+                            sK_layout, sP_layout, mbar_q, None, mbar_full,
                             mbar_empty, mO, mLSE, mSink, mIndices, mLens, scale_log2, window,
                             m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min, n_max,
                             ctidx,
@@ -1071,7 +1070,7 @@ class FmhaSm90:
     @cute.jit
     def _consume_split(
         self, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage, sKV_half_layout,
-        sKV_tile_layout, sP_layout, mbar_q, mbar_q_empty, mbar_full, mbar_empty, mO, mLSE,
+        sP_layout, mbar_q, mbar_q_empty, mbar_full, mbar_empty, mO, mLSE,
         mSink, mIndices, mLens, scale_log2, window, m_block, q_row0, q_l, row_limit, seqlen_q,
         seqlen_k, n_min, n_max, ctidx,
     ):  # fmt: skip
