@@ -439,12 +439,11 @@ class FmhaSm90:
                 )  # fmt: skip
             else:
                 cute.arch.setmaxregister_increase(self.regs_mma)
-                # The tile arguments (m_block .. n_max) are per item here: zeros.
+                # No dense tile: the items (token, head block) come from the lists.
                 self._consume_split(
                     tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage, sK_layout,
                     sP_layout, mbar_q, mbar_q_empty, mbar_full, mbar_empty, mO, mLSE, mSink,
-                    mIndices, mLens, scale_log2, window, *([Int32(0)] * 8),
-                    tidx - _THREADS_PER_WG,
+                    mIndices, mLens, scale_log2, window, None, tidx - _THREADS_PER_WG,
                 )  # fmt: skip
         else:
             # ---- this CTA's tile and KV range (identical in every thread) --------------------
@@ -485,7 +484,7 @@ class FmhaSm90:
                             tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage,
                             sK_layout, sP_layout, mbar_q, None, mbar_full,
                             mbar_empty, mO, mLSE, mSink, mIndices, mLens, scale_log2, window,
-                            m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min, n_max,
+                            (m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min, n_max),
                             ctidx,
                         )  # fmt: skip
                     else:
@@ -1071,14 +1070,15 @@ class FmhaSm90:
     def _consume_split(
         self, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage, sKV_half_layout,
         sP_layout, mbar_q, mbar_q_empty, mbar_full, mbar_empty, mO, mLSE,
-        mSink, mIndices, mLens, scale_log2, window, m_block, q_row0, q_l, row_limit, seqlen_q,
-        seqlen_k, n_min, n_max, ctidx,
+        mSink, mIndices, mLens, scale_log2, window, dense_tile, ctidx,
     ):  # fmt: skip
         """Compute warpgroups of the column split: set up, then per item (gathered: each item
         of this persistent CTA; dense: the CTA's tile) the staggered mainloop and the store.
 
-        The running row max lives in log2 units (``score * scale_log2``) and starts at the
-        finite :data:`_MAX_INIT`, so that rescale factors never meet ``-inf - -inf``.
+        ``dense_tile``: ``(m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min, n_max)``
+        of the CTA's tile (dense), None (gathered). The running row max lives in log2 units
+        (``score * scale_log2``) and starts at the finite :data:`_MAX_INIT`, so that rescale
+        factors never meet ``-inf - -inf``.
         """
         wtidx = ctidx % _THREADS_PER_WG
         rows = 64
@@ -1135,6 +1135,7 @@ class FmhaSm90:
                 steps_done += num_steps
                 parity ^= 1
         else:
+            m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min, n_max = dense_tile
             self._split_item(
                 *item_args, m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min,
                 cute.ceil_div(n_max - n_min, 2), Int32(0), Int32(0), ctidx,

@@ -63,6 +63,32 @@ def test_prefill_sweep_fit_recovers_fixed_and_step_costs():
         fit_cta_costs([512], times[:1], tokens, sms)
 
 
+def test_flashmla_comparison_reports_a_refused_shape(monkeypatch):
+    """The comparison with FlashMLA (both the case table and the sweep use it) times FlashMLA
+    and reports the ratio and max |diff|; a shape FlashMLA refuses becomes an error entry, not
+    a crash (stand-ins for both kernels: this checks the bookkeeping only)."""
+    from types import SimpleNamespace
+
+    from dsv4_attn.bench import prefill
+    from dsv4_attn.prefill_cases import make_random_sparse_case
+
+    case = make_random_sparse_case(4, 8, 50, 16, head_dim=64, lens="full", hole_fraction=0.0)
+    ours = torch.ones_like(case.q)
+    monkeypatch.setattr(prefill.fmha_ops, "sparse_prefill", lambda *a, **k: (ours, None))
+    monkeypatch.setattr(prefill, "time_cuda_us", lambda fn, reps: (fn(), {"median_us": 30.0})[1])
+    agrees = SimpleNamespace(flash_mla_sparse_fwd=lambda *a: (ours + 0.25, None))
+    row = prefill._against_flashmla(agrees, case, 20.0, 3, "sparse-test")
+    assert row["flashmla_us"] == 30.0 and row["vs_flashmla"] == 1.5 and row["meets_target"]
+    assert row["max_abs_diff_vs_flashmla"] == 0.25
+
+    def refuse(*args):
+        raise RuntimeError("unsupported topk\nmore")
+
+    row = prefill._against_flashmla(SimpleNamespace(flash_mla_sparse_fwd=refuse), case, 20.0, 3,
+                                    "sparse-test")  # fmt: skip
+    assert row == {"flashmla_error": "unsupported topk"}
+
+
 def check_gather_copy(device: str, heads: int) -> None:
     """The prefill bench's memory-floor kernel reads every counted row: out = q + the rows'
     sum, to one bf16 ulp (Triton's interpreter rounds toward zero, CUDA to nearest), with holes

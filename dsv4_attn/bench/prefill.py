@@ -143,6 +143,27 @@ def _flash_mla_sparse(flash_mla, case):
     return call
 
 
+def _against_flashmla(flash_mla, case, ours, reps: int, name: str) -> dict:
+    """FlashMLA's time on ``case`` and how it compares with ours (``ours``: our median µs),
+    max |Δ| of the two outputs; ``{"flashmla_error": ...}`` when FlashMLA refuses the shape."""
+    fm_call = _flash_mla_sparse(flash_mla, case)
+    try:
+        fm_out = fm_call()[0]
+    except RuntimeError as exc:  # a shape FlashMLA refuses: say so, time the rest
+        error = str(exc).splitlines()[0][:200]
+        print(f"FlashMLA refused {name}: {error}", flush=True)
+        return {"flashmla_error": error}
+    out = fmha_ops.sparse_prefill(*case.args(), backend="cutedsl", check_values=False)[0]
+    fm_t = time_cuda_us(fm_call, reps=reps)["median_us"]
+    return {
+        "flashmla_us": fm_t,
+        "flashmla_tflops": case.flops() / (fm_t * 1e6),
+        "vs_flashmla": fm_t / ours,
+        "meets_target": fm_t / ours >= 1.1,
+        "max_abs_diff_vs_flashmla": (out.float() - fm_out.float()).abs().max().item(),
+    }
+
+
 def _copy_floor(case, reps: int) -> dict:
     """Best median over :data:`_COPY_CONFIGS` of the memory-only kernel on the case's bytes
     (16 of its tokens checked against the float64 reference first, so a floor is never timed
@@ -217,20 +238,7 @@ def sparse_rows(tokens: int, reps: int, ceiling: float, against: str | None) -> 
             "target": ">=1.1x flashmla",
         }
         if flash_mla is not None:
-            fm_call = _flash_mla_sparse(flash_mla, case)
-            try:
-                fm_out = fm_call()[0]
-            except RuntimeError as exc:  # a shape FlashMLA refuses: say so, time the rest
-                row["flashmla_error"] = str(exc).splitlines()[0][:200]
-                print(f"FlashMLA refused sparse-{name}: {row['flashmla_error']}", flush=True)
-                fm_call = None
-        if flash_mla is not None and fm_call is not None:
-            ours = call()[0]
-            fm_t = time_cuda_us(fm_call, reps=reps)["median_us"]
-            diff = (ours.float() - fm_out.float()).abs().max().item()
-            row.update(flashmla_us=fm_t, flashmla_tflops=flops / (fm_t * 1e6),
-                       vs_flashmla=fm_t / t, meets_target=fm_t / t >= 1.1,
-                       max_abs_diff_vs_flashmla=diff)  # fmt: skip
+            row.update(_against_flashmla(flash_mla, case, t, reps, f"sparse-{name}"))
         row.update(_copy_floor(case, reps))
         row["copy_of_ours"] = row["copy_us"] / t
         if row.get("flashmla_us"):
@@ -280,17 +288,18 @@ def sweep_rows(tokens: int, widths: list[int], reps: int, against: str | None) -
         row = {"width": width, "tokens": tokens, "median_us": time_cuda_us(call, reps=reps)[
             "median_us"]}  # fmt: skip
         if flash_mla is not None:
-            row["flashmla_us"] = time_cuda_us(_flash_mla_sparse(flash_mla, case), reps=reps)[
-                "median_us"
-            ]
-            row["vs_flashmla"] = row["flashmla_us"] / row["median_us"]
+            row.update(_against_flashmla(flash_mla, case, row["median_us"], reps,
+                                         f"sweep width {width}"))  # fmt: skip
         rows.append(row)
         print(f"sweep width {width}: {row}", flush=True)
         del case, args
         torch.cuda.empty_cache()
     fits = {"ours": fit_cta_costs(widths, [r["median_us"] for r in rows], tokens, sms)}
-    if flash_mla is not None:
-        fits["flashmla"] = fit_cta_costs(widths, [r["flashmla_us"] for r in rows], tokens, sms)
+    timed = [r for r in rows if "flashmla_us" in r]
+    if len(timed) >= 2:
+        fm_widths = [r["width"] for r in timed]
+        fm_times = [r["flashmla_us"] for r in timed]
+        fits["flashmla"] = fit_cta_costs(fm_widths, fm_times, tokens, sms)
     for name, fit in fits.items():
         print(f"sweep fit {name}: {fit['fixed_us']:.2f} us per CTA fixed, "
               f"{fit['step_us']:.2f} us per 128-key step ({sms} SMs)", flush=True)  # fmt: skip
