@@ -1377,73 +1377,60 @@ class FmhaSm90:
             fu.mbar_arrive_one_per_warp(ops.mbar_q_empty, 0)
 
     @cute.jit
+    def _on_half_buffer(self, half: cutlass.Constexpr[int], phase, issue: cutlass.Constexpr):
+        """``issue(buffer)`` with the buffer of KV half ``half`` at a step of parity ``phase``
+        as a compile-time constant: one copy of the issue per buffer the half can be in, so
+        that every wgmma descriptor is an immediate."""
+        even, odd = self._HALF_BUFFERS[0][half], self._HALF_BUFFERS[1][half]
+        if const_expr(even == odd):
+            issue(even)
+        else:
+            if phase == 0:  # static outer, dynamic inner
+                issue(even)
+            else:
+                issue(odd)
+
+    @cute.jit
     def _split_qk(self, ops, acc_s, half: cutlass.Constexpr[int], phase):
         """Issue the 256-column half ``half`` of ``S = Q K^T`` for the tile stored in it (one
         wgmma group, after waiting for its rows). Halves 0 and 3 start the tiles' sums."""
-        buffer = self._half_buffer(half, phase)
-        self._wait_kv_half(ops.mbar_full, buffer, phase)
-        even, odd = self._HALF_BUFFERS[0][half], self._HALF_BUFFERS[1][half]
-        # One copy of the issue per buffer, so that every wgmma descriptor is an immediate.
-        if const_expr(even == odd):
-            self._split_qk_from(ops, acc_s, half, even)
-        else:
-            if phase == 0:  # static outer, dynamic inner
-                self._split_qk_from(ops, acc_s, half, even)
-            else:
-                self._split_qk_from(ops, acc_s, half, odd)
-
-    @cute.jit
-    def _split_qk_from(
-        self, ops, acc_s, half: cutlass.Constexpr[int], buffer: cutlass.Constexpr[int]
-    ):
+        self._wait_kv_half(ops.mbar_full, self._half_buffer(half, phase), phase)
         k_half = self.head_dim // 32  # k-blocks (of 16) per 256 columns
         col_half = half % 2
-        fu.wgmma(
-            ops.mma_qk, acc_s, ops.tSrQ, ops.tSrK[None, None, None, buffer], half in (0, 3),
-            col_half * k_half, (col_half + 1) * k_half, b_shift=-col_half * k_half,
-        )  # fmt: skip
+
+        def issue(buffer):
+            fu.wgmma(
+                ops.mma_qk, acc_s, ops.tSrQ, ops.tSrK[None, None, None, buffer], half in (0, 3),
+                col_half * k_half, (col_half + 1) * k_half, b_shift=-col_half * k_half,
+            )  # fmt: skip
+
+        self._on_half_buffer(half, phase, issue)
 
     @cute.jit
     def _split_pv_own(self, ops, acc_o, r_p, half: cutlass.Constexpr[int], phase):
         """Issue ``O += P V[half]`` with this warpgroup's bf16 P tile from registers (RS)."""
-        even, odd = self._HALF_BUFFERS[0][half], self._HALF_BUFFERS[1][half]
-        if const_expr(even == odd):
-            self._split_pv_own_from(ops, acc_o, r_p, even)
-        else:
-            if phase == 0:  # static outer, dynamic inner
-                self._split_pv_own_from(ops, acc_o, r_p, even)
-            else:
-                self._split_pv_own_from(ops, acc_o, r_p, odd)
 
-    @cute.jit
-    def _split_pv_own_from(self, ops, acc_o, r_p, buffer: cutlass.Constexpr[int]):
-        fu.wgmma(
-            ops.mma_pv_rs, acc_o, fu.acc_as_operand_a(r_p), ops.tOrV_rs[None, None, None, buffer],
-            False,
-        )  # fmt: skip
+        def issue(buffer):
+            fu.wgmma(
+                ops.mma_pv_rs, acc_o, fu.acc_as_operand_a(r_p),
+                ops.tOrV_rs[None, None, None, buffer], False,
+            )  # fmt: skip
+
+        self._on_half_buffer(half, phase, issue)
 
     @cute.jit
     def _split_pv_other(
         self, ops, acc_o, p_tile: cutlass.Constexpr[int], half: cutlass.Constexpr[int], phase
     ):
         """Issue ``O += P V[half]`` with the other warpgroup's P tile from shared memory (SS)."""
-        even, odd = self._HALF_BUFFERS[0][half], self._HALF_BUFFERS[1][half]
-        if const_expr(even == odd):
-            self._split_pv_other_from(ops, acc_o, p_tile, even)
-        else:
-            if phase == 0:  # static outer, dynamic inner
-                self._split_pv_other_from(ops, acc_o, p_tile, even)
-            else:
-                self._split_pv_other_from(ops, acc_o, p_tile, odd)
 
-    @cute.jit
-    def _split_pv_other_from(
-        self, ops, acc_o, p_tile: cutlass.Constexpr[int], buffer: cutlass.Constexpr[int]
-    ):
-        fu.wgmma(
-            ops.mma_pv, acc_o, ops.tOrP[None, None, None, p_tile],
-            ops.tOrV[None, None, None, buffer], False,
-        )  # fmt: skip
+        def issue(buffer):
+            fu.wgmma(
+                ops.mma_pv, acc_o, ops.tOrP[None, None, None, p_tile],
+                ops.tOrV[None, None, None, buffer], False,
+            )  # fmt: skip
+
+        self._on_half_buffer(half, phase, issue)
 
     @cute.jit
     def _split_entries(self, mIndices, token, tile, lane):
