@@ -2,7 +2,9 @@
 (decode, decode-splits, prefill, prefill-layer, fallback, step, wgmma-rate).
 
 One module per benchmark, each with a ``main(argv)`` that prints a table and writes JSON; the
-shared timing, ceilings and report helpers are in :mod:`dsv4_attn.bench.timing`.
+shared timing, ceilings and report helpers are in :mod:`dsv4_attn.bench.timing`, the anchor's
+import in :mod:`.anchors`, and the memory-only kernel the prefill bench times as its floor in
+:mod:`.gather_copy`.
 """
 
 from __future__ import annotations
