@@ -40,12 +40,14 @@ def test_against_defaults_cover_the_issue_shapes_and_batches():
     assert args.batches == [1, 32, 64, 128, 256]
     assert args.shapes == [
         "v4-flash", "v4-pro", "hca-1m", "v4-flash-tp2", "v4-flash-tp4", "v4-flash-tp8",
+        "hca-1m-ragged",
     ]  # fmt: skip
     heads = {s: decode.ALL_SHAPES[s][0] for s in args.shapes}
     assert heads == {"v4-flash": 64, "v4-pro": 128, "hca-1m": 64, "v4-flash-tp2": 32,
-                     "v4-flash-tp4": 16, "v4-flash-tp8": 8}  # fmt: skip
+                     "v4-flash-tp4": 16, "v4-flash-tp8": 8, "hca-1m-ragged": 64}  # fmt: skip
     assert decode.ALL_SHAPES["v4-pro"][1:] == (128, 1024)
     assert decode.ALL_SHAPES["hca-1m"][1:] == (128, 8192)
+    assert decode.ALL_SHAPES["hca-1m-ragged"][1:] == (128, 8192)
     assert all(decode.ALL_SHAPES[s][1:] == (128, 512) for s in decode.TP_SHAPES)
     assert args.formats == ["fp8_ds_mla", "nvfp4"]
     assert args.json == "bench_decode_vs_flashmla.json"
@@ -261,10 +263,17 @@ class _EmulatedFlashMLA(_FakeFlashMLA):
         self.calls.append(args)
         if self.fail:
             raise RuntimeError(self.fail)
-        q, kv, *_, scale, _causal, _fp8, indices, sink, extra_kv, extra_indices, _l, _el = args
+        q, kv, *_, scale, _causal, _fp8, indices, sink, extra_kv, extra_indices, lens, elens = args
         keys = torch.cat([_flashmla_dequant(*_bytes_flashmla_reads(v, i)) for v, i in
                           ((kv, indices), (extra_kv, extra_indices))], dim=2).double()  # fmt: skip
-        valid = torch.cat([indices, extra_indices], dim=-1) >= 0  # [b, s_q, K]
+
+        def counted(ids, lengths):  # topk_length: entries past a request's length do not count
+            if lengths is None:
+                return ids >= 0
+            entry = torch.arange(ids.shape[-1])
+            return (ids >= 0) & (entry < lengths.long()[:, None, None])
+
+        valid = torch.cat([counted(indices, lens), counted(extra_indices, elens)], dim=-1)
         logits = torch.einsum("bshd,bskd->bshk", q.double(), keys) * scale
         logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
         lse = torch.logsumexp(logits, dim=-1)
@@ -290,6 +299,33 @@ def _cpu_stand_ins(monkeypatch) -> list[float]:
 
     monkeypatch.setattr(decode, "time_cuda_us", fake_time)
     return times
+
+
+def test_ragged_shape_gives_each_request_its_own_count_of_compressed_rows():
+    """hca-1m-ragged (issue 12, balanced work): the tokens of a request share one count of
+    compressed rows, counts differ between requests and stay in [0, capacity]; the window is
+    full; the floor counts only the rows that count."""
+    pool = decode._RowPool(torch.device("cpu"), seed=1)
+    case = decode.make_case(pool, FP8, 64, 8, 16, 64, ragged_group=2)
+    counts = case.extra.lens.view(32, 2)
+    assert (counts[:, 0] == counts[:, 1]).all()
+    assert counts.min() >= 0 and counts.max() <= 64 and len(set(counts[:, 0].tolist())) > 8
+    assert (case.window.lens == 16).all()
+    assert case.num_keys == int(case.window.lens.sum() + case.extra.lens.sum())
+    with pytest.raises(ValueError, match="not whole requests"):
+        decode.make_case(pool, FP8, 5, 8, 16, 64, ragged_group=2)
+
+
+def test_against_loop_runs_the_ragged_shape_with_per_request_lengths(monkeypatch):
+    _cpu_stand_ins(monkeypatch)
+    fm = _EmulatedFlashMLA()
+    rows, _ = decode.run_against(fm, ["hca-1m-ragged"], [2], list(decode.OURS), 2, 3,
+                                 device="cpu")  # fmt: skip
+    (row,) = rows
+    assert "flashmla_error" not in row and row["max_abs_diff_vs_flashmla"] < 0.1
+    for call in fm.calls:  # the checked call and the timed one
+        window_lengths, extra_lengths = call[-2:]
+        assert window_lengths is None and extra_lengths.shape == (2,)
 
 
 def test_against_loop_compares_ours_with_flashmla_on_the_same_bytes(monkeypatch):

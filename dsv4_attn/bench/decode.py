@@ -56,7 +56,10 @@ TP_SHAPES = {  # V4-Flash at the per-GPU head counts of tensor parallelism 2, 4 
     "v4-flash-tp4": (16, 128, 512),
     "v4-flash-tp8": (8, 128, 512),
 }
-ALL_SHAPES = {**SHAPES, **TP_SHAPES}
+# Uneven work (issue 12, "balanced work"): HCA at a 1M context where each request has its own
+# number of compressed entries, uniform in [0, 8192] (the tokens of a request share it).
+RAGGED_SHAPES = {"hca-1m-ragged": (64, 128, 8192)}
+ALL_SHAPES = {**SHAPES, **TP_SHAPES, **RAGGED_SHAPES}
 TOKENS = (1, 8, 64, 128, 256)
 BATCHES = (1, 32, 64, 128, 256)  # requests b with --against (T = b * s_q)
 S_Q = 2  # tokens per request with --against (decode with one speculative token)
@@ -128,7 +131,18 @@ class _RowPool:
         return ((base + offsets) % num_slots).to(torch.int32)
 
 
-def make_case(pool: _RowPool, fmt: KVFormat, T: int, H: int, window: int, extra: int):
+def make_case(
+    pool: _RowPool,
+    fmt: KVFormat,
+    T: int,
+    H: int,
+    window: int,
+    extra: int,
+    ragged_group: int | None = None,
+) -> DecodeCase:
+    """``T`` tokens of ``H`` heads, each with ``window`` window rows and ``extra`` compressed
+    rows of its own; with ``ragged_group``, every group of that many consecutive tokens (one
+    request) counts a random number of its compressed rows, uniform in ``[0, extra]``."""
     cache = pool.cache(fmt, WINDOW_BLOCK, T * window)
     ecache = pool.cache(fmt, EXTRA_BLOCK, T * extra)
     q = (torch.randn(T, H, HEAD_DIM, generator=pool.gen, device=pool.device) * 0.5).to(
@@ -136,6 +150,12 @@ def make_case(pool: _RowPool, fmt: KVFormat, T: int, H: int, window: int, extra:
     )
     full = torch.full((T,), window, dtype=torch.int32, device=pool.device)
     efull = torch.full((T,), extra, dtype=torch.int32, device=pool.device)
+    if ragged_group is not None:
+        if T % ragged_group:
+            raise ValueError(f"{T} tokens are not whole requests of {ragged_group}")
+        per_request = torch.randint(0, extra + 1, (T // ragged_group,), generator=pool.gen,
+                                    device=pool.device, dtype=torch.int32)  # fmt: skip
+        efull = per_request.repeat_interleave(ragged_group)
     sink = torch.randn(H, generator=pool.gen, device=pool.device)
     window_scope = KVScope(
         cache, fmt, WINDOW_BLOCK, pool.slots(T, window, cache.shape[0] * WINDOW_BLOCK), full
@@ -152,8 +172,9 @@ def cases(pool: _RowPool, formats, shapes, tokens):
         fmt = KVFormat.parse(fmt_name)
         for shape in shapes:
             H, window, extra = ALL_SHAPES[shape]
+            ragged = 1 if shape in RAGGED_SHAPES else None
             for T in tokens:
-                yield fmt, shape, T, make_case(pool, fmt, T, H, window, extra)
+                yield fmt, shape, T, make_case(pool, fmt, T, H, window, extra, ragged)
 
 
 def run(shapes, tokens, formats, reps: int, fallback_reps: int):
@@ -367,7 +388,8 @@ def run_against(
         H, window, extra = ALL_SHAPES[shape]
         for b in batches:
             label = f"{shape} b={b} s_q={s_q}"
-            fp8_case = make_case(pool, KVFormat.FP8_DS_MLA, b * s_q, H, window, extra)
+            ragged = s_q if shape in RAGGED_SHAPES else None
+            fp8_case = make_case(pool, KVFormat.FP8_DS_MLA, b * s_q, H, window, extra, ragged)
             ours_us, floors, ours_fp8 = {}, {}, None
             for fmt in formats:
                 case = fp8_case if fmt is KVFormat.FP8_DS_MLA else in_format(pool, fp8_case, fmt)
@@ -395,7 +417,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m dsv4_attn.bench decode")
     parser.add_argument("--shapes", nargs="+", choices=list(ALL_SHAPES),
                         help=f"default {' '.join(SHAPES)}; with --against also "
-                        f"{' '.join(TP_SHAPES)}")  # fmt: skip
+                        f"{' '.join([*TP_SHAPES, *RAGGED_SHAPES])}")  # fmt: skip
     parser.add_argument("--tokens", type=int, nargs="+",
                         help=f"decode tokens T (default {' '.join(map(str, TOKENS))}); "
                         "not with --against")  # fmt: skip
