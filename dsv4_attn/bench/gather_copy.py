@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-__all__ = ["HEAD_BLOCK", "gather_copy", "gather_copy_reference"]
+__all__ = ["HEAD_BLOCK", "excess_over_rounding", "gather_copy", "gather_copy_reference"]
 
 HEAD_BLOCK = 64  # heads per program: the attention kernels' M tile
 
@@ -95,3 +95,10 @@ def gather_copy_reference(
     live = counted & (indices >= 0)
     rows = kv.double()[indices.clamp(min=0).long()] * live[..., None]
     return q.double() + rows.sum(dim=1)[:, None, :]
+
+
+def excess_over_rounding(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest ``|out - ref|`` beyond one bf16 ulp of ``ref`` (2^-7 relative: Triton's
+    interpreter rounds toward zero, CUDA to nearest); <= 0 when ``out`` is within it, NaN when
+    ``out`` holds a NaN (an element never written)."""
+    return ((out.double() - ref).abs() - ref.abs() * 2.0**-7 * 1.01).max().item()

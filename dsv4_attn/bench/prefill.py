@@ -20,7 +20,7 @@ import torch
 
 from dsv4_attn import fmha_ops
 from dsv4_attn.bench.anchors import import_flash_mla
-from dsv4_attn.bench.gather_copy import gather_copy, gather_copy_reference
+from dsv4_attn.bench.gather_copy import excess_over_rounding, gather_copy, gather_copy_reference
 from dsv4_attn.bench.timing import format_table, measure_ceilings, time_cuda_us, write_json
 from dsv4_attn.prefill_cases import (
     make_dense_case,
@@ -173,7 +173,7 @@ def _copy_floor(case, reps: int) -> dict:
     gather_copy(q, kv, indices, lens, out=out)
     checked = torch.linspace(0, q.shape[0] - 1, 16, device=q.device).long()
     ref = gather_copy_reference(q[checked], kv, indices[checked], lens[checked])
-    err = ((out[checked].double() - ref).abs() - ref.abs() * 2.0**-7 * 1.01).max().item()
+    err = excess_over_rounding(out[checked], ref)
     if not err <= 1e-3:
         raise RuntimeError(f"gather_copy disagrees with its reference by {err} past bf16 rounding")
     del ref
