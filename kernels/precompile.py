@@ -23,17 +23,24 @@ def decode_variants(
     block_size: int = 64, extra_block_size: int = 16, index_dtype: str = "int32"
 ) -> list[SparseDecodeConfig]:
     """Every code path of the decode kernel for one pair of page sizes and one index dtype:
-    format x (extra scope or not) x (sink or not) x (final output or split partials)."""
+    format x (extra scope or not) x (sink or not) x (final output, split partials, or the
+    balanced schedule's both: with the extra scope, where long key lists come from)."""
+    outputs = ((False, False), (True, False), (False, True))  # (write_partial, balanced)
     return [
-        SparseDecodeConfig(fmt, block_size, extra, index_dtype, index_dtype, sink, partial)
-        for fmt, extra, sink, partial in itertools.product(
-            ("fp8_ds_mla", "nvfp4"), (extra_block_size, 0), (True, False), (False, True)
+        SparseDecodeConfig(fmt, block_size, extra, index_dtype, index_dtype, sink, *output)
+        for fmt, extra, sink, output in itertools.product(
+            ("fp8_ds_mla", "nvfp4"), (extra_block_size, 0), (True, False), outputs
         )
+        if extra or not output[1]
     ]
 
 
 def combine_variants() -> list[CombineConfig]:
-    return [CombineConfig(has_sink=True), CombineConfig(has_sink=False)]
+    return [
+        CombineConfig(has_sink=sink, balanced=balanced)
+        for sink in (True, False)
+        for balanced in (False, True)
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,10 +1,16 @@
 """Interface of the Hopper sparse-decode kernel behind ``dsv4_attn.ops.sparse_attention``.
 
 :func:`unsupported_reason` says, in one line, why the kernel cannot run a case (or None);
-:func:`sparse_attention` runs it: it picks the split-KV factor from the shapes alone (no host
-sync, so a call can be captured in a CUDA graph with static shapes), compiles the variant once
-per process (compile cache keyed on every compile-time parameter), launches the decode kernel on
-the current stream and, with more than one split, the combine kernel.
+:func:`sparse_attention` runs it. By default it splits each token's keys by a factor picked from
+the shapes alone (one CTA per token once the tokens fill the GPU). Given a *balanced* plan
+(:func:`balanced_plan`, made on the device from the key counts, once per step for every layer
+with the same counts, as vLLM makes FlashMLA's tile-scheduler plan), it runs persistent CTAs,
+each an equal share of all tokens' key tiles (:mod:`~dsv4_attn.kernels.sparse_decode_schedule`):
+for ragged lists (HCA at long contexts) a wave no longer lasts as long as its longest token.
+Neither needs a host sync, so a call can be captured in a CUDA graph with static shapes. Each
+variant is compiled once per process (compile cache keyed on every compile-time parameter); the
+decode kernel runs on the current stream, followed by the combine kernel when partials were
+written.
 """
 
 from __future__ import annotations
@@ -14,11 +20,15 @@ import math
 
 import torch
 
+from dsv4_attn.kernels import sparse_decode_schedule as schedule
 from dsv4_attn.kernels.sparse_decode_config import BLOCK_H, BLOCK_N
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 
 __all__ = [
     "SUPPORTED_HEAD_COUNTS",
+    "balanced_parts",
+    "balanced_plan",
+    "balanced_workspace_shape",
     "compile_variants",
     "kernel_stack_error",
     "key_capacity",
@@ -41,6 +51,7 @@ MAX_GRID_TOKENS = 65535  # CUDA's limit on a grid's z axis, which carries the to
 _MAX_PACKED_SLOTS = 1 << 30  # the kernel packs (slot, scope) into one int32
 _FORMATS = {KVFormat.FP8_DS_MLA: "fp8_ds_mla", KVFormat.NVFP4: "nvfp4"}
 _INDEX_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
+_NOT_BALANCED = (None, None, None, None)  # the balanced schedule's partials and plan
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,8 +202,16 @@ def build_decode_kernel(config):
     else:
         out = fake(BFloat16, (sym(), sym(), HEAD_DIM), (sym64(divisibility=HEAD_DIM), HEAD_DIM, 1))
         lse = fake(Float32, (sym(), sym()), (sym64(), 1), 4)
+    balanced = (None, None, None, None)
+    if config.balanced:
+        balanced = (
+            fake(Float32, (sym(), sym(), HEAD_DIM), (sym64(divisibility=HEAD_DIM), HEAD_DIM, 1)),
+            fake(Float32, (sym(), sym()), (sym64(), 1), 4),
+            fake(Int32, (sym(), 4), (4, 1), 4),
+            fake(Int32, (sym(), 5), (5, 1), 4),
+        )
     return compile_tvm_ffi(
-        SparseDecodeSm90(config), q, *window, *extra, sink, out, lse,
+        SparseDecodeSm90(config), q, *window, *extra, sink, out, lse, *balanced,
         Float32(1.0), Int32(1), Int32(1),
     )  # fmt: skip
 
@@ -200,7 +219,7 @@ def build_decode_kernel(config):
 def build_combine_kernel(config):
     """Compile one :class:`CombineConfig` variant against fake tensors."""
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32
+    from cutlass import BFloat16, Float32, Int32
 
     from dsv4_attn.kernels.combine import SplitCombine
     from dsv4_attn.kernels.compile_cache import compile_tvm_ffi
@@ -209,13 +228,19 @@ def build_combine_kernel(config):
         return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
     sym, sym64 = cute.sym_int, cute.sym_int64
-    strides = (sym64(divisibility=HEAD_DIM), sym64(divisibility=HEAD_DIM), HEAD_DIM, 1)
-    opart = fake(Float32, (sym(), sym(), sym(), HEAD_DIM), strides)
-    lse_part = fake(Float32, (sym(), sym(), sym()), (sym64(), sym64(), 1), 4)
+    token_plan = None
+    if config.balanced:
+        opart = fake(Float32, (sym(), sym(), HEAD_DIM), (sym64(divisibility=HEAD_DIM), HEAD_DIM, 1))
+        lse_part = fake(Float32, (sym(), sym()), (sym64(), 1), 4)
+        token_plan = fake(Int32, (sym(), 5), (5, 1), 4)
+    else:
+        strides = (sym64(divisibility=HEAD_DIM), sym64(divisibility=HEAD_DIM), HEAD_DIM, 1)
+        opart = fake(Float32, (sym(), sym(), sym(), HEAD_DIM), strides)
+        lse_part = fake(Float32, (sym(), sym(), sym()), (sym64(), sym64(), 1), 4)
     sink = fake(Float32, (sym(),), (1,), 4) if config.has_sink else None
     out = fake(BFloat16, (sym(), sym(), HEAD_DIM), (sym64(divisibility=HEAD_DIM), HEAD_DIM, 1))
     lse = fake(Float32, (sym(), sym()), (sym64(), 1), 4)
-    return compile_tvm_ffi(SplitCombine(config), opart, lse_part, sink, out, lse)
+    return compile_tvm_ffi(SplitCombine(config), opart, lse_part, sink, out, lse, token_plan)
 
 
 @functools.cache
@@ -225,7 +250,7 @@ def _caches():
     return CompileCache("sparse_decode_sm90"), CompileCache("split_combine")
 
 
-def decode_config(window, sink, extra, write_partial: bool):
+def decode_config(window, sink, extra, write_partial: bool, balanced: bool = False):
     """The :class:`SparseDecodeConfig` (compile-cache key) of a call."""
     from dsv4_attn.kernels.sparse_decode_config import SparseDecodeConfig
 
@@ -237,6 +262,7 @@ def decode_config(window, sink, extra, write_partial: bool):
         lens_dtype=_INDEX_DTYPES[window.lens.dtype],
         has_sink=sink is not None,
         write_partial=write_partial,
+        balanced=balanced,
     )
 
 
@@ -288,6 +314,17 @@ def key_capacity(window, extra) -> int:
     return window.capacity + (extra.capacity if extra is not None else 0)
 
 
+def balanced_parts(num_heads: int, device: torch.device) -> int:
+    """Parts (persistent CTAs per 64-head block) of the balanced schedule: one CTA per SM."""
+    return schedule.num_parts(_num_sms(device.index or 0), math.ceil(num_heads / BLOCK_H))
+
+
+def balanced_workspace_shape(parts: int, num_heads: int) -> tuple[tuple, tuple]:
+    """Shapes of the balanced schedule's partials: fp32 outputs and their lse per slot."""
+    slots = max(1, schedule.max_partial_slots(parts))
+    return (slots, num_heads, HEAD_DIM), (slots, num_heads)
+
+
 def workspace_shapes(
     num_tokens: int, num_heads: int, capacity: int, device: torch.device
 ) -> tuple[tuple, tuple] | None:
@@ -333,11 +370,14 @@ def sparse_attention(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    plan: schedule.DecodeSchedule | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`dsv4_attn.ops.sparse_attention` (validated, supported inputs).
 
     Keyword-only extras: ``num_splits`` overrides the split-KV factor (by default
-    :func:`plan_splits` picks it from the shapes); ``out`` (bf16 ``[T, H, 512]``) and ``lse``
+    :func:`plan_splits` picks it from the shapes); ``plan`` (from :func:`balanced_plan` for
+    these key counts) runs the balanced schedule instead, its partials in a ``workspace`` of
+    :func:`balanced_workspace_shape`; ``out`` (bf16 ``[T, H, 512]``) and ``lse``
     (fp32 ``[T, H]``) are written in place when given; ``workspace`` is a pair of fp32 tensors
     holding at least :func:`workspace_shape` for the split-KV partials (their leading part is
     used; allocated per call when omitted). Returns ``(out, lse)``.
@@ -351,6 +391,10 @@ def sparse_attention(
         lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
+    if plan is not None:  # one CTA per part: no grid limit on tokens
+        if num_splits is not None:
+            raise ValueError("num_splits and plan exclude each other: a plan fixes the work split")
+        return _balanced_attention(q, window, sink, scale, extra, plan, out, lse, workspace)
     if T > MAX_GRID_TOKENS:  # tokens are the grid's z axis: launch in slices
         for t0 in range(0, T, MAX_GRID_TOKENS):
             t1 = min(T, t0 + MAX_GRID_TOKENS)
@@ -370,7 +414,7 @@ def sparse_attention(
         extra_args = (extra.cache, extra.indices, extra.lens)
     if num_splits == 1:
         decode(q, window.cache, window.indices, window.lens, *extra_args, sink, out, lse,
-               scale_log2, 1, tiles_per_split)  # fmt: skip
+               *_NOT_BALANCED, scale_log2, 1, tiles_per_split)  # fmt: skip
         return out, lse
     o_shape, lse_shape = workspace_shape(num_splits, T, H)
     if workspace is None:
@@ -379,10 +423,52 @@ def sparse_attention(
     else:
         o_part, lse_part = _workspace_views(workspace, o_shape, lse_shape)
     decode(q, window.cache, window.indices, window.lens, *extra_args, sink, o_part, lse_part,
-           scale_log2, num_splits, tiles_per_split)  # fmt: skip
+           *_NOT_BALANCED, scale_log2, num_splits, tiles_per_split)  # fmt: skip
     combine_config = CombineConfig(has_sink=sink is not None)
     combine = combine_cache.get(combine_config, lambda: build_combine_kernel(combine_config))
-    combine(o_part, lse_part, sink, out, lse)
+    combine(o_part, lse_part, sink, out, lse, None)
+    return out, lse
+
+
+def balanced_plan(window, extra, num_heads: int) -> schedule.DecodeSchedule:
+    """The balanced schedule of a call with these scopes (``window``, ``extra``: the
+    :class:`~dsv4_attn.scope.KVScope` of the call) for ``num_heads`` query heads, from their key
+    counts, on the device and without a host sync (~50 small torch ops, ~0.12 ms on an H100
+    even inside a CUDA graph: build it once per step and pass it to every call with the same
+    counts)."""
+    key_counts = window.lens if extra is None else window.lens + extra.lens
+    parts = balanced_parts(num_heads, window.lens.device)
+    capacity_tiles = math.ceil(key_capacity(window, extra) / BLOCK_N)
+    return schedule.build_schedule(key_counts, parts, schedule.min_share_tiles(capacity_tiles))
+
+
+def _balanced_attention(q, window, sink, scale, extra, plan, out, lse, workspace):
+    """:func:`sparse_attention` on the balanced schedule ``plan``."""
+    from dsv4_attn.kernels.combine import CombineConfig
+
+    T, H, _ = q.shape
+    if plan.token_plan.shape[0] != T:
+        raise ValueError(f"the plan covers {plan.token_plan.shape[0]} tokens, the call has {T}")
+    parts = plan.num_parts
+    o_shape, lse_shape = balanced_workspace_shape(parts, H)
+    if workspace is None:
+        o_part = torch.empty(o_shape, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    else:
+        o_part, lse_part = _workspace_views(workspace, o_shape, lse_shape)
+    decode_cache, combine_cache = _caches()
+    config = decode_config(window, sink, extra, False, balanced=True)
+    decode = decode_cache.get(config, lambda: build_decode_kernel(config))
+    extra_args = (None, None, None)
+    if extra is not None:
+        extra_args = (extra.cache, extra.indices, extra.lens)
+    scale_log2 = float(scale) * math.log2(math.e)
+    decode(q, window.cache, window.indices, window.lens, *extra_args, sink, out, lse,
+           o_part, lse_part, plan.part_plan, plan.token_plan, scale_log2, 1, 0)  # fmt: skip
+    if parts > 1:  # one part cuts no token
+        combine_config = CombineConfig(has_sink=sink is not None, balanced=True)
+        combine = combine_cache.get(combine_config, lambda: build_combine_kernel(combine_config))
+        combine(o_part, lse_part, sink, out, lse, plan.token_plan)
     return out, lse
 
 

@@ -52,6 +52,10 @@ BAR_P_EMPTY = BAR_P_FULL + NUM_P_BUFFERS  # + buffer
 BAR_STATS = BAR_P_EMPTY + NUM_P_BUFFERS
 # Both MMA warpgroups: past their last MMA / output tile staged in SMEM.
 BAR_EPILOGUE = BAR_STATS + 1
+# Balanced schedule: all 384 threads between two tokens of one CTA (the output staging, over Q
+# and the K/V stages, has been stored before the next Q and rows land there).
+BAR_ITEM = BAR_EPILOGUE + 1
+CTA_THREADS = 384
 MMA_THREADS = 256
 
 # Output staging (epilogue): the 64 x 512 output tile goes through SMEM (over Q, K/V and P, free
@@ -90,6 +94,14 @@ class SparseDecodeConfig:
     lens_dtype: str  # "int32" or "int64" (lens and extra_lens)
     has_sink: bool
     write_partial: bool  # True: fp32 partials for the combine kernel; False: final bf16 output
+    # True: persistent CTAs, each a share of the balanced schedule
+    # (:mod:`~dsv4_attn.kernels.sparse_decode_schedule`), writing final outputs and compact
+    # partials (``write_partial`` must be False); False: one CTA per (token, split).
+    balanced: bool = False
+
+    def __post_init__(self):
+        if self.balanced and self.write_partial:
+            raise ValueError("a balanced variant writes both outputs: write_partial must be False")
 
     @property
     def has_extra(self) -> bool:

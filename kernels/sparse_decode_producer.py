@@ -30,7 +30,9 @@ from dsv4_attn.kernels.dequant import (
     nvfp4_token_scale_bf16x2,
 )
 from dsv4_attn.kernels.sparse_decode_config import (
+    BAR_ITEM,
     BLOCK_N,
+    CTA_THREADS,
     HEAD_DIM,
     ID_SLOT_BYTES,
     ID_STAGES,
@@ -75,8 +77,16 @@ class SparseDecodeProducer:
         key_end: Int32,
         n_tiles: Int32,
         ptid: Int32,
+        g0: Int32,
+        done: Int32,
     ):
         """Copy, dequantize and stage one 32-key tile per iteration.
+
+        ``g0``: tiles staged for earlier items of this CTA (the K/V stage and the mbarrier
+        phase follow the running count); ``done``: those items. With the balanced schedule, an
+        item after the first starts its copies into the raw ring (which the epilogue leaves
+        alone), then waits at ``BAR_ITEM`` until the last item's output has left the K/V
+        stages it was staged in.
 
         Warp w stages keys 8w..8w+7 of a tile; the four lanes ``4k..4k+3`` share key k
         (``part`` = lane % 4): each copies a quarter of the key's nope bytes, its scales and 16
@@ -118,13 +128,17 @@ class SparseDecodeProducer:
                 *scope, key0 + (s + RAW_STAGES) * BLOCK_N, self.id_slot(id0, s + RAW_STAGES)
             )
             ptx_ops.cp_async_commit()
+        if const_expr(self.cfg.balanced):  # noqa: SIM102 (a compile-time, then a runtime test)
+            if done > 0:
+                cute.arch.barrier(barrier_id=BAR_ITEM, number_of_threads=CTA_THREADS)
         for tile in cutlass.range(n_tiles, unroll=1):
-            stage = tile % NUM_STAGES
+            g = g0 + tile
+            stage = g % NUM_STAGES
             unit = unit0 + (tile % RAW_STAGES) * RAW_SLOT_BYTES
             key = key0 + tile * BLOCK_N
             ptx_ops.cp_async_wait_group(RAW_STAGES - 1)  # this tile's group has landed
-            if tile >= NUM_STAGES:
-                cute.arch.mbarrier_wait(empty_bar + stage, ((tile // NUM_STAGES) + 1) % 2)
+            if g >= NUM_STAGES:
+                cute.arch.mbarrier_wait(empty_bar + stage, ((g // NUM_STAGES) + 1) % 2)
             stage_base = sK_base + stage * (BLOCK_N * HEAD_DIM * 2)
             packed = self.read_packed(self.id_slot(id0, tile), key, n_window, key_end)
             self.store_key(unit, packed >= 0, row, lane, parity, stage_base)

@@ -78,11 +78,13 @@ from dsv4_attn.kernels.fmha_sm90_utils import (
 )
 from dsv4_attn.kernels.sparse_decode_config import (
     BAR_EPILOGUE,
+    BAR_ITEM,
     BAR_P_EMPTY,
     BAR_P_FULL,
     BAR_STATS,
     BLOCK_H,
     BLOCK_N,
+    CTA_THREADS,
     FP8_DATA_ROW,
     FP8_SCALE_ROW,
     HEAD_DIM,
@@ -161,8 +163,12 @@ class SparseDecodeSm90(SparseDecodeProducer):
         mSink: cute.Tensor | None,  # [H] fp32
         mO: cute.Tensor,  # final: [T, H, 512] bf16; partial: [S, T, H, 512] fp32
         mLse: cute.Tensor,  # final: [T, H] fp32; partial: [S, T, H] fp32
+        mOpart: cute.Tensor | None,  # balanced: [slots, H, 512] fp32
+        mLsePart: cute.Tensor | None,  # balanced: [slots, H] fp32
+        mPartPlan: cute.Tensor | None,  # balanced: [num_parts, 4] int32
+        mTokenPlan: cute.Tensor | None,  # balanced: [T, 5] int32
         scale_log2: Float32,  # softmax scale * log2(e)
-        num_splits: Int32,
+        num_splits: Int32,  # balanced: unused (the grid has one CTA per part)
         tiles_per_split: Int32,
         stream: cuda.CUstream,
     ):
@@ -209,9 +215,11 @@ class SparseDecodeSm90(SparseDecodeProducer):
                               + cute.cosize(sP_layout)), staged  # fmt: skip
         num_heads = mQ.shape[1]
         grid = ((num_heads + BLOCK_H - 1) // BLOCK_H, num_splits, mQ.shape[0])
+        if const_expr(self.cfg.balanced):
+            grid = ((num_heads + BLOCK_H - 1) // BLOCK_H, mPartPlan.shape[0], 1)
         self.kernel(
             tma_q, tma_atom_q, mCache, mIdx, mLens, mECache, mEIdx, mELens, mSink, mO, mLse,
-            scale_log2, tiles_per_split,
+            mOpart, mLsePart, mPartPlan, mTokenPlan, scale_log2, tiles_per_split,
             sQ_layout, sK_layout, sP_layout, mma_qk_rs, mma_qk_ss, mma_pv_wg0, *mma_pv_wg1,
             SharedStorage,
         ).launch(grid=grid, block=(384, 1, 1), stream=stream, min_blocks_per_mp=1)  # fmt: skip
@@ -233,6 +241,10 @@ class SparseDecodeSm90(SparseDecodeProducer):
         mSink: cute.Tensor | None,
         mO: cute.Tensor,
         mLse: cute.Tensor,
+        mOpart: cute.Tensor | None,
+        mLsePart: cute.Tensor | None,
+        mPartPlan: cute.Tensor | None,
+        mTokenPlan: cute.Tensor | None,
         scale_log2: Float32,
         tiles_per_split: Int32,
         sQ_layout: cute.ComposedLayout,
@@ -246,9 +258,11 @@ class SparseDecodeSm90(SparseDecodeProducer):
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
+        # split: the part of the balanced schedule when balanced (token then unused)
         head_block, split, token = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // 128)
-        if const_expr(self.cfg.write_partial):
+        balanced = const_expr(self.cfg.balanced)
+        if const_expr(self.cfg.write_partial or balanced):
             # The combine kernel is launched as a programmatic dependent (PDL): let its CTAs be
             # scheduled on SMs this grid leaves idle; they wait for this grid's writes anyway.
             cute.arch.griddepcontrol_launch_dependents()
@@ -267,11 +281,12 @@ class SparseDecodeSm90(SparseDecodeProducer):
                 cute.arch.mbarrier_init(empty_bar + s, MMA_THREADS)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        if tidx < 32:
-            # Q first, before any KV row is asked for: the MMA warpgroups can start no sooner.
-            # A whole warp issues it (the TMA copy elects one lane; under a divergent branch of
-            # one thread that election hangs).
-            self.load_q(tma_q, tma_atom_q, sQ, q_full_bar, token, head_block)
+        if const_expr(not balanced):  # noqa: SIM102 (a compile-time, then a runtime test)
+            if tidx < 32:
+                # Q first, before any KV row is asked for: the MMA warpgroups can start no
+                # sooner. A whole warp issues it (the TMA copy elects one lane; under a divergent
+                # branch of one thread that election hangs).
+                self.load_q(tma_q, tma_atom_q, sQ, q_full_bar, token, head_block)
 
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sRaw = storage.sRaw.get_tensor(cute.make_layout(RAW_STAGES * RAW_SLOT_BYTES))
@@ -282,39 +297,113 @@ class SparseDecodeSm90(SparseDecodeProducer):
         row_max_smem = storage.row_max.get_tensor(cute.make_layout(BLOCK_H))
 
         # Each role computes its own values after its register reconfiguration, so nothing stays
-        # live across the three roles' different register budgets.
+        # live across the three roles' different register budgets. Every role walks the same
+        # items (one (token, key range) without the balanced schedule; the tokens of this CTA's
+        # part with it) and counts the same tiles, so K/V stage and mbarrier phase follow one
+        # running tile count ``g0`` across items.
+        outputs = (mO, mLse, mOpart, mLsePart)
+        items = (mLens, mELens, mPartPlan, mTokenPlan, split, token, tiles_per_split)
         if wg == 2:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            n_window, key_begin, key_end, n_tiles = self.key_range(
-                mLens, mELens, token, split, tiles_per_split
-            )
-            self.producer(
-                mCache, mIdx, mECache, mEIdx, sK, sRaw, sIds, key_bias,
-                full_bar, empty_bar,
-                token, n_window, key_begin, key_end, n_tiles, tidx - 256,
-            )  # fmt: skip
+
+            def produce(t, n_window, key_begin, key_end, n_tiles, slot, g0, done):
+                self.producer(
+                    mCache, mIdx, mECache, mEIdx, sK, sRaw, sIds, key_bias, full_bar, empty_bar,
+                    t, n_window, key_begin, key_end, n_tiles, tidx - 256, g0, done,
+                )  # fmt: skip
+
+            self.for_each_item(*items, produce)
         elif wg == 0:
             cute.arch.setmaxregister_increase(WG0_REGS)
-            _, _, _, n_tiles = self.key_range(mLens, mELens, token, split, tiles_per_split)
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-            cute.arch.mbarrier_wait(q_full_bar, 0)
-            self.consumer_softmax(
-                mO, mLse, mSink, sQ, sK, sP, key_bias, row_factor, row_sum_smem, row_max_smem,
-                full_bar, empty_bar, mma_qk_rs, mma_qk_ss, mma_pv_wg0, scale_log2,
-                token, head_block, split, n_tiles, tidx,
-            )  # fmt: skip
+
+            def softmax(t, n_window, key_begin, key_end, n_tiles, slot, g0, done):
+                if const_expr(balanced):
+                    if done > 0:
+                        cute.arch.barrier(barrier_id=BAR_ITEM, number_of_threads=CTA_THREADS)
+                    if tidx < 32:
+                        self.load_q(tma_q, tma_atom_q, sQ, q_full_bar, t, head_block)
+                cute.arch.mbarrier_wait(q_full_bar, done % 2)
+                self.consumer_softmax(
+                    outputs, mSink, sQ, sK, sP, key_bias, row_factor, row_sum_smem, row_max_smem,
+                    full_bar, empty_bar, mma_qk_rs, mma_qk_ss, mma_pv_wg0, scale_log2,
+                    t, head_block, split, slot, g0, n_tiles, tidx,
+                )  # fmt: skip
+
+            self.for_each_item(*items, softmax)
         else:
             if const_expr(WG1_REGS > LAUNCH_REGS):
                 cute.arch.setmaxregister_increase(WG1_REGS)
             else:
                 cute.arch.setmaxregister_decrease(WG1_REGS)
-            _, _, _, n_tiles = self.key_range(mLens, mELens, token, split, tiles_per_split)
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-            cute.arch.mbarrier_wait(q_full_bar, 0)
-            self.consumer_right(
-                mO, mSink, sK, sP, row_factor, row_sum_smem, row_max_smem, full_bar, empty_bar,
-                (mma_pv_mid, mma_pv_right), token, head_block, split, n_tiles, tidx - 128, sQ,
-            )  # fmt: skip
+
+            def right(t, n_window, key_begin, key_end, n_tiles, slot, g0, done):
+                if const_expr(balanced):  # noqa: SIM102 (a compile-time, then a runtime test)
+                    if done > 0:
+                        cute.arch.barrier(barrier_id=BAR_ITEM, number_of_threads=CTA_THREADS)
+                cute.arch.mbarrier_wait(q_full_bar, done % 2)
+                self.consumer_right(
+                    outputs, mSink, sK, sP, row_factor, row_sum_smem, row_max_smem, full_bar,
+                    empty_bar, (mma_pv_mid, mma_pv_right), t, head_block, split, slot, g0,
+                    n_tiles, tidx - 128, sQ,
+                )  # fmt: skip
+
+            self.for_each_item(*items, right)
+
+    @cute.jit
+    def for_each_item(self, mLens, mELens, mPartPlan, mTokenPlan, split, token, tiles_per_split,
+                      body):  # fmt: skip
+        """``body(token, n_window, key_begin, key_end, n_tiles, slot, g0, done)`` for each item
+        of this CTA: its (token, split) without the balanced schedule; with it, each token of its
+        part it holds tiles of. ``g0``: tiles of the earlier items (K/V stage and mbarrier phase
+        run on across items); ``done``: items before this one; ``slot``: a cut token's partial
+        slot, -1 for a final output."""
+        if const_expr(not self.cfg.balanced):
+            n_window, key_begin, key_end, n_tiles = self.key_range(
+                mLens, mELens, token, split, tiles_per_split
+            )
+            body(token, n_window, key_begin, key_end, n_tiles, Int32(-1), Int32(0), Int32(0))
+        else:
+            first = Int32(mPartPlan[split, 2])
+            last = Int32(mPartPlan[split, 3])
+            g0 = Int32(0)
+            done = Int32(0)
+            for t in cutlass.range(first, last + 1, unroll=1):
+                present, n_window, key_begin, key_end, n_tiles, slot = self.item(
+                    mLens, mELens, mPartPlan, mTokenPlan, t, split
+                )
+                if present:
+                    body(t, n_window, key_begin, key_end, n_tiles, slot, g0, done)
+                    g0 = g0 + n_tiles
+                    done = done + 1
+
+    @cute.jit
+    def item(self, mLens, mELens, mPartPlan, mTokenPlan, token, part):
+        """Part ``part``'s work on token ``token`` (balanced schedule): (present, n_window,
+        key_begin, key_end, tiles, slot). ``present`` is False when the part holds none of the
+        token's tiles; ``slot`` is the partial slot of a cut token's piece, -1 for a final
+        output."""
+        lo = Int32(mPartPlan[part, 0])
+        hi = Int32(mPartPlan[part, 1])
+        at = Int32(mTokenPlan[token, 0])
+        tiles = Int32(mTokenPlan[token, 1])
+        pieces = Int32(mTokenPlan[token, 2])
+        j_begin = cutlass.min(cutlass.max(lo - at, Int32(0)), tiles)
+        j_end = cutlass.min(cutlass.max(hi - at, Int32(0)), tiles)
+        n_window = Int32(mLens[token])
+        n_total = n_window
+        if const_expr(self.cfg.has_extra):
+            n_total = n_window + Int32(mELens[token])
+        key_begin = j_begin * BLOCK_N
+        key_end = cutlass.min(n_total, j_end * BLOCK_N)
+        n_tiles = Int32(0)
+        if key_end > key_begin:
+            n_tiles = (key_end - key_begin + BLOCK_N - 1) // BLOCK_N
+        slot = Int32(-1)
+        if pieces > 1:
+            slot = Int32(mTokenPlan[token, 3]) + part - Int32(mTokenPlan[token, 4])
+        return j_end > j_begin, n_window, key_begin, key_end, n_tiles, slot
 
     @cute.jit
     def key_range(self, mLens, mELens, token, split, tiles_per_split):
@@ -348,8 +437,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
     @cute.jit
     def consumer_softmax(
         self,
-        mO: cute.Tensor,
-        mLse: cute.Tensor,
+        outputs: tuple,
         mSink: cute.Tensor | None,
         sQ: cute.Tensor,
         sK: cute.Tensor,
@@ -367,11 +455,14 @@ class SparseDecodeSm90(SparseDecodeProducer):
         token: Int32,
         head_block: Int32,
         split: Int32,
+        slot: Int32,
+        g0: Int32,
         n_tiles: Int32,
         tidx: Int32,
     ):
         """WG0: S = QK^T (Q's nope columns from registers), online softmax, P to SMEM for WG1,
-        O[:, :WG0_COLS] += P V[:, :WG0_COLS]."""
+        O[:, :WG0_COLS] += P V[:, :WG0_COLS]. ``outputs``: (mO, mLse, mOpart, mLsePart), see
+        :meth:`epilogue`; tile ``tile`` of this item is the CTA's ``g0 + tile``-th."""
         rope_dim = HEAD_DIM - NOPE_DIM
         # The nope columns of Q: loaded once into wgmma A fragments (112 registers a thread),
         # so the tile loop's QK reads only K from SMEM for them.
@@ -420,9 +511,10 @@ class SparseDecodeSm90(SparseDecodeProducer):
         row0 = (tidx >> 5) * 16 + (lane >> 2)
 
         for tile in cutlass.range(n_tiles, unroll=1):
-            stage = tile % NUM_STAGES
-            pbuf = tile % NUM_P_BUFFERS
-            cute.arch.mbarrier_wait(full_bar + stage, (tile // NUM_STAGES) % 2)
+            g = g0 + tile
+            stage = g % NUM_STAGES
+            pbuf = g % NUM_P_BUFFERS
+            cute.arch.mbarrier_wait(full_bar + stage, (g // NUM_STAGES) % 2)
             # ---- S = Q K^T, one copy per stage (see qk)
             warpgroup.fence()
             _on_stage(stage, lambda s: self.qk(mma_qk_rs, mma_qk_ss, acc_s, tSrQ, tSrK,
@@ -495,8 +587,8 @@ class SparseDecodeSm90(SparseDecodeProducer):
             row_max_smem[row0] = row_m[0]
             row_max_smem[row0 + 8] = row_m[1]
         cute.arch.barrier_arrive(barrier_id=BAR_STATS, number_of_threads=MMA_THREADS)
-        self.epilogue(mO, mLse, mSink, [(acc_o, 0)], tidx, 0, row_l, row_m, row_sum_smem,
-                      token, head_block, split, sQ, True)  # fmt: skip
+        self.epilogue(outputs, mSink, [(acc_o, 0)], tidx, 0, row_l, row_m, row_sum_smem,
+                      token, head_block, split, slot, sQ, True)  # fmt: skip
 
     @cute.jit
     def qk(self, mma_qk_rs, mma_qk_ss, acc_s, tSrQ, tSrK, tSrQ_rope, tSrK_rope,
@@ -536,7 +628,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
     @cute.jit
     def consumer_right(
         self,
-        mO: cute.Tensor,
+        outputs: tuple,
         mSink: cute.Tensor | None,
         sK: cute.Tensor,
         sP: cute.Tensor,
@@ -549,6 +641,8 @@ class SparseDecodeSm90(SparseDecodeProducer):
         token: Int32,
         head_block: Int32,
         split: Int32,
+        slot: Int32,
+        g0: Int32,
         n_tiles: Int32,
         tidx: Int32,
         sQ_staging: cute.Tensor,
@@ -573,9 +667,10 @@ class SparseDecodeSm90(SparseDecodeProducer):
         row0 = (tidx >> 5) * 16 + (lane >> 2)
 
         for tile in cutlass.range(n_tiles, unroll=1):
-            stage = tile % NUM_STAGES
-            pbuf = tile % NUM_P_BUFFERS
-            cute.arch.mbarrier_wait(full_bar + stage, (tile // NUM_STAGES) % 2)
+            g = g0 + tile
+            stage = g % NUM_STAGES
+            pbuf = g % NUM_P_BUFFERS
+            cute.arch.mbarrier_wait(full_bar + stage, (g // NUM_STAGES) % 2)
             cute.arch.barrier(barrier_id=BAR_P_FULL + pbuf, number_of_threads=MMA_THREADS)
             f0 = row_factor[row0, pbuf]
             f1 = row_factor[row0 + 8, pbuf]
@@ -599,16 +694,15 @@ class SparseDecodeSm90(SparseDecodeProducer):
         row_l[1] = row_sum_smem[row0 + 8]
         row_m[0] = row_max_smem[row0]
         row_m[1] = row_max_smem[row0 + 8]
-        self.epilogue(mO, None, mSink, list(zip(accs, [o for o, _ in WG1_TILES], strict=True)),
+        self.epilogue(outputs, mSink, list(zip(accs, [o for o, _ in WG1_TILES], strict=True)),
                       tidx, 1, row_l, row_m, row_sum_smem,
-                      token, head_block, split, sQ_staging, False)  # fmt: skip
+                      token, head_block, split, slot, sQ_staging, False)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def epilogue(
         self,
-        mO: cute.Tensor,
-        mLse: cute.Tensor | None,
+        outputs: tuple,
         mSink: cute.Tensor | None,
         accs: list,
         tidx: Int32,
@@ -619,21 +713,54 @@ class SparseDecodeSm90(SparseDecodeProducer):
         token: Int32,
         head_block: Int32,
         split: Int32,
+        slot: Int32,
         sQ_staging: cute.Tensor,
         write_lse: cutlass.Constexpr[bool],
     ):
         """Normalize this warpgroup's output columns (``accs``: (accumulator, first column)
         pairs), stage them in SMEM, then both MMA warpgroups (``wg`` 0, 1) store the 64 x 512
-        tile (and WG0 the lse) in 16-byte chunks."""
+        tile (and WG0 the lse) in 16-byte chunks: to the final output (bf16, sink applied) or to
+        a partial (fp32: split ``split`` of ``[S, T, H]``, or, balanced, slot ``slot`` of
+        ``[slots, H]`` when ``slot`` >= 0). ``outputs``: (mO, mLse, mOpart, mLsePart)."""
+        mO, mLse, mOpart, mLsePart = outputs
+        common = (mSink, accs, tidx, wg, row_l, row_m, row_sum_smem, head_block, sQ_staging,
+                  write_lse)  # fmt: skip
+        if const_expr(self.cfg.balanced):
+            # Both warpgroups take the same branch: the slot is the CTA's.
+            if slot >= 0:
+                self.store_output(mOpart, mLsePart, mOpart.shape[1], Int64(slot), True, *common)
+            else:
+                self.store_output(mO, mLse, mO.shape[1], Int64(token), False, *common)
+        elif const_expr(self.cfg.write_partial):
+            # Output row of head h: out_token * num_heads + h (split-major [S, T, H]).
+            out_token = Int64(split) * mO.shape[1] + token
+            self.store_output(mO, mLse, mO.shape[2], out_token, True, *common)
+        else:
+            self.store_output(mO, mLse, mO.shape[1], Int64(token), False, *common)
+
+    @cute.jit
+    def store_output(
+        self,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        num_heads: Int32,
+        out_token: Int64,
+        partial: cutlass.Constexpr[bool],
+        mSink: cute.Tensor | None,
+        accs: list,
+        tidx: Int32,
+        wg: cutlass.Constexpr[int],
+        row_l: cute.Tensor,
+        row_m: cute.Tensor,
+        row_sum_smem: cute.Tensor,
+        head_block: Int32,
+        sQ_staging: cute.Tensor,
+        write_lse: cutlass.Constexpr[bool],
+    ):
+        """The body of :meth:`epilogue` for one destination: head h of this CTA goes to row
+        ``out_token * num_heads + h`` of ``mO`` (and ``mLse``); ``partial``: fp32, no sink."""
         lane = tidx & 31
         row0 = (tidx >> 5) * 16 + (lane >> 2)
-        # Output row of head h: out_token * num_heads + h (partials: split-major [S, T, H]).
-        if const_expr(self.cfg.write_partial):
-            num_heads = mO.shape[2]
-            out_token = Int64(split) * mO.shape[1] + token
-        else:
-            num_heads = mO.shape[1]
-            out_token = Int64(token)
         out_base = mO.iterator.toint()
         factor = cute.make_rmem_tensor((2,), Float32)
         lse_nat = cute.make_rmem_tensor((2,), Float32)
@@ -644,7 +771,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
             lse2 = Float32(cutlass.select_(has_keys, lse2, Float32(-math.inf)))
             lse_nat[h] = lse2 * LN2
             f = Float32(cutlass.select_(has_keys, ptx_ops.rcp_approx(l_val), Float32(0.0)))
-            if const_expr(self.cfg.has_sink and not self.cfg.write_partial):
+            if const_expr(self.cfg.has_sink and not partial):
                 head = head_block * BLOCK_H + row0 + 8 * h
                 sink = Float32(mSink[cutlass.min(head, num_heads - 1)])
                 # out = o_real * sigmoid(lse - sink); exp2(+inf) = inf gives 0 for sink = +inf.
@@ -664,7 +791,6 @@ class SparseDecodeSm90(SparseDecodeProducer):
         # their last MMA, write the fragments, wait until the whole tile is in SMEM.
         cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=MMA_THREADS)
         staging = sQ_staging.iterator.toint()  # Q, then the K/V stages and P: ~200 KB
-        partial = const_expr(self.cfg.write_partial)
         row_bytes = STAGE_ROW_BYTES_F32 if partial else STAGE_ROW_BYTES_BF16
         # wgmma accumulator layout: register 4j + 2h + v holds row (row0 + 8h), column
         # 8j + 2 (lane % 4) + v of the accumulator's columns.

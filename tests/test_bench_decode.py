@@ -283,12 +283,17 @@ class _EmulatedFlashMLA(_FakeFlashMLA):
 
 
 def _cpu_stand_ins(monkeypatch) -> list[float]:
-    """Run the --against loop on the CPU: the SDPA fallback stands in for our kernel, each
-    "timing" calls once and returns 10, 20, 30, ... µs in call order."""
+    """Run the --against loop on the CPU: the SDPA fallback stands in for our kernel (a balanced
+    plan, made on the CPU for 8 parts, changes nothing in its math), each "timing" calls once
+    and returns 10, 20, 30, ... µs in call order."""
     from dsv4_attn.kernels import sparse_decode
 
+    def stand_in(*args, plan=None, **kwargs):
+        return fallback.sparse_attention(*args, **kwargs)
+
     monkeypatch.setattr(sparse_decode, "unsupported_reason", lambda *args: None)
-    monkeypatch.setattr(sparse_decode, "sparse_attention", fallback.sparse_attention)
+    monkeypatch.setattr(sparse_decode, "sparse_attention", stand_in)
+    monkeypatch.setattr(sparse_decode, "balanced_parts", lambda num_heads, device: 8)
     monkeypatch.setattr(decode, "measure_ceilings", lambda: Ceilings(1000.0, 1e9, "cpu"))
     times: list[float] = []
 
@@ -323,6 +328,9 @@ def test_against_loop_runs_the_ragged_shape_with_per_request_lengths(monkeypatch
                                  device="cpu")  # fmt: skip
     (row,) = rows
     assert "flashmla_error" not in row and row["max_abs_diff_vs_flashmla"] < 0.1
+    # 8192 compressed entries: also timed on the balanced schedule, and its plan alone.
+    assert row["fp8_balanced_us"] is not None and row["plan_us"] is not None
+    assert row["vs_flashmla_balanced"] == row["flashmla_us"] / row["fp8_balanced_us"]
     for call in fm.calls:  # the checked call and the timed one
         window_lengths, extra_lengths = call[-2:]
         assert window_lengths is None and extra_lengths.shape == (2,)

@@ -63,6 +63,22 @@ def test_unsupported_reason_on_cpu_tensors():
     assert reason is not None and "CUDA" in reason
 
 
+def test_a_balanced_plan_must_fit_the_call():
+    """A plan fixes the work split: it excludes ``num_splits`` and must cover the call's tokens
+    (both refused before anything is launched)."""
+    from dsv4_attn.kernels.sparse_decode_schedule import build_schedule
+
+    q = torch.zeros(2, 64, HEAD_DIM, dtype=torch.bfloat16)
+    cache = kv_cache.allocate(1, 64, KVFormat.FP8_DS_MLA)
+    window = KVScope(cache, KVFormat.FP8_DS_MLA, 64, torch.zeros(2, 4, dtype=torch.int32),
+                     torch.full((2,), 4, dtype=torch.int32))  # fmt: skip
+    plan = build_schedule(torch.full((3,), 4), 4)
+    with pytest.raises(ValueError, match="exclude each other"):
+        sparse_decode.sparse_attention(q, window, None, 1.0, num_splits=2, plan=plan)
+    with pytest.raises(ValueError, match="covers 3 tokens, the call has 2"):
+        sparse_decode.sparse_attention(q, window, None, 1.0, plan=plan)
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU tests
 # ----------------------------------------------------------------------------------------------
@@ -148,7 +164,10 @@ def _check(out, lse, ref_out, ref_lse, tol=1e-2):
 
 
 def _run_case(fmt, H, T, extra_width, sink_kind, seed, num_splits=None, extra_bs=16,
-              index_dtype=torch.int32):  # fmt: skip
+              index_dtype=torch.int32, balanced=False):  # fmt: skip
+    """One random case through the kernel against the float64 reference; ``balanced``: on the
+    balanced schedule (its plan built from the case's key counts). Returns the case's plan (or
+    None) and scopes."""
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(seed)
     window_bs = 64
@@ -170,17 +189,20 @@ def _run_case(fmt, H, T, extra_width, sink_kind, seed, num_splits=None, extra_bs
     out = torch.full((T, H, HEAD_DIM), float("nan"), dtype=torch.bfloat16, device=device)
     lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=device)
     capacity = sparse_decode.key_capacity(window, extra)
-    splits, _ = sparse_decode.resolve_splits(T, H, capacity, device, num_splits)
-    o_shape, l_shape = sparse_decode.workspace_shape(splits, T, H)
-    workspace = (
-        torch.full(o_shape, float("nan"), device=device),
-        torch.full(l_shape, float("nan"), device=device),
-    )
+    plan = None
+    if balanced:
+        plan = sparse_decode.balanced_plan(window, extra, H)
+        shapes = sparse_decode.balanced_workspace_shape(plan.num_parts, H)
+    else:
+        splits, _ = sparse_decode.resolve_splits(T, H, capacity, device, num_splits)
+        shapes = sparse_decode.workspace_shape(splits, T, H)
+    workspace = tuple(torch.full(shape, float("nan"), device=device) for shape in shapes)
     sparse_decode.sparse_attention(*args, num_splits=num_splits, out=out, lse=lse,
-                                   workspace=workspace)  # fmt: skip
+                                   workspace=workspace, plan=plan)  # fmt: skip
     torch.cuda.synchronize()
     ref_out, ref_lse = _reference(*args)
     _check(out, lse, ref_out, ref_lse)
+    return plan
 
 
 _GPU_CASES = [
@@ -231,6 +253,65 @@ def test_int64_slot_lists(fmt, extra):
     _needs_hopper()
     seed = zlib.crc32(repr((fmt.value, extra, "int64")).encode())
     _run_case(fmt, 64, 37, extra, "finite", seed=seed, index_dtype=torch.int64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
+@pytest.mark.parametrize(("H", "T"), [(16, 2), (64, 37), (128, 64), (64, 150), (8, 120)])
+def test_balanced_schedule_with_ragged_lists(fmt, H, T):
+    """HCA-like lists (8192 compressed entries, each token its own count in [0, 8192], holes):
+    the balanced schedule, where a CTA runs several tokens one after another and long tokens
+    are cut into pieces merged by the combine. The plan of each case must do both (else the
+    case tests less than it claims)."""
+    _needs_hopper()
+    seed = zlib.crc32(repr((fmt.value, H, T, "balanced")).encode())
+    plan = _run_case(fmt, H, T, 8192, "finite", seed=seed, balanced=True)
+    pieces = plan.token_plan[:, 2]
+    tokens_per_part = plan.part_plan[:, 3] - plan.part_plan[:, 2] + 1
+    assert int(pieces.max()) > 1, "no token was cut"
+    if T >= 150:
+        assert int(tokens_per_part.max()) > 1, "no part ran several tokens"
+
+
+@pytest.mark.gpu
+def test_balanced_schedule_under_cuda_graph_replay():
+    """The plan is built on the device from the key counts: a captured plan and call replay
+    with other counts (and so another plan) correctly."""
+    _needs_hopper()
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(5)
+    fmt, T, H = KVFormat.FP8_DS_MLA, 150, 64
+    cache = _random_cache(fmt, 64, 4096, device, gen)
+    idx, lens = _random_lists(T, 128, 4096, device, gen)
+    ecache = _random_cache(fmt, 16, 8192, device, gen)
+    eidx, elens = _random_lists(T, 8192, 8192, device, gen)
+    extra = KVScope(ecache, fmt, 16, eidx, elens)
+    q = torch.randn(T, H, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
+    sink = torch.randn(H, generator=gen, device=device)
+    window = KVScope(cache, fmt, 64, idx, lens)
+    args = (q, window, sink, HEAD_DIM**-0.5, extra)
+
+    def call():
+        plan = sparse_decode.balanced_plan(window, extra, H)
+        return sparse_decode.sparse_attention(*args, plan=plan)
+
+    call()  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out, lse = call()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):  # new counts: long and short tokens in other places
+        q.copy_(torch.randn(T, H, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16))
+        lens.copy_(torch.randint(0, 129, (T,), generator=gen, device=device, dtype=torch.int32))
+        elens.copy_(torch.randint(0, 8193, (T,), generator=gen, device=device, dtype=torch.int32))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = _reference(*args)
+        _check(out, lse, ref_out, ref_lse)
 
 
 @pytest.mark.gpu

@@ -15,10 +15,11 @@ has the mapping), in one process, L2 flushed, medians. ``b`` requests of ``s_q =
 (``--batches``, T = 2b); the shapes above plus V4-Flash at the per-GPU head counts of tensor
 parallelism (32, 16, 8: FlashMLA runs them as vLLM does, q zero-padded to 64 heads, output sliced
 back; ours runs the real head count). Per row: both our times, FlashMLA's, FlashMLA / ours per
-format (> 1: ours is faster), the floors, max |ours fp8 - FlashMLA| and the issue's target where
-one applies (:func:`targets`). Without flash_mla importable it says so once and times ours.
-The NVFP4 caches hold their own random rows (same distribution, same slot ids): only the FP8
-comparison needs the same bytes.
+format (> 1: ours is faster), for shapes with >= 2048 compressed entries also ours on the
+balanced schedule (plan made once, as FlashMLA's) and the plan's own time, the floors, max
+|ours fp8 - FlashMLA| and the issue's target where one applies (:func:`targets`). Without
+flash_mla importable it says so once and times ours. The NVFP4 caches hold their own random
+rows (same distribution, same slot ids): only the FP8 comparison needs the same bytes.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ TP_SHAPES = {  # V4-Flash at the per-GPU head counts of tensor parallelism 2, 4 
 # Uneven work (issue 12, "balanced work"): HCA at a 1M context where each request has its own
 # number of compressed entries, uniform in [0, 8192] (the tokens of a request share it).
 RAGGED_SHAPES = {"hca-1m-ragged": (64, 128, 8192)}
+# Shapes with at least this many compressed entries are also timed on the balanced schedule
+# (``fp8 bal us``, its plan made once outside the timing as FlashMLA's is; ``plan us`` alone).
+BALANCED_MIN_EXTRA = 2048
 ALL_SHAPES = {**SHAPES, **TP_SHAPES, **RAGGED_SHAPES}
 TOKENS = (1, 8, 64, 128, 256)
 BATCHES = (1, 32, 64, 128, 256)  # requests b with --against (T = b * s_q)
@@ -88,8 +92,11 @@ AGAINST_COLUMNS = [
     ("fp8_us", "fp8 us", ".1f"),
     ("nvfp4_us", "nvfp4 us", ".1f"),
     ("flashmla_us", "FlashMLA us", ".1f"),
+    ("fp8_balanced_us", "fp8 bal us", ".1f"),
+    ("plan_us", "plan us", ".1f"),
     ("vs_flashmla_fp8", "FM/fp8", ".2f"),
     ("vs_flashmla_nvfp4", "FM/nvfp4", ".2f"),
+    ("vs_flashmla_balanced", "FM/bal", ".2f"),
     ("floor_us", "floor us", ".1f"),
     ("nvfp4_floor_us", "nvfp4 floor", ".1f"),
     ("max_abs_diff_vs_flashmla", "max|d| FM", ".4f"),
@@ -292,6 +299,11 @@ def against_row(
         "fp8_us": fp8_us,
         "nvfp4_us": nvfp4_us,
         "flashmla_us": fm_us,
+        "fp8_balanced_us": ours_us.get("balanced"),
+        "plan_us": ours_us.get("plan"),
+        "vs_flashmla_balanced": fm_us / ours_us["balanced"]
+        if fm_us and "balanced" in ours_us
+        else None,
         "vs_flashmla_fp8": fm_us / fp8_us if fm_us and fp8_us else None,
         "vs_flashmla_nvfp4": fm_us / nvfp4_us if fm_us and nvfp4_us else None,
         "floor_us": floors.get(KVFormat.FP8_DS_MLA.value),
@@ -349,17 +361,25 @@ def _require_kernel(sparse_decode, case: DecodeCase, label: str) -> None:
         raise SystemExit(f"the kernel does not run {label}: {reason}")
 
 
-def _ours(sparse_decode, case: DecodeCase, label: str, reps: int | None, graphs: bool = False):
+def _ours(
+    sparse_decode,
+    case: DecodeCase,
+    label: str,
+    reps: int | None,
+    graphs: bool = False,
+    plan=None,
+):
     """Our kernel's output (bf16 ``[T, H, 512]``) and, when ``reps``, its median µs (of
-    CUDA-graph replays with ``graphs``)."""
+    CUDA-graph replays with ``graphs``); ``plan``: a balanced plan, as
+    :func:`sparse_attention` takes it."""
     _require_kernel(sparse_decode, case, label)
     args = case.args()
-    out = sparse_decode.sparse_attention(*args)[0]
+    out = sparse_decode.sparse_attention(*args, plan=plan)[0]
     if not reps:
         return out, None
 
     def call():
-        return sparse_decode.sparse_attention(*args)
+        return sparse_decode.sparse_attention(*args, plan=plan)
 
     timed = cuda_graph_replay(call) if graphs else call
     return out, time_cuda_us(timed, reps=reps)["median_us"]
@@ -398,6 +418,17 @@ def run_against(
                 if fmt is KVFormat.FP8_DS_MLA:
                     ours_fp8 = out
                 del case, out
+            if KVFormat.FP8_DS_MLA in formats and extra >= BALANCED_MIN_EXTRA:
+                # The balanced schedule, its plan made once (as FlashMLA's below), and the
+                # plan's own time.
+                plan = sparse_decode.balanced_plan(fp8_case.window, fp8_case.extra, H)
+                _, ours_us["balanced"] = _ours(sparse_decode, fp8_case, label, reps, graphs, plan)
+
+                def make_plan(case=fp8_case, heads=H):
+                    return sparse_decode.balanced_plan(case.window, case.extra, heads)
+
+                timed = cuda_graph_replay(make_plan) if graphs else make_plan
+                ours_us["plan"] = time_cuda_us(timed, reps=reps)["median_us"]
             fm = {}
             if flash_mla is not None:
                 if ours_fp8 is None:  # FP8 not timed: its output is still the reference
