@@ -723,20 +723,20 @@ class SparseDecodeSm90(SparseDecodeProducer):
         a partial (fp32: split ``split`` of ``[S, T, H]``, or, balanced, slot ``slot`` of
         ``[slots, H]`` when ``slot`` >= 0). ``outputs``: (mO, mLse, mOpart, mLsePart)."""
         mO, mLse, mOpart, mLsePart = outputs
-        common = (mSink, accs, tidx, wg, row_l, row_m, row_sum_smem, head_block, sQ_staging,
-                  write_lse)  # fmt: skip
+        tile = (mSink, accs, tidx, wg, row_l, row_m, row_sum_smem, head_block, sQ_staging,
+                write_lse)  # fmt: skip
         if const_expr(self.cfg.balanced):
             # Both warpgroups take the same branch: the slot is the CTA's.
             if slot >= 0:
-                self.store_output(mOpart, mLsePart, mOpart.shape[1], Int64(slot), True, *common)
+                self.store_output(mOpart, mLsePart, mOpart.shape[1], Int64(slot), True, tile)
             else:
-                self.store_output(mO, mLse, mO.shape[1], Int64(token), False, *common)
+                self.store_output(mO, mLse, mO.shape[1], Int64(token), False, tile)
         elif const_expr(self.cfg.write_partial):
             # Output row of head h: out_token * num_heads + h (split-major [S, T, H]).
             out_token = Int64(split) * mO.shape[1] + token
-            self.store_output(mO, mLse, mO.shape[2], out_token, True, *common)
+            self.store_output(mO, mLse, mO.shape[2], out_token, True, tile)
         else:
-            self.store_output(mO, mLse, mO.shape[1], Int64(token), False, *common)
+            self.store_output(mO, mLse, mO.shape[1], Int64(token), False, tile)
 
     @cute.jit
     def store_output(
@@ -746,19 +746,13 @@ class SparseDecodeSm90(SparseDecodeProducer):
         num_heads: Int32,
         out_token: Int64,
         partial: cutlass.Constexpr[bool],
-        mSink: cute.Tensor | None,
-        accs: list,
-        tidx: Int32,
-        wg: cutlass.Constexpr[int],
-        row_l: cute.Tensor,
-        row_m: cute.Tensor,
-        row_sum_smem: cute.Tensor,
-        head_block: Int32,
-        sQ_staging: cute.Tensor,
-        write_lse: cutlass.Constexpr[bool],
+        tile: tuple,
     ):
         """The body of :meth:`epilogue` for one destination: head h of this CTA goes to row
-        ``out_token * num_heads + h`` of ``mO`` (and ``mLse``); ``partial``: fp32, no sink."""
+        ``out_token * num_heads + h`` of ``mO`` (and ``mLse``); ``partial``: fp32, no sink.
+        ``tile``: the rest of :meth:`epilogue`'s arguments, as it packs them."""
+        (mSink, accs, tidx, wg, row_l, row_m, row_sum_smem, head_block, sQ_staging,
+         write_lse) = tile  # fmt: skip
         lane = tidx & 31
         row0 = (tidx >> 5) * 16 + (lane >> 2)
         out_base = mO.iterator.toint()

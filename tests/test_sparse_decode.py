@@ -163,6 +163,35 @@ def _check(out, lse, ref_out, ref_lse, tol=1e-2):
         assert (lse[finite].double() - ref_lse[finite]).abs().max() <= 1e-2
 
 
+def _graph_case(fmt, T, H, extra_width, seed):
+    """Inputs of a CUDA-graph test: (generator, ``sparse_attention`` args) with a 128-key
+    window (page 64, 4096 slots) and ``extra_width`` compressed keys (page 16, over
+    max(2048, extra_width) slots), a finite sink."""
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cache = _random_cache(fmt, 64, 4096, device, gen)
+    idx, lens = _random_lists(T, 128, 4096, device, gen)
+    extra_slots = max(2048, extra_width)
+    ecache = _random_cache(fmt, 16, extra_slots, device, gen)
+    extra = KVScope(ecache, fmt, 16, *_random_lists(T, extra_width, extra_slots, device, gen))
+    q = torch.randn(T, H, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
+    sink = torch.randn(H, generator=gen, device=device)
+    return gen, (q, KVScope(cache, fmt, 64, idx, lens), sink, HEAD_DIM**-0.5, extra)
+
+
+def _capture(call):
+    """``call`` run once (compiling outside the capture), then captured in a CUDA graph on a
+    side stream: (graph, what the captured call returned)."""
+    call()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        result = call()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, result
+
+
 def _run_case(fmt, H, T, extra_width, sink_kind, seed, num_splits=None, extra_bs=16,
               index_dtype=torch.int32, balanced=False):  # fmt: skip
     """One random case through the kernel against the float64 reference; ``balanced``: on the
@@ -278,30 +307,16 @@ def test_balanced_schedule_under_cuda_graph_replay():
     """The plan is built on the device from the key counts: a captured plan and call replay
     with other counts (and so another plan) correctly."""
     _needs_hopper()
-    device = torch.device("cuda")
-    gen = torch.Generator(device=device).manual_seed(5)
-    fmt, T, H = KVFormat.FP8_DS_MLA, 150, 64
-    cache = _random_cache(fmt, 64, 4096, device, gen)
-    idx, lens = _random_lists(T, 128, 4096, device, gen)
-    ecache = _random_cache(fmt, 16, 8192, device, gen)
-    eidx, elens = _random_lists(T, 8192, 8192, device, gen)
-    extra = KVScope(ecache, fmt, 16, eidx, elens)
-    q = torch.randn(T, H, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
-    sink = torch.randn(H, generator=gen, device=device)
-    window = KVScope(cache, fmt, 64, idx, lens)
-    args = (q, window, sink, HEAD_DIM**-0.5, extra)
+    T, H = 150, 64
+    gen, args = _graph_case(KVFormat.FP8_DS_MLA, T, H, 8192, seed=5)
+    q, window, _, _, extra = args
+    device, lens, elens = q.device, window.lens, extra.lens
 
     def call():
         plan = sparse_decode.balanced_plan(window, extra, H)
         return sparse_decode.sparse_attention(*args, plan=plan)
 
-    call()  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        out, lse = call()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, (out, lse) = _capture(call)
     for _ in range(2):  # new counts: long and short tokens in other places
         q.copy_(torch.randn(T, H, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16))
         lens.copy_(torch.randint(0, 129, (T,), generator=gen, device=device, dtype=torch.int32))
@@ -472,23 +487,10 @@ def test_a_cache_without_pages_is_refused():
 @pytest.mark.gpu
 def test_cuda_graph_capture_replays_correctly():
     _needs_hopper()
-    device = torch.device("cuda")
-    gen = torch.Generator(device=device).manual_seed(11)
-    fmt, T, H = KVFormat.NVFP4, 4, 64
-    cache = _random_cache(fmt, 64, 4096, device, gen)
-    idx, lens = _random_lists(T, 128, 4096, device, gen)
-    ecache = _random_cache(fmt, 16, 2048, device, gen)
-    extra = KVScope(ecache, fmt, 16, *_random_lists(T, 512, 2048, device, gen))
-    q = torch.randn(T, H, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
-    sink = torch.randn(H, generator=gen, device=device)
-    args = (q, KVScope(cache, fmt, 64, idx, lens), sink, HEAD_DIM**-0.5, extra)
-    sparse_decode.sparse_attention(*args)  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        out, lse = sparse_decode.sparse_attention(*args)
-    torch.cuda.current_stream().wait_stream(stream)
+    T, H = 4, 64
+    gen, args = _graph_case(KVFormat.NVFP4, T, H, 512, seed=11)
+    q, lens, device = args[0], args[1].lens, args[0].device
+    graph, (out, lse) = _capture(lambda: sparse_decode.sparse_attention(*args))
     # New inputs in the same buffers, then replay.
     q.copy_(torch.randn(T, H, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16))
     lens.copy_(torch.randint(0, 129, (T,), generator=gen, device=device, dtype=torch.int32))
