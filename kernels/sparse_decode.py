@@ -430,16 +430,32 @@ def sparse_attention(
     return out, lse
 
 
-def balanced_plan(window, extra, num_heads: int) -> schedule.DecodeSchedule:
+def balanced_plan(window, extra, num_heads: int, *, method: str = "triton"):
     """The balanced schedule of a call with these scopes (``window``, ``extra``: the
     :class:`~dsv4_attn.scope.KVScope` of the call) for ``num_heads`` query heads, from their key
-    counts, on the device and without a host sync (~50 small torch ops, ~0.12 ms on an H100
-    even inside a CUDA graph: build it once per step and pass it to every call with the same
-    counts)."""
-    key_counts = window.lens if extra is None else window.lens + extra.lens
+    counts, on the device and without a host sync; build it once per step and pass it to every
+    call with the same counts. ``method``: ``"triton"`` (on CUDA: one program,
+    :mod:`dsv4_attn.fused.decode_schedule`) or ``"torch"`` (the construction it reproduces,
+    ~50 small kernels, ~0.12 ms on an H100 even inside a CUDA graph)."""
+    if method not in ("triton", "torch"):
+        raise ValueError(f"method must be 'triton' or 'torch', got {method!r}")
+    T = window.lens.shape[0]
     parts = balanced_parts(num_heads, window.lens.device)
     capacity_tiles = math.ceil(key_capacity(window, extra) / BLOCK_N)
-    return schedule.build_schedule(key_counts, parts, schedule.min_share_tiles(capacity_tiles))
+    # Positions on the cost line are int32 in the plan.
+    if T * (capacity_tiles + schedule.TOKEN_OVERHEAD_TILES) >= 2**31:
+        raise ValueError(
+            f"{T} tokens of up to {capacity_tiles} key tiles: the balanced plan's positions "
+            "must stay below 2^31 tiles; split the call"
+        )
+    min_share = schedule.min_share_tiles(capacity_tiles)
+    extra_lens = extra.lens if extra is not None else None
+    if method == "triton" and window.lens.is_cuda:
+        from dsv4_attn.fused import decode_schedule
+
+        return decode_schedule.build_schedule(window.lens, extra_lens, parts, min_share)
+    key_counts = window.lens if extra_lens is None else window.lens + extra_lens
+    return schedule.build_schedule(key_counts, parts, min_share)
 
 
 def _balanced_attention(q, window, sink, scale, extra, plan, out, lse, workspace):

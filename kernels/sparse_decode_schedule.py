@@ -15,10 +15,11 @@ A boundary that falls within a few tiles of a token's edge (its overhead, plus a
 share) moves to that edge: a cut costs a partial's write and read (128 KB each per 64 heads, the
 bytes of ~7 FP8 tiles), more than the imbalance it saves there.
 
-Everything is computed on the device with torch ops from the per-token key counts (no host
-sync: a CUDA graph may capture it). That is ~50 small kernels, ~0.12 ms on an H100 even in a
-CUDA graph (BENCHMARKS.md, thirteenth session): a caller builds the plan once per step and
-reuses it for every layer with the same counts, as vLLM does with FlashMLA's plan. Units:
+:func:`build_schedule` is the plan's definition, in torch ops on the device from the per-token
+key counts (no host sync: a CUDA graph may capture it): ~50 small kernels, ~0.12 ms on an H100
+even in a CUDA graph (BENCHMARKS.md, thirteenth session). :mod:`dsv4_attn.fused.decode_schedule`
+computes the same tensors in one Triton program. Either way a caller builds the plan once per
+step and reuses it for every layer with the same counts, as vLLM does with FlashMLA's. Units:
 *tiles* of ``BLOCK_N`` keys; *positions* on the line of all tokens' costs.
 
 Plan tensors (int32, on the counts' device):
@@ -41,6 +42,7 @@ import torch
 from dsv4_attn.kernels.sparse_decode_config import BLOCK_N
 
 __all__ = [
+    "SNAP_DIV",
     "TOKEN_OVERHEAD_TILES",
     "DecodeSchedule",
     "build_schedule",
@@ -56,8 +58,8 @@ TOKEN_OVERHEAD_TILES = 2
 # past ~32 pieces the partials cost more than the split saves).
 MIN_SHARE_TILES = 2
 MAX_PIECES = 32
-# Boundaries within TOKEN_OVERHEAD_TILES + share // _SNAP_DIV tiles of a token's edge move to it.
-_SNAP_DIV = 16
+# Boundaries within TOKEN_OVERHEAD_TILES + share // SNAP_DIV tiles of a token's edge move to it.
+SNAP_DIV = 16
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def build_schedule(
     p = torch.arange(parts + 1, device=device, dtype=torch.int64)
     bounds = torch.minimum(p * share, total)
     owner = torch.searchsorted(end, bounds, right=True).clamp_max(counts.shape[0] - 1)
-    slack = TOKEN_OVERHEAD_TILES + share // _SNAP_DIV
+    slack = TOKEN_OVERHEAD_TILES + share // SNAP_DIV
     inside = (bounds > start[owner]) & (bounds < end[owner])
     to_start = inside & (bounds - start[owner] <= slack)
     to_end = inside & ~to_start & (end[owner] - bounds <= slack)

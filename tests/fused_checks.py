@@ -223,13 +223,43 @@ def check_metadata(fused, device, seed: int) -> None:
     assert torch.equal(slots.cpu(), want_slots) and torch.equal(entry_lens.cpu(), want_lens)
 
 
+def check_decode_schedule(fused, device, seed: int) -> None:
+    """The balanced decode plan in one Triton program = the torch construction, entry for
+    entry: ragged and uniform counts, empty tokens, more tokens than parts and fewer, with and
+    without compressed keys, int32 and int64 counts."""
+    from dsv4_attn.kernels import sparse_decode_schedule as schedule
+
+    gen = torch.Generator().manual_seed(seed)
+    T = int(torch.randint(1, 300, (1,), generator=gen))
+    parts = int(torch.randint(1, 140, (1,), generator=gen))
+    window = torch.randint(0, 129, (T,), generator=gen)
+    if seed % 3 == 0:  # uniform
+        extra = torch.full((T,), int(torch.randint(0, 9000, (1,), generator=gen)))
+    else:
+        extra = torch.randint(0, 9000, (T,), generator=gen)
+    extra[torch.rand(T, generator=gen) < 0.1] = 0
+    window[torch.rand(T, generator=gen) < 0.1] = 0
+    dtype = torch.int64 if seed % 2 else torch.int32
+    min_share = schedule.min_share_tiles(int(torch.randint(1, 300, (1,), generator=gen)))
+    for with_extra in (True, False):
+        counts = window + extra if with_extra else window
+        want = schedule.build_schedule(counts.to(dtype), parts, min_share)
+        got = fused.decode_schedule.build_schedule(
+            window.to(dtype).to(device), extra.to(dtype).to(device) if with_extra else None,
+            parts, min_share,
+        )  # fmt: skip
+        assert torch.equal(got.part_plan.cpu(), want.part_plan), (T, parts, with_extra)
+        assert torch.equal(got.token_plan.cpu(), want.token_plan), (T, parts, with_extra)
+
+
 def _fused():
     from types import SimpleNamespace
 
-    from dsv4_attn.fused import kv_gather, kv_writers, prefill_index, step_metadata
+    from dsv4_attn.fused import decode_schedule, kv_gather, kv_writers, prefill_index, step_metadata
 
     return SimpleNamespace(kv_writers=kv_writers, step_metadata=step_metadata,
-                           kv_gather=kv_gather, prefill_index=prefill_index)  # fmt: skip
+                           kv_gather=kv_gather, prefill_index=prefill_index,
+                           decode_schedule=decode_schedule)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,3 +298,8 @@ def test_prefill_index_interpreted(seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_metadata_interpreted(seed):
     check_metadata(_fused(), "cpu", seed)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_decode_schedule_interpreted(seed):
+    check_decode_schedule(_fused(), "cpu", seed)

@@ -17,6 +17,7 @@ import torch
 
 from tests.fused_checks import (
     KINDS,
+    check_decode_schedule,
     check_gather,
     check_insert,
     check_metadata,
@@ -42,10 +43,11 @@ def test_kernels_match_torch_in_the_triton_interpreter():
 def _compiled():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from dsv4_attn.fused import kv_gather, kv_writers, prefill_index, step_metadata
+    from dsv4_attn.fused import decode_schedule, kv_gather, kv_writers, prefill_index, step_metadata
 
     return SimpleNamespace(kv_writers=kv_writers, step_metadata=step_metadata,
-                           kv_gather=kv_gather, prefill_index=prefill_index)  # fmt: skip
+                           kv_gather=kv_gather, prefill_index=prefill_index,
+                           decode_schedule=decode_schedule)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,6 +88,12 @@ def test_metadata_cuda():
         check_metadata(_compiled(), "cuda", seed)
 
 
+@pytest.mark.gpu
+def test_decode_schedule_cuda():
+    for seed in range(12):
+        check_decode_schedule(_compiled(), "cuda", seed)
+
+
 # ----------------------------------------------------------------------------------------------
 # CPU: every kernel compiles for sm_90 (Triton's own ptxas; no GPU needed)
 # ----------------------------------------------------------------------------------------------
@@ -106,8 +114,18 @@ def _kernels():
         "rows_ptr": p["bf16"], "rows_stride": "i32", "write_slots_ptr": p["i64"],
         "cache_ptr": p["u8"], "page_stride": "i32", "block_size": "i32",
     }, {}  # fmt: skip
+    from dsv4_attn.fused import decode_schedule as ds
     from dsv4_attn.fused import kv_gather as kg
     from dsv4_attn.fused import prefill_index as pi
+
+    for has_extra in (True, False):
+        yield ds._decode_schedule_kernel, {
+            "lens_ptr": p["i32"], "extra_lens_ptr": p["i32"], "T": "i32", "parts": "i32",
+            "min_share": "i32", "part_plan_ptr": p["i32"], "token_plan_ptr": p["i32"],
+            "HAS_EXTRA": "constexpr", "KEYS_PER_TILE": "constexpr", "OVERHEAD": "constexpr",
+            "SNAP_DIV": "constexpr", "BLOCK_P": "constexpr", "CHUNK": "constexpr",
+        }, {"HAS_EXTRA": has_extra, "KEYS_PER_TILE": 32, "OVERHEAD": 2, "SNAP_DIV": 16,
+            "BLOCK_P": 256, "CHUNK": 32}  # fmt: skip
 
     for mode in (0, 1, 2):
         yield pi._prefill_index_kernel, {
@@ -168,4 +186,4 @@ def test_every_kernel_compiles_for_sm90():
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
         assert len(compiled.asm["cubin"]) > 1000
         names.append(kernel.fn.__name__)
-    assert len(names) == 11, names
+    assert len(names) == 13, names
