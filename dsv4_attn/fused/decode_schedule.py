@@ -33,6 +33,16 @@ _CHUNK = 32  # tokens per pass step: CHUNK x BLOCK_P comparisons at a time
 
 
 @triton.jit
+def _token_ends(token_plan_ptr, t0, T, CHUNK: tl.constexpr):
+    """End positions of tokens t0 .. t0 + CHUNK - 1 (past T: beyond any position)."""
+    t = t0 + tl.arange(0, CHUNK)
+    live = t < T
+    at = tl.load(token_plan_ptr + t * 5, mask=live, other=0).to(tl.int64)
+    tiles = tl.load(token_plan_ptr + t * 5 + 1, mask=live, other=0).to(tl.int64)
+    return tl.where(live, at + tiles, 1 << 62)
+
+
+@triton.jit
 def _decode_schedule_kernel(
     lens_ptr, extra_lens_ptr, T, parts, min_share,
     part_plan_ptr, token_plan_ptr,
@@ -61,11 +71,7 @@ def _decode_schedule_kernel(
     bound = tl.minimum(p.to(tl.int64) * share, total)
     owner = tl.zeros([BLOCK_P], dtype=tl.int32)
     for t0 in range(0, T, CHUNK):
-        t = t0 + tl.arange(0, CHUNK)
-        live = t < T
-        at = tl.load(token_plan_ptr + t * 5, mask=live, other=0).to(tl.int64)
-        tiles = tl.load(token_plan_ptr + t * 5 + 1, mask=live, other=0).to(tl.int64)
-        end = tl.where(live, at + tiles, 1 << 62)
+        end = _token_ends(token_plan_ptr, t0, T, CHUNK)
         owner += tl.sum((end[None, :] <= bound[:, None]).to(tl.int32), axis=1)
     owner = tl.minimum(owner, T - 1)
     owner_at = tl.load(token_plan_ptr + owner * 5).to(tl.int64)
@@ -80,11 +86,7 @@ def _decode_schedule_kernel(
     first_token = tl.zeros([BLOCK_P], dtype=tl.int32)
     before_end = tl.zeros([BLOCK_P], dtype=tl.int32)
     for t0 in range(0, T, CHUNK):
-        t = t0 + tl.arange(0, CHUNK)
-        live = t < T
-        at = tl.load(token_plan_ptr + t * 5, mask=live, other=0).to(tl.int64)
-        tiles = tl.load(token_plan_ptr + t * 5 + 1, mask=live, other=0).to(tl.int64)
-        end = tl.where(live, at + tiles, 1 << 62)
+        end = _token_ends(token_plan_ptr, t0, T, CHUNK)
         first_token += tl.sum((end[None, :] <= bound[:, None]).to(tl.int32), axis=1)
         before_end += tl.sum((end[None, :] <= bound[:, None] - 1).to(tl.int32), axis=1)
     is_part = p < parts
