@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One-shot GPU check of the sparse-decode kernel (issue 4) on a Hopper machine, from the repo root:
-#   1. the GPU tests of tests/test_sparse_decode.py (kernel vs the float64 reference);
+#   1. the GPU tests of tests/test_sparse_decode.py (kernel vs the float64 reference, both
+#      launches: by capacity and the balanced schedule) and of the balanced plan's Triton program
+#      (tests/test_fused.py::test_decode_schedule_cuda);
 #   2. the decode benchmark (python -m dsv4_attn.bench decode), table + JSON; against FlashMLA
-#      (--against flashmla) when flash_mla is importable;
+#      (--against flashmla) when flash_mla is importable, as CUDA-graph replays with GRAPHS=1;
 #   3. with SPLITS=1 the split-count sweep (python -m dsv4_attn.bench decode-splits);
 #   4. with PROFILE=1 the Nsight Compute profile of scripts/profile_decode.sh (V4-Flash FP8 T=128).
 # Logs and JSON land under $OUT (default ./bench_out). Needs torch with CUDA, nvidia-cutlass-dsl
@@ -41,14 +43,17 @@ if [ $smoke -ne 0 ]; then
   exit 1
 fi
 
-timeout "$TEST_TIMEOUT" $PY -m pytest -m gpu tests/test_sparse_decode.py -q -p no:cacheprovider \
+timeout "$TEST_TIMEOUT" $PY -m pytest -m gpu tests/test_sparse_decode.py \
+  tests/test_fused.py::test_decode_schedule_cuda -q -p no:cacheprovider \
   -rf $PYTEST_ARGS 2>&1 | tee "$OUT/pytest_gpu_decode.log"
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_gpu_decode.log"
 
 # With FlashMLA built from ../shared/anchors (PYTHONPATH=/tmp/fmb/fm), the ratio table against it;
 # without, the table against the SDPA fallback.
 if $PY -c "import flash_mla" 2>/dev/null; then
-  timeout "$BENCH_TIMEOUT" $PY -m dsv4_attn.bench decode --against flashmla \
+  graphs=()
+  [ "${GRAPHS:-0}" = 1 ] && graphs=(--cuda-graphs)
+  timeout "$BENCH_TIMEOUT" $PY -m dsv4_attn.bench decode --against flashmla "${graphs[@]}" \
     --json "$OUT/bench_decode_vs_flashmla.json" 2>&1 | tee "$OUT/bench_decode.log"
 else
   timeout "$BENCH_TIMEOUT" $PY -m dsv4_attn.bench decode --json "$OUT/bench_decode.json" \
