@@ -165,6 +165,40 @@ def _cute_int_type(name: str):
     return {"int32": Int32, "int64": Int64}[name]
 
 
+def _fake(dtype, shape, stride, align=16):
+    """A fake tensor to compile against (CuTeDSL's, no memory)."""
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
+
+
+def _rows(dtype, lead: int):
+    """A fake ``[*lead dims, 512]`` tensor of 512-wide rows (contiguous rows, any outer strides)."""
+    import cutlass.cute as cute
+
+    shape = (*(cute.sym_int() for _ in range(lead)), HEAD_DIM)
+    strides = tuple(cute.sym_int64(divisibility=HEAD_DIM) for _ in range(lead - 1))
+    return _fake(dtype, shape, (*strides, HEAD_DIM, 1))
+
+
+def _lse(lead: int):
+    """A fake fp32 ``[*lead dims]`` tensor, contiguous in its last dim (an lse beside rows)."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    shape = tuple(cute.sym_int() for _ in range(lead))
+    strides = tuple(cute.sym_int64() for _ in range(lead - 1))
+    return _fake(Float32, shape, (*strides, 1), 4)
+
+
+def _plan(columns: int):
+    """A fake int32 ``[n, columns]`` plan of the balanced schedule."""
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    return _fake(Int32, (cute.sym_int(), columns), (columns, 1), 4)
+
+
 def build_decode_kernel(config):
     """Compile one :class:`SparseDecodeConfig` variant against fake tensors (no GPU needed)."""
     import cutlass.cute as cute
@@ -173,43 +207,29 @@ def build_decode_kernel(config):
     from dsv4_attn.kernels.compile_cache import compile_tvm_ffi
     from dsv4_attn.kernels.sparse_decode_sm90 import SparseDecodeSm90
 
-    def fake(dtype, shape, stride, align=16):
-        return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
-
     sym, sym64 = cute.sym_int, cute.sym_int64
     idx_t = _cute_int_type(config.index_dtype)
     len_t = _cute_int_type(config.lens_dtype)
     idx_align, len_align = idx_t.width // 8, len_t.width // 8
 
-    def cache():
-        return fake(Uint8, (sym(), sym()), (sym64(divisibility=16), 1))
-
     def scope():
         return (
-            cache(),
-            fake(idx_t, (sym(), sym()), (sym64(), 1), idx_align),
-            fake(len_t, (sym(),), (1,), len_align),
+            _fake(Uint8, (sym(), sym()), (sym64(divisibility=16), 1)),
+            _fake(idx_t, (sym(), sym()), (sym64(), 1), idx_align),
+            _fake(len_t, (sym(),), (1,), len_align),
         )
 
-    q = fake(BFloat16, (sym(), sym(), HEAD_DIM), (sym64(divisibility=HEAD_DIM), HEAD_DIM, 1))
+    q = _rows(BFloat16, 2)
     window = scope()
     extra = scope() if config.has_extra else (None, None, None)
-    sink = fake(Float32, (sym(),), (1,), 4) if config.has_sink else None
-    if config.write_partial:
-        strides = (sym64(divisibility=HEAD_DIM), sym64(divisibility=HEAD_DIM), HEAD_DIM, 1)
-        out = fake(Float32, (sym(), sym(), sym(), HEAD_DIM), strides)
-        lse = fake(Float32, (sym(), sym(), sym()), (sym64(), sym64(), 1), 4)
+    sink = _fake(Float32, (sym(),), (1,), 4) if config.has_sink else None
+    if config.write_partial:  # split-major [S, T, H, 512] and [S, T, H]
+        out, lse = _rows(Float32, 3), _lse(3)
     else:
-        out = fake(BFloat16, (sym(), sym(), HEAD_DIM), (sym64(divisibility=HEAD_DIM), HEAD_DIM, 1))
-        lse = fake(Float32, (sym(), sym()), (sym64(), 1), 4)
-    balanced = (None, None, None, None)
-    if config.balanced:
-        balanced = (
-            fake(Float32, (sym(), sym(), HEAD_DIM), (sym64(divisibility=HEAD_DIM), HEAD_DIM, 1)),
-            fake(Float32, (sym(), sym()), (sym64(), 1), 4),
-            fake(Int32, (sym(), 4), (4, 1), 4),
-            fake(Int32, (sym(), 5), (5, 1), 4),
-        )
+        out, lse = _rows(BFloat16, 2), _lse(2)
+    balanced = _NOT_BALANCED
+    if config.balanced:  # slot-major partials [slots, H, 512] and [slots, H], the two plans
+        balanced = (_rows(Float32, 2), _lse(2), _plan(4), _plan(5))
     return compile_tvm_ffi(
         SparseDecodeSm90(config), q, *window, *extra, sink, out, lse, *balanced,
         Float32(1.0), Int32(1), Int32(1),
@@ -219,28 +239,17 @@ def build_decode_kernel(config):
 def build_combine_kernel(config):
     """Compile one :class:`CombineConfig` variant against fake tensors."""
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32
+    from cutlass import BFloat16, Float32
 
     from dsv4_attn.kernels.combine import SplitCombine
     from dsv4_attn.kernels.compile_cache import compile_tvm_ffi
 
-    def fake(dtype, shape, stride, align=16):
-        return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
-
-    sym, sym64 = cute.sym_int, cute.sym_int64
-    token_plan = None
-    if config.balanced:
-        opart = fake(Float32, (sym(), sym(), HEAD_DIM), (sym64(divisibility=HEAD_DIM), HEAD_DIM, 1))
-        lse_part = fake(Float32, (sym(), sym()), (sym64(), 1), 4)
-        token_plan = fake(Int32, (sym(), 5), (5, 1), 4)
-    else:
-        strides = (sym64(divisibility=HEAD_DIM), sym64(divisibility=HEAD_DIM), HEAD_DIM, 1)
-        opart = fake(Float32, (sym(), sym(), sym(), HEAD_DIM), strides)
-        lse_part = fake(Float32, (sym(), sym(), sym()), (sym64(), sym64(), 1), 4)
-    sink = fake(Float32, (sym(),), (1,), 4) if config.has_sink else None
-    out = fake(BFloat16, (sym(), sym(), HEAD_DIM), (sym64(divisibility=HEAD_DIM), HEAD_DIM, 1))
-    lse = fake(Float32, (sym(), sym()), (sym64(), 1), 4)
-    return compile_tvm_ffi(SplitCombine(config), opart, lse_part, sink, out, lse, token_plan)
+    # Partials: balanced slot-major [slots, H, ...], else split-major [S, T, H, ...].
+    lead = 2 if config.balanced else 3
+    token_plan = _plan(5) if config.balanced else None
+    sink = _fake(Float32, (cute.sym_int(),), (1,), 4) if config.has_sink else None
+    return compile_tvm_ffi(SplitCombine(config), _rows(Float32, lead), _lse(lead), sink,
+                           _rows(BFloat16, 2), _lse(2), token_plan)  # fmt: skip
 
 
 @functools.cache
@@ -409,19 +418,12 @@ def sparse_attention(
     config = decode_config(window, sink, extra, num_splits > 1)
     decode = decode_cache.get(config, lambda: build_decode_kernel(config))
     scale_log2 = float(scale) * math.log2(math.e)
-    extra_args = (None, None, None)
-    if extra is not None:
-        extra_args = (extra.cache, extra.indices, extra.lens)
+    extra_args = _extra_args(extra)
     if num_splits == 1:
         decode(q, window.cache, window.indices, window.lens, *extra_args, sink, out, lse,
                *_NOT_BALANCED, scale_log2, 1, tiles_per_split)  # fmt: skip
         return out, lse
-    o_shape, lse_shape = workspace_shape(num_splits, T, H)
-    if workspace is None:
-        o_part = torch.empty(o_shape, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    else:
-        o_part, lse_part = _workspace_views(workspace, o_shape, lse_shape)
+    o_part, lse_part = _partials(workspace, *workspace_shape(num_splits, T, H), q.device)
     decode(q, window.cache, window.indices, window.lens, *extra_args, sink, o_part, lse_part,
            *_NOT_BALANCED, scale_log2, num_splits, tiles_per_split)  # fmt: skip
     combine_config = CombineConfig(has_sink=sink is not None)
@@ -466,26 +468,33 @@ def _balanced_attention(q, window, sink, scale, extra, plan, out, lse, workspace
     if plan.token_plan.shape[0] != T:
         raise ValueError(f"the plan covers {plan.token_plan.shape[0]} tokens, the call has {T}")
     parts = plan.num_parts
-    o_shape, lse_shape = balanced_workspace_shape(parts, H)
-    if workspace is None:
-        o_part = torch.empty(o_shape, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    else:
-        o_part, lse_part = _workspace_views(workspace, o_shape, lse_shape)
+    o_part, lse_part = _partials(workspace, *balanced_workspace_shape(parts, H), q.device)
     decode_cache, combine_cache = _caches()
     config = decode_config(window, sink, extra, False, balanced=True)
     decode = decode_cache.get(config, lambda: build_decode_kernel(config))
-    extra_args = (None, None, None)
-    if extra is not None:
-        extra_args = (extra.cache, extra.indices, extra.lens)
     scale_log2 = float(scale) * math.log2(math.e)
-    decode(q, window.cache, window.indices, window.lens, *extra_args, sink, out, lse,
+    decode(q, window.cache, window.indices, window.lens, *_extra_args(extra), sink, out, lse,
            o_part, lse_part, plan.part_plan, plan.token_plan, scale_log2, 1, 0)  # fmt: skip
     if parts > 1:  # one part cuts no token
         combine_config = CombineConfig(has_sink=sink is not None, balanced=True)
         combine = combine_cache.get(combine_config, lambda: build_combine_kernel(combine_config))
         combine(o_part, lse_part, sink, out, lse, plan.token_plan)
     return out, lse
+
+
+def _extra_args(extra) -> tuple:
+    """The kernel's three arguments of the extra scope (cache, slot ids, lengths), or Nones."""
+    if extra is None:
+        return None, None, None
+    return extra.cache, extra.indices, extra.lens
+
+
+def _partials(workspace, o_shape, lse_shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 partial outputs and lse of these shapes: views of the caller's workspace, or new."""
+    if workspace is not None:
+        return _workspace_views(workspace, o_shape, lse_shape)
+    return (torch.empty(o_shape, dtype=torch.float32, device=device),
+            torch.empty(lse_shape, dtype=torch.float32, device=device))  # fmt: skip
 
 
 def _workspace_views(workspace, o_shape, lse_shape) -> tuple[torch.Tensor, torch.Tensor]:

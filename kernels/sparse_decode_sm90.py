@@ -391,15 +391,9 @@ class SparseDecodeSm90(SparseDecodeProducer):
         pieces = Int32(mTokenPlan[token, 2])
         j_begin = cutlass.min(cutlass.max(lo - at, Int32(0)), tiles)
         j_end = cutlass.min(cutlass.max(hi - at, Int32(0)), tiles)
-        n_window = Int32(mLens[token])
-        n_total = n_window
-        if const_expr(self.cfg.has_extra):
-            n_total = n_window + Int32(mELens[token])
-        key_begin = j_begin * BLOCK_N
-        key_end = cutlass.min(n_total, j_end * BLOCK_N)
-        n_tiles = Int32(0)
-        if key_end > key_begin:
-            n_tiles = (key_end - key_begin + BLOCK_N - 1) // BLOCK_N
+        n_window, key_begin, key_end, n_tiles = self.keys_between(
+            mLens, mELens, token, j_begin * BLOCK_N, j_end * BLOCK_N
+        )
         slot = Int32(-1)
         if pieces > 1:
             slot = Int32(mTokenPlan[token, 3]) + part - Int32(mTokenPlan[token, 4])
@@ -408,12 +402,20 @@ class SparseDecodeSm90(SparseDecodeProducer):
     @cute.jit
     def key_range(self, mLens, mELens, token, split, tiles_per_split):
         """This CTA's share of the token's key list: (n_window, begin, end, number of tiles)."""
+        key_begin = split * tiles_per_split * BLOCK_N
+        return self.keys_between(
+            mLens, mELens, token, key_begin, key_begin + tiles_per_split * BLOCK_N
+        )
+
+    @cute.jit
+    def keys_between(self, mLens, mELens, token, key_begin, key_limit):
+        """Keys ``key_begin .. key_limit`` of the token's list, cut at its length: (n_window,
+        begin, end, number of tiles)."""
         n_window = Int32(mLens[token])
         n_total = n_window
         if const_expr(self.cfg.has_extra):
             n_total = n_window + Int32(mELens[token])
-        key_begin = split * tiles_per_split * BLOCK_N
-        key_end = cutlass.min(n_total, key_begin + tiles_per_split * BLOCK_N)
+        key_end = cutlass.min(n_total, key_limit)
         n_tiles = Int32(0)
         if key_end > key_begin:
             n_tiles = (key_end - key_begin + BLOCK_N - 1) // BLOCK_N
