@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -29,6 +29,9 @@ from dsv4_attn.fmha_ops import fmha, sparse_prefill
 from dsv4_attn.index_checks import check_index_lists, check_index_values
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.scope import KVScope
+
+if TYPE_CHECKING:
+    from dsv4_attn.kernels.sparse_decode_schedule import DecodeSchedule
 
 __all__ = [
     "BACKENDS",
@@ -179,6 +182,7 @@ def sparse_attention(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     backend: str = "auto",
     check_values: bool = True,
+    plan: DecodeSchedule | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V4 sparse MQA with a sink, reading KV rows straight from paged caches.
 
@@ -199,6 +203,11 @@ def sparse_attention(
         backend: ``"auto"``, ``"cutedsl"``, ``"sdpa"`` or ``"reference"``.
         check_values: also check index and length *values* (costs a device sync on CUDA).
             Shapes, dtypes and devices are always checked.
+        plan: the kernel's balanced schedule for exactly these key counts
+            (:func:`dsv4_attn.kernels.sparse_decode.balanced_plan`, made once per step); the
+            workspace then holds its partial slots
+            (:func:`~dsv4_attn.kernels.sparse_decode.balanced_workspace_shape`). The fallbacks
+            ignore it (same result, other work split).
 
     Returns:
         ``(out, lse)``: ``out`` bf16 ``[T, H, 512]``; ``lse`` float32 ``[T, H]``, natural log over
@@ -219,7 +228,7 @@ def sparse_attention(
 
             _last_dispatch = Dispatch("cutedsl", None)
             return sparse_decode.sparse_attention(
-                q, window, sink, scale, extra, out=out, lse=lse, workspace=workspace
+                q, window, sink, scale, extra, out=out, lse=lse, workspace=workspace, plan=plan
             )
         if backend == "cutedsl":
             raise ValueError(f"backend='cutedsl' cannot run this case: {reason}")

@@ -25,14 +25,18 @@ from dsv4_attn.kernels.sparse_decode_config import BLOCK_H, BLOCK_N
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 
 __all__ = [
+    "BALANCED_MIN_CAPACITY",
+    "BALANCED_MIN_TOKENS",
     "SUPPORTED_HEAD_COUNTS",
     "balanced_parts",
+    "balanced_pays",
     "balanced_plan",
     "balanced_workspace_shape",
     "compile_variants",
     "kernel_stack_error",
     "key_capacity",
     "peak_workspace_numel",
+    "plan_for_counts",
     "plan_splits",
     "resolve_splits",
     "sparse_attention",
@@ -51,7 +55,11 @@ MAX_GRID_TOKENS = 65535  # CUDA's limit on a grid's z axis, which carries the to
 _MAX_PACKED_SLOTS = 1 << 30  # the kernel packs (slot, scope) into one int32
 _FORMATS = {KVFormat.FP8_DS_MLA: "fp8_ds_mla", KVFormat.NVFP4: "nvfp4"}
 _INDEX_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
-_NOT_BALANCED = (None, None, None, None)  # the balanced schedule's partials and plan
+_NOT_BALANCED = (None, None, None, None)
+# When the balanced schedule pays (balanced_pays): from the decode bench against FlashMLA on
+# ragged HCA lists (BENCHMARKS.md, fourteenth session).
+BALANCED_MIN_TOKENS = 8
+BALANCED_MIN_CAPACITY = 1024 + 128  # the balanced schedule's partials and plan
 
 
 # ----------------------------------------------------------------------------------------------
@@ -432,18 +440,65 @@ def sparse_attention(
     return out, lse
 
 
-def balanced_plan(window, extra, num_heads: int, *, method: str = "triton"):
+def balanced_pays(num_tokens: int, key_capacity: int) -> bool:
+    """Whether the balanced schedule is worth its plan for a call of ``num_tokens`` tokens whose
+    key lists hold up to ``key_capacity`` keys (the policy of ``DSV4_ATTN_DECODE_SCHEDULE=auto``).
+
+    Long lists of unequal length leave most SMs idle under the split launch while a few finish
+    (HCA at long contexts); short lists fit one wave either way, and a couple of tokens are
+    split evenly already (BENCHMARKS.md, fourteenth session, has the measurements behind
+    :data:`BALANCED_MIN_TOKENS` and :data:`BALANCED_MIN_CAPACITY`).
+    """
+    return num_tokens >= BALANCED_MIN_TOKENS and key_capacity >= BALANCED_MIN_CAPACITY
+
+
+def balanced_plan(
+    window,
+    extra,
+    num_heads: int,
+    *,
+    method: str = "triton",
+    out: schedule.DecodeSchedule | None = None,
+) -> schedule.DecodeSchedule:
     """The balanced schedule of a call with these scopes (``window``, ``extra``: the
     :class:`~dsv4_attn.scope.KVScope` of the call) for ``num_heads`` query heads, from their key
     counts, on the device and without a host sync; build it once per step and pass it to every
-    call with the same counts. ``method``: ``"triton"`` (on CUDA: one program,
-    :mod:`dsv4_attn.fused.decode_schedule`) or ``"torch"`` (the construction it reproduces,
-    ~50 small kernels, ~0.12 ms on an H100 even inside a CUDA graph)."""
+    call with the same counts. See :func:`plan_for_counts` for ``method`` and ``out``."""
+    return plan_for_counts(
+        window.lens,
+        extra.lens if extra is not None else None,
+        key_capacity(window, extra),
+        num_heads,
+        method=method,
+        out=out,
+    )
+
+
+def plan_for_counts(
+    lens: torch.Tensor,
+    extra_lens: torch.Tensor | None,
+    capacity: int,
+    num_heads: int,
+    *,
+    method: str = "triton",
+    num_parts: int | None = None,
+    out: schedule.DecodeSchedule | None = None,
+) -> schedule.DecodeSchedule:
+    """The balanced schedule of tokens with ``lens + extra_lens`` keys (int ``[T]``; the very
+    tensors the call's scopes hold) and lists of at most ``capacity`` keys, for ``num_heads``
+    query heads.
+
+    ``method``: ``"triton"`` (on CUDA: one program, :mod:`dsv4_attn.fused.decode_schedule`) or
+    ``"torch"`` (the construction it reproduces, ~50 small kernels, ~0.12 ms on an H100 even
+    inside a CUDA graph). ``num_parts``: persistent CTAs per 64-head block (default
+    :func:`balanced_parts`: one CTA per SM of the counts' GPU). ``out``: int32 tensors of the
+    plan's shapes to write into (persistent buffers a CUDA graph replays), else new ones.
+    """
     if method not in ("triton", "torch"):
         raise ValueError(f"method must be 'triton' or 'torch', got {method!r}")
-    T = window.lens.shape[0]
-    parts = balanced_parts(num_heads, window.lens.device)
-    capacity_tiles = math.ceil(key_capacity(window, extra) / BLOCK_N)
+    T = lens.shape[0]
+    parts = num_parts if num_parts is not None else balanced_parts(num_heads, lens.device)
+    capacity_tiles = math.ceil(capacity / BLOCK_N)
     # Positions on the cost line are int32 in the plan.
     if T * (capacity_tiles + schedule.TOKEN_OVERHEAD_TILES) >= 2**31:
         raise ValueError(
@@ -451,13 +506,17 @@ def balanced_plan(window, extra, num_heads: int, *, method: str = "triton"):
             "must stay below 2^31 tiles; split the call"
         )
     min_share = schedule.min_share_tiles(capacity_tiles)
-    extra_lens = extra.lens if extra is not None else None
-    if method == "triton" and window.lens.is_cuda:
+    if method == "triton" and lens.is_cuda:
         from dsv4_attn.fused import decode_schedule
 
-        return decode_schedule.build_schedule(window.lens, extra_lens, parts, min_share)
-    key_counts = window.lens if extra_lens is None else window.lens + extra_lens
-    return schedule.build_schedule(key_counts, parts, min_share)
+        return decode_schedule.build_schedule(lens, extra_lens, parts, min_share, out=out)
+    key_counts = lens if extra_lens is None else lens + extra_lens
+    plan = schedule.build_schedule(key_counts, parts, min_share)
+    if out is None:
+        return plan
+    out.part_plan.copy_(plan.part_plan)
+    out.token_plan.copy_(plan.token_plan)
+    return out
 
 
 def _balanced_attention(q, window, sink, scale, extra, plan, out, lse, workspace):

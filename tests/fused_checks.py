@@ -199,11 +199,12 @@ def check_metadata(fused, device, seed: int) -> None:
         write, staging = out(T, dtype=torch.int64), out(T, dtype=torch.int64)
         visible = out(T, width) if ratio == 128 else None
         visible_lens = out(T) if ratio == 128 else None
+        window_lens = out(T) if ratio == 128 else None  # the balanced decode plan's counts
         sm.fill_compressed_metadata(
             on(cm.query_start_loc), on(cm.seq_lens), on(cm.slot_mapping),
             on(cm.block_table_tensor), rows_per_block, ratio, token_req=req, valid=valid,
             write_slots=write, staging_rows=staging, visible_slots=visible,
-            visible_lens=visible_lens,
+            visible_lens=visible_lens, window=vt.WINDOW, window_lens=window_lens,
         )  # fmt: skip
         want = md.compressed_write_slots(tokens, cm.block_table_tensor, rows_per_block, ratio)
         assert torch.equal(write.cpu(), want)
@@ -214,6 +215,7 @@ def check_metadata(fused, device, seed: int) -> None:
             )
             assert torch.equal(visible.cpu(), want_slots)
             assert torch.equal(visible_lens.cpu(), want_count)
+            assert torch.equal(window_lens.cpu().long(), md.window_lengths(tokens, vt.WINDOW))
 
     local = vt.random_local_topk(gen, batch, vt.INDEX_TOPK)
     slots, entry_lens = out(T, vt.INDEX_TOPK), out(T)
@@ -250,6 +252,23 @@ def check_decode_schedule(fused, device, seed: int) -> None:
         )  # fmt: skip
         assert torch.equal(got.part_plan.cpu(), want.part_plan), (T, parts, with_extra)
         assert torch.equal(got.token_plan.cpu(), want.token_plan), (T, parts, with_extra)
+    # Into a caller's persistent buffers (poisoned first): the same plan, at their addresses.
+    buffers = schedule.DecodeSchedule(
+        torch.full((parts, 4), -9, dtype=torch.int32, device=device),
+        torch.full((T, 5), -9, dtype=torch.int32, device=device),
+    )
+    got = fused.decode_schedule.build_schedule(
+        window.to(device), extra.to(device), parts, min_share, out=buffers
+    )
+    assert got.part_plan is buffers.part_plan and got.token_plan is buffers.token_plan
+    want = schedule.build_schedule(window + extra, parts, min_share)
+    assert torch.equal(got.part_plan.cpu(), want.part_plan)
+    assert torch.equal(got.token_plan.cpu(), want.token_plan)
+    with pytest.raises(ValueError, match="token_plan must be contiguous int32"):
+        fused.decode_schedule.build_schedule(
+            window.to(device), extra.to(device), parts, min_share,
+            out=schedule.DecodeSchedule(buffers.part_plan, buffers.token_plan[:, :4]),
+        )  # fmt: skip
 
 
 def _fused():

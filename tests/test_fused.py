@@ -161,9 +161,11 @@ def _kernels():
             **meta_head, "rows_per_block": "i32", "ratio": "i32", "req_out": p["i32"],
             "valid_out": p["i8"], "write_slots_out": p["i64"], "staging_rows_out": p["i64"],
             "visible_out": p["i32"], "visible_stride": "i32", "visible_width": "i32",
-            "visible_lens_out": p["i32"], "HAS_VISIBLE": "constexpr",
+            "visible_lens_out": p["i32"], "window_lens_out": p["i32"],
+            "HAS_VISIBLE": "constexpr", "WINDOW": "constexpr",
             "BLOCK_REQS": "constexpr", "BLOCK_ENTRIES": "constexpr",
-        }, {"HAS_VISIBLE": has_visible, "BLOCK_REQS": 128, "BLOCK_ENTRIES": 256}  # fmt: skip
+        }, {"HAS_VISIBLE": has_visible, "WINDOW": 128 if has_visible else 0, "BLOCK_REQS": 128,
+            "BLOCK_ENTRIES": 256}  # fmt: skip
     yield sm._entry_slots_kernel, {
         "entries_ptr": p["i32"], "entries_stride": "i32", "token_req_ptr": p["i32"],
         "valid_ptr": p["i8"], "block_table_ptr": p["i32"], "bt_stride": "i32",

@@ -211,6 +211,52 @@ def test_prefill_chunks_are_planned_once_per_step_and_ratio(monkeypatch):
     assert torch.isfinite(outputs[0].float()).all()
 
 
+@pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
+@pytest.mark.parametrize("batch_name", ["decode_only", "mixed"])
+def test_forward_mqa_on_the_balanced_plan(kv_dtype, batch_name, monkeypatch):
+    """An HCA layer whose step metadata carries a balanced plan hands it to the attention with
+    the window lengths the plan counted (the torch fallback runs here and ignores the plan's
+    work split: the output is the reference's either way)."""
+    from dsv4_attn.vllm_glue import balanced
+    from dsv4_attn.vllm_glue.balanced import BalancedDecodePlanner
+
+    monkeypatch.setenv(balanced.SCHEDULE_ENV, "balanced")
+    model = vt.tiny_model(kv_dtype)
+    layer = model.layers[128]
+    gen = torch.Generator().manual_seed(17)
+    seq_lens, query_lens = {"decode_only": ([900, 17, 300, 128, 2], [1] * 5), **BATCHES}[batch_name]
+    batch = vt.make_batch(gen, seq_lens, query_lens, padding=2, num_blocks=300)
+    write_step_rows(layer, batch, gen)
+    builders = Builders(layer)
+    hca = builders.compressed
+    capacity, max_tokens = vt.WINDOW + hca.max_entries, hca.hca_lens.shape[0]
+    hca.planner = BalancedDecodePlanner(
+        layer.padded_heads, capacity, max_tokens, torch.device("cpu"), num_parts=6
+    )
+    calls = []
+    real_op = ops.sparse_attention
+
+    def spy(q, window, sink, scale, extra, **kwargs):
+        calls.append((window, kwargs["plan"]))
+        return real_op(q, window, sink, scale, extra, **kwargs)
+
+    monkeypatch.setattr(ops, "sparse_attention", spy)
+    T, H = batch.num_tokens, layer.padded_heads
+    q = (torch.randn(T, H, 512, generator=gen) * 0.5).to(torch.bfloat16)
+    output = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16)
+    metadata = builders.build(batch)
+    plan = metadata[layer.prefix].decode_plan
+    assert plan is not None
+    with set_forward_context(metadata, model.vllm_config):
+        layer.forward_mqa(q, None, batch.swa_cm.positions, output)
+    window, got_plan = calls[0]
+    assert got_plan is plan
+    assert window.lens.data_ptr() == hca.planner.window_lens.data_ptr()
+    assert window.lens.shape[0] == plan.token_plan.shape[0]
+    ref = expected_output(layer, batch, q, None)
+    torch.testing.assert_close(output.double(), ref, rtol=2**-7, atol=1e-3 * ref.abs().max())
+
+
 def test_forward_mqa_calls_ops_without_value_checks(monkeypatch):
     """No host sync in the hot path: ops.sparse_attention gets check_values=False."""
     model = vt.tiny_model("auto")

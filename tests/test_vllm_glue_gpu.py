@@ -26,6 +26,10 @@ from tests import vllm_glue_testing as vt
 pytestmark = pytest.mark.gpu
 
 KV_DTYPES = ("auto", "fp8")
+# (layer ratio, DSV4_ATTN_DECODE_SCHEDULE): every layer kind as served, and the HCA layer on
+# the balanced decode schedule too (the tiny model's lists are short: "auto" keeps the split
+# launch, "balanced" forces the plan).
+LAYER_SCHEDULES = [(1, "auto"), (4, "auto"), (128, "split"), (128, "balanced")]
 
 
 def _needs_cuda_vllm() -> None:
@@ -52,15 +56,36 @@ def profiled(workspace):
     workspace was locked: a later request beyond the reservation raises."""
     from vllm.forward_context import set_forward_context
 
-    for kv_dtype in KV_DTYPES:
-        model = vt.tiny_model(kv_dtype)
-        for layer in model.layers.values():
-            T = layer.max_num_batched_tokens
-            out = torch.empty(T, layer.padded_heads, 512, dtype=torch.bfloat16, device="cuda")
-            with set_forward_context(None, model.vllm_config):
-                layer.forward_mqa(out, None, None, out)
+    from dsv4_attn.vllm_glue.balanced import SCHEDULE_ENV
+
+    # Profiled as a server that may run the balanced schedule: the reservation covers its
+    # partial slots too.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(SCHEDULE_ENV, "balanced")
+        for kv_dtype in KV_DTYPES:
+            model = vt.tiny_model(kv_dtype)
+            for layer in model.layers.values():
+                T = layer.max_num_batched_tokens
+                out = torch.empty(T, layer.padded_heads, 512, dtype=torch.bfloat16,
+                                  device="cuda")  # fmt: skip
+                with set_forward_context(None, model.vllm_config):
+                    layer.forward_mqa(out, None, None, out)
     workspace.lock_workspace()
     return True
+
+
+def _use_schedule(schedule: str, monkeypatch) -> None:
+    """The decode schedule the next builders are made with."""
+    from dsv4_attn.vllm_glue.balanced import SCHEDULE_ENV
+
+    monkeypatch.setenv(SCHEDULE_ENV, schedule)
+
+
+def _check_plan(metadata: dict, layer, schedule: str):
+    """The balanced plan is there exactly when the schedule asks for it; returns it."""
+    plan = getattr(metadata.get(layer.prefix), "decode_plan", None)
+    assert (plan is not None) == (schedule == "balanced")
+    return plan
 
 
 def _inputs(layer, batch, gen):
@@ -81,10 +106,13 @@ def _step(layer, model, metadata, q, kv, positions, out) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-@pytest.mark.parametrize("ratio", vt.RATIOS)
-def test_whole_step_has_no_host_sync_and_matches_reference(profiled, kv_dtype, ratio):
+@pytest.mark.parametrize(("ratio", "schedule"), LAYER_SCHEDULES)
+def test_whole_step_has_no_host_sync_and_matches_reference(
+    profiled, kv_dtype, ratio, schedule, monkeypatch
+):
     from tests.test_vllm_glue_attention import Builders, expected_output, poison, write_step_rows
 
+    _use_schedule(schedule, monkeypatch)
     model = vt.tiny_model(kv_dtype)
     layer = model.layers[ratio]
     builders = Builders(layer)
@@ -108,6 +136,7 @@ def test_whole_step_has_no_host_sync_and_matches_reference(profiled, kv_dtype, r
         torch.cuda.set_sync_debug_mode("error" if step else "default")
         try:
             metadata = builders.build(b)
+            _check_plan(metadata, layer, schedule)
             if ratio > 1 and kv_dtype == "auto":  # the compressor stores before the attention
                 _store_staged(layer, metadata[layer.prefix], staged, check=step == 1)
                 torch.cuda.set_sync_debug_mode("error" if step else "default")
@@ -169,12 +198,14 @@ def _check_inserted_rows(layer, batch, kv, positions) -> None:
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-@pytest.mark.parametrize("ratio", vt.RATIOS)
-def test_decode_step_replays_in_a_cuda_graph(profiled, kv_dtype, ratio):
+@pytest.mark.parametrize(("ratio", "schedule"), LAYER_SCHEDULES)
+def test_decode_step_replays_in_a_cuda_graph(profiled, kv_dtype, ratio, schedule, monkeypatch):
     """As vLLM's FULL decode graphs: the step is captured once; later steps rebuild the metadata
-    into the builders' buffers (and the runner's input buffers), then replay."""
+    (the balanced plan included) into the builders' buffers (and the runner's input buffers),
+    then replay."""
     from tests.test_vllm_glue_attention import Builders, poison, write_step_rows
 
+    _use_schedule(schedule, monkeypatch)
     model = vt.tiny_model(kv_dtype)
     layer = model.layers[ratio]
     builders = Builders(layer)
@@ -208,9 +239,14 @@ def test_decode_step_replays_in_a_cuda_graph(profiled, kv_dtype, ratio):
 
     metadata_again = prepare(second)
     for key, md in metadata_again.items():  # same buffers as the captured step
-        for name in ("swa_indices", "swa_lens", "hca_indices", "hca_lens", "slot_mapping"):
+        for name in ("swa_indices", "swa_lens", "hca_indices", "hca_lens", "slot_mapping",
+                     "window_lens"):  # fmt: skip
             if getattr(md, name, None) is not None:
                 assert getattr(md, name).data_ptr() == getattr(metadata[key], name).data_ptr()
+    plan, plan_again = (_check_plan(m, layer, schedule) for m in (metadata, metadata_again))
+    if plan is not None:  # a new plan (other counts) where the graph reads it
+        for name in ("part_plan", "token_plan"):
+            assert getattr(plan, name).data_ptr() == getattr(plan_again, name).data_ptr()
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()

@@ -14,8 +14,11 @@ from tests import vllm_glue_testing as vt
 
 pytest.importorskip("vllm")
 
+from dsv4_attn.kernels import sparse_decode_schedule as schedule
+from dsv4_attn.kernels.sparse_decode_config import BLOCK_N
 from dsv4_attn.kv_cache import KVFormat
-from dsv4_attn.vllm_glue import kv_spec
+from dsv4_attn.vllm_glue import balanced, kv_spec
+from dsv4_attn.vllm_glue.balanced import BalancedDecodePlanner
 from dsv4_attn.vllm_glue.metadata import (
     DSV4CompressedMetadataBuilder,
     DSV4SWAMetadataBuilder,
@@ -152,6 +155,54 @@ def test_builders_fill_buffers_allocated_once(config):
     assert hca1.hca_indices.shape == hca2.hca_indices.shape  # decode-only: one fixed width
     assert swa2.swa_indices.tolist() == vt.brute_window(second)[0]
     assert hca2.hca_indices.tolist() == vt.brute_visible(second, 128, hca2.hca_indices.shape[1])[0]
+
+
+def planned_builder(config, parts: int) -> DSV4CompressedMetadataBuilder:
+    """An HCA builder with a balanced planner of ``parts`` parts on the CPU (where the builder
+    makes none itself: the kernel it plans for runs on Hopper only)."""
+    builder = compressed_builder(config, 128)
+    assert builder.planner is None
+    capacity = vt.WINDOW + builder.max_entries
+    max_tokens = builder.hca_lens.shape[0]
+    builder.planner = BalancedDecodePlanner(
+        vt.NUM_HEADS, capacity, max_tokens, torch.device("cpu"), num_parts=parts
+    )
+    return builder
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_hca_builder_plans_the_decode_tokens_balanced(config, batch, monkeypatch):
+    """With the balanced schedule, the HCA builder writes every token's window length (the
+    SWA group's, from its own group's metadata) and the plan of exactly the tokens the layer
+    decodes (all in a decode-only step, padding included; the decodes of a mixed step), counted
+    from those window lengths and the visible entries."""
+    monkeypatch.setenv(balanced.SCHEDULE_ENV, "balanced")
+    builder = planned_builder(config, parts=8)
+    md = builder.build(0, batch.cache_cm)
+    num_decodes = brute_split(batch, threshold=1)
+    plan_tokens = sum(batch.query_lens[:num_decodes])
+    if num_decodes == len(batch.seq_lens):
+        plan_tokens = batch.num_tokens
+    if plan_tokens == 0:  # prefills only: nothing for the decode kernel
+        assert md.decode_plan is None and md.window_lens is None
+        return
+    _, window_lens = vt.brute_window(batch)
+    assert md.window_lens.tolist() == window_lens
+    counts = torch.tensor(window_lens[:plan_tokens]) + md.hca_lens[:plan_tokens]
+    capacity_tiles = -(-(vt.WINDOW + builder.max_entries) // BLOCK_N)
+    want = schedule.build_schedule(counts, 8, schedule.min_share_tiles(capacity_tiles))
+    assert torch.equal(md.decode_plan.part_plan, want.part_plan)
+    assert torch.equal(md.decode_plan.token_plan, want.token_plan)
+    assert md.decode_plan.token_plan.data_ptr() == builder.planner.token_plan.data_ptr()
+    assert md.window_lens.data_ptr() == builder.planner.window_lens.data_ptr()
+
+
+def test_hca_builder_plans_nothing_when_the_split_launch_is_chosen(config, monkeypatch):
+    monkeypatch.setenv(balanced.SCHEDULE_ENV, "auto")
+    builder = planned_builder(config, parts=8)  # tiny lists: auto keeps the split launch
+    batch = vt.make_batch(torch.Generator().manual_seed(2), [300, 5, 40], [1, 1, 1])
+    md = builder.build(0, batch.cache_cm)
+    assert md.decode_plan is None and md.window_lens is None
 
 
 @pytest.mark.parametrize("batch", BATCHES)

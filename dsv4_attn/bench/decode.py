@@ -15,10 +15,10 @@ has the mapping), in one process, L2 flushed, medians. ``b`` requests of ``s_q =
 (``--batches``, T = 2b); the shapes above plus V4-Flash at the per-GPU head counts of tensor
 parallelism (32, 16, 8: FlashMLA runs them as vLLM does, q zero-padded to 64 heads, output sliced
 back; ours runs the real head count). Per row: both our times, FlashMLA's, FlashMLA / ours per
-format (> 1: ours is faster), for shapes with >= 2048 compressed entries also ours on the
-balanced schedule (plan made once, as FlashMLA's) and the plan's own time, the floors, max
-|ours fp8 - FlashMLA| and the issue's target where one applies (:func:`targets`). Without
-flash_mla importable it says so once and times ours. The NVFP4 caches hold their own random
+format (> 1: ours is faster), for the HCA shapes also ours on the balanced schedule (plan made
+once, as FlashMLA's) and the plan's own time, the floors, max |ours fp8 - FlashMLA| and the
+issue's target where one applies (:func:`targets`). Without flash_mla importable it says so
+once and times ours. The NVFP4 caches hold their own random
 rows (same distribution, same slot ids): only the FP8 comparison needs the same bytes.
 """
 
@@ -57,12 +57,13 @@ TP_SHAPES = {  # V4-Flash at the per-GPU head counts of tensor parallelism 2, 4 
     "v4-flash-tp4": (16, 128, 512),
     "v4-flash-tp8": (8, 128, 512),
 }
-# Uneven work (issue 12, "balanced work"): HCA at a 1M context where each request has its own
-# number of compressed entries, uniform in [0, 8192] (the tokens of a request share it).
-RAGGED_SHAPES = {"hca-1m-ragged": (64, 128, 8192)}
-# Shapes with at least this many compressed entries are also timed on the balanced schedule
-# (``fp8 bal us``, its plan made once outside the timing as FlashMLA's is; ``plan us`` alone).
-BALANCED_MIN_EXTRA = 2048
+# Uneven work (issue 12, "balanced work"): HCA at a 1M (128K) context where each request has
+# its own number of compressed entries, uniform in [0, 8192] ([0, 1024]; the tokens of a
+# request share it).
+RAGGED_SHAPES = {"hca-1m-ragged": (64, 128, 8192), "hca-128k-ragged": (64, 128, 1024)}
+# The HCA shapes are also timed on the balanced schedule (``fp8 bal us``, its plan made once
+# outside the timing as FlashMLA's is; ``plan us`` alone), as a server runs HCA layers.
+BALANCED_SHAPES = ("hca-1m", "hca-1m-ragged", "hca-128k-ragged")
 ALL_SHAPES = {**SHAPES, **TP_SHAPES, **RAGGED_SHAPES}
 TOKENS = (1, 8, 64, 128, 256)
 BATCHES = (1, 32, 64, 128, 256)  # requests b with --against (T = b * s_q)
@@ -418,7 +419,7 @@ def run_against(
                 if fmt is KVFormat.FP8_DS_MLA:
                     ours_fp8 = out
                 del case, out
-            if KVFormat.FP8_DS_MLA in formats and extra >= BALANCED_MIN_EXTRA:
+            if KVFormat.FP8_DS_MLA in formats and shape in BALANCED_SHAPES:
                 # The balanced schedule, its plan made once (as FlashMLA's below), and the
                 # plan's own time.
                 def make_plan(case=fp8_case, heads=H):

@@ -125,16 +125,29 @@ def _decode_schedule_kernel(
 
 
 def build_schedule(
-    lens: torch.Tensor, extra_lens: torch.Tensor | None, parts: int, min_share: int
+    lens: torch.Tensor,
+    extra_lens: torch.Tensor | None,
+    parts: int,
+    min_share: int,
+    out: DecodeSchedule | None = None,
 ) -> DecodeSchedule:
     """The balanced plan for tokens with ``lens + extra_lens`` keys (int32/int64 ``[T]``,
     T >= 1; ``extra_lens`` may be None), ``parts`` parts and shares of at least ``min_share``
-    tiles: the same tensors as the torch construction."""
+    tiles: the same tensors as the torch construction. ``out``: contiguous int32 tensors of
+    exactly the plan's shapes to write it into (a caller's persistent buffers), else new ones."""
     T = lens.shape[0]
     if T == 0 or parts < 1:
         raise ValueError(f"need at least one token and one part, got T = {T}, parts = {parts}")
-    part_plan = torch.empty(parts, 4, dtype=torch.int32, device=lens.device)
-    token_plan = torch.empty(T, 5, dtype=torch.int32, device=lens.device)
+    if out is None:
+        part_plan = torch.empty(parts, 4, dtype=torch.int32, device=lens.device)
+        token_plan = torch.empty(T, 5, dtype=torch.int32, device=lens.device)
+    else:
+        part_plan, token_plan = out.part_plan, out.token_plan
+        for name, got, want in (("part_plan", part_plan, (parts, 4)),
+                                ("token_plan", token_plan, (T, 5))):  # fmt: skip
+            if tuple(got.shape) != want or got.dtype != torch.int32 or not got.is_contiguous():
+                raise ValueError(f"out.{name} must be contiguous int32 {want}, got "
+                                 f"{got.dtype} {tuple(got.shape)}")  # fmt: skip
     _decode_schedule_kernel[(1,)](
         lens, extra_lens if extra_lens is not None else lens, T, parts, min_share,
         part_plan, token_plan,

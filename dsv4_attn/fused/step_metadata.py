@@ -6,8 +6,8 @@ They compute exactly what the torch constructions of :mod:`dsv4_attn.vllm_glue.m
 * :func:`fill_window_metadata` — the SWA group: each token's request, validity, window slots and
   window length;
 * :func:`fill_compressed_metadata` — a compressed group: each token's request, validity, the slot
-  of the compressed entry it completes (and the staging row of that entry), and for HCA the slots
-  of all entries it sees;
+  of the compressed entry it completes (and the staging row of that entry), for HCA the slots
+  of all entries it sees (and, for the balanced decode plan, the token's window length);
 * :func:`fill_entry_slots` — a CSA layer: the indexer's request-local top-k entries as slots.
 
 Conventions as in :mod:`dsv4_attn.vllm_glue.metadata`: token ``t`` of request ``r`` sits at
@@ -113,8 +113,9 @@ def _compressed_kernel(
     query_start_ptr, seq_lens_ptr, slot_mapping_ptr, num_reqs,
     block_table_ptr, bt_stride, rows_per_block, ratio,
     req_out, valid_out, write_slots_out, staging_rows_out,
-    visible_out, visible_stride, visible_width, visible_lens_out,
-    HAS_VISIBLE: tl.constexpr, BLOCK_REQS: tl.constexpr, BLOCK_ENTRIES: tl.constexpr,
+    visible_out, visible_stride, visible_width, visible_lens_out, window_lens_out,
+    HAS_VISIBLE: tl.constexpr, WINDOW: tl.constexpr, BLOCK_REQS: tl.constexpr,
+    BLOCK_ENTRIES: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     req, pos, valid = _token_map(t, query_start_ptr, seq_lens_ptr, slot_mapping_ptr, num_reqs,
@@ -135,6 +136,9 @@ def _compressed_kernel(
                                entry < count)  # fmt: skip
             tl.store(row_out + entry, slots.to(tl.int32), mask=entry < visible_width)
         tl.store(visible_lens_out + t, count.to(tl.int32))
+    if WINDOW > 0:  # the token's window length, as the SWA group's kernel counts it
+        first = tl.maximum(pos - (WINDOW - 1), 0)
+        tl.store(window_lens_out + t, tl.where(valid, pos - first + 1, 0).to(tl.int32))
 
 
 def fill_compressed_metadata(
@@ -151,6 +155,8 @@ def fill_compressed_metadata(
     staging_rows: torch.Tensor,
     visible_slots: torch.Tensor | None = None,
     visible_lens: torch.Tensor | None = None,
+    window: int = 0,
+    window_lens: torch.Tensor | None = None,
 ) -> None:
     """Fill a compressed group's buffers for ``T = write_slots.shape[0]`` tokens (CUDA).
 
@@ -159,6 +165,8 @@ def fill_compressed_metadata(
         token_req: ``int32 [T]``; valid: ``bool [T]``; write_slots, staging_rows: ``int64 [T]``.
         visible_slots, visible_lens: ``int32 [T, W]`` and ``[T]`` (HCA): the slots of the entries
             ``i < min((pos + 1) // ratio, W)``, -1 padded, and their count; None for CSA.
+        window, window_lens: with ``window_lens`` (``int32 [T]``), each token's sliding-window
+            length for a ``window``-token window, as :func:`fill_window_metadata` writes it.
     """
     T = write_slots.shape[0]
     if T == 0:
@@ -166,13 +174,17 @@ def fill_compressed_metadata(
     has_visible = visible_slots is not None
     visible = visible_slots if has_visible else write_slots  # placeholder pointer
     visible_lens = visible_lens if has_visible else write_slots
+    if window_lens is not None and window < 1:
+        raise ValueError(f"window_lens needs the window size (>= 1), got {window}")
     _compressed_kernel[(T,)](
         query_start_loc, seq_lens, slot_mapping, seq_lens.shape[0],
         block_table, block_table.stride(0), rows_per_block, compress_ratio,
         token_req, valid.view(torch.int8), write_slots, staging_rows,
         visible, visible.stride(0) if has_visible else 0,
         visible.shape[1] if has_visible else 0, visible_lens,
-        HAS_VISIBLE=has_visible, BLOCK_REQS=_BLOCK_REQS, BLOCK_ENTRIES=_BLOCK_ENTRIES,
+        window_lens if window_lens is not None else write_slots,
+        HAS_VISIBLE=has_visible, WINDOW=window if window_lens is not None else 0,
+        BLOCK_REQS=_BLOCK_REQS, BLOCK_ENTRIES=_BLOCK_ENTRIES,
     )  # fmt: skip
 
 

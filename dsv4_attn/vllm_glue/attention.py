@@ -22,6 +22,8 @@ vLLM builds this class when ``--attention-backend DSV4_NVFP4`` is set (:mod:`.mo
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -33,16 +35,18 @@ from vllm.models.deepseek_v4.attention import DeepseekV4Attention
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from dsv4_attn import ops
+from dsv4_attn.kernels.sparse_decode_schedule import DecodeSchedule
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.vllm_glue import BACKEND_NAME, kv_spec, prefill
 from dsv4_attn.vllm_glue.backend import DSV4NVFP4Backend, DSV4NVFP4SWABackend
+from dsv4_attn.vllm_glue.balanced import balanced_capable, decode_schedule_choice
 from dsv4_attn.vllm_glue.metadata import (
     CSA_RATIO,
     DSV4CompressedMetadata,
     DSV4SWAMetadata,
     layer_scopes,
 )
-from dsv4_attn.vllm_glue.support import check_serving_device, check_supported
+from dsv4_attn.vllm_glue.support import check_serving_device, check_supported, padded_num_heads
 from dsv4_attn.vllm_glue.writers import DSV4NVFP4Compressor, insert_swa_rows, staging_rows
 
 __all__ = ["DSV4NVFP4Attention", "check_supported"]
@@ -50,19 +54,6 @@ __all__ = ["DSV4NVFP4Attention", "check_supported"]
 logger = init_logger(__name__)
 
 Shapes = list[tuple[tuple[int, ...], torch.dtype]]
-
-
-def _padded_num_heads(num_heads: int) -> int:
-    """Query heads the layer allocates: the smallest head count the CuTeDSL kernel supports
-    (``sparse_decode.SUPPORTED_HEAD_COUNTS``) that holds ``num_heads``, so no padding where the
-    kernel takes the count as it is; ``num_heads`` itself when the kernel takes no count that
-    large, or is absent (the SDPA fallback takes any count)."""
-    try:
-        from dsv4_attn.kernels import sparse_decode
-    except ImportError:
-        return num_heads
-    counts = sorted(getattr(sparse_decode, "SUPPORTED_HEAD_COUNTS", ()))
-    return next((c for c in counts if c >= num_heads), num_heads)
 
 
 def _scratch(shapes: Shapes, device: torch.device) -> list[torch.Tensor]:
@@ -76,6 +67,24 @@ def _scratch(shapes: Shapes, device: torch.device) -> list[torch.Tensor]:
     if is_workspace_manager_initialized():
         return current_workspace_manager().get_simultaneous(*shapes)
     return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+
+
+def _decode_plan(compressed: DSV4CompressedMetadata | None, n: int) -> DecodeSchedule | None:
+    """The step's balanced plan when it covers exactly the ``n`` decode tokens, else None (the
+    split launch)."""
+    plan = compressed.decode_plan if compressed is not None else None
+    if plan is None:
+        return None
+    if plan.token_plan.shape[0] != n:  # the builder and the layer split the step differently
+        logger.warning_once(
+            "%s: the step's balanced decode plan covers %d tokens, the layer decodes %d; "
+            "using the split launch.",
+            BACKEND_NAME,
+            plan.token_plan.shape[0],
+            n,
+        )
+        return None
+    return plan
 
 
 class _PageView:
@@ -106,6 +115,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         aux_stream_list: list[torch.cuda.Stream] | None = None,
     ) -> None:
         check_supported(vllm_config)
+        decode_schedule_choice()  # a bad DSV4_ATTN_DECODE_SCHEDULE fails at model build
         # Known before the base __init__, which asks _uses_fp8_ds_mla_layout() for the layout.
         self.kv_format = kv_spec.resolve_kv_format(vllm_config.cache_config.cache_dtype)
         super().__init__(vllm_config, prefix, topk_indices_buffer, aux_stream_list)
@@ -144,7 +154,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
 
     @classmethod
     def get_padded_num_q_heads(cls, num_heads: int) -> int:
-        return _padded_num_heads(num_heads)
+        return padded_num_heads(num_heads)
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec | None:
         if self.kv_format is not KVFormat.NVFP4 or self.compress_ratio <= 1:
@@ -202,10 +212,17 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             return self.window_size + hca_width
         return self.window_size
 
-    def _scratch_shapes(self, num_tokens: int, capacity: int, peak: bool = False) -> Shapes:
+    def _scratch_shapes(
+        self,
+        num_tokens: int,
+        capacity: int,
+        peak: bool = False,
+        plan: DecodeSchedule | None = None,
+    ) -> Shapes:
         """Scratch of one forward of ``num_tokens`` tokens: a CSA layer's entry slots and
-        lengths, and the kernel's split-KV partials. ``peak``: the most any forward of at most
-        ``num_tokens`` tokens asks for (each piece at its own maximum)."""
+        lengths, and the kernel's partials (split-KV, or the balanced ``plan``'s slots).
+        ``peak``: the most any forward of at most ``num_tokens`` tokens asks for (each piece at
+        its own maximum, the balanced schedule's included where the layer may run it)."""
         shapes: Shapes = []
         if self.compress_ratio == CSA_RATIO:
             assert self.topk_indices_buffer is not None
@@ -220,9 +237,17 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             o_numel, lse_numel = sparse_decode.peak_workspace_numel(
                 num_tokens, heads, capacity, self.device
             )
+            if self.compress_ratio > CSA_RATIO and balanced_capable(self.device, capacity):
+                parts = sparse_decode.balanced_parts(heads, self.device)
+                o_shape, lse_shape = sparse_decode.balanced_workspace_shape(parts, heads)
+                o_numel = max(o_numel, math.prod(o_shape))
+                lse_numel = max(lse_numel, math.prod(lse_shape))
             if o_numel:
                 shapes += [((o_numel,), torch.float32), ((lse_numel,), torch.float32)]
             return shapes
+        if plan is not None:
+            o_shape, lse_shape = sparse_decode.balanced_workspace_shape(plan.num_parts, heads)
+            return [*shapes, (o_shape, torch.float32), (lse_shape, torch.float32)]
         split = sparse_decode.workspace_shapes(num_tokens, heads, capacity, self.device)
         if split is not None:
             shapes += [(split[0], torch.float32), (split[1], torch.float32)]
@@ -315,10 +340,13 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         hca_width: int,
         n: int,
     ) -> None:
-        """Tokens ``0 .. n`` through the sparse-decode kernel, each reading its own rows."""
+        """Tokens ``0 .. n`` through the sparse-decode kernel, each reading its own rows (on
+        the balanced schedule where the step's metadata planned it for these tokens)."""
         if n == 0:
             return
-        scratch = _scratch(self._scratch_shapes(n, self._key_capacity(hca_width)), self.device)
+        plan = _decode_plan(compressed, n)
+        capacity = self._key_capacity(hca_width)
+        scratch = _scratch(self._scratch_shapes(n, capacity, plan=plan), self.device)
         entry_slots = None
         if self.compress_ratio == CSA_RATIO:
             entry_slots, scratch = (scratch[0], scratch[1]), scratch[2:]
@@ -332,6 +360,11 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             local_topk=self.topk_indices_buffer,
             entry_slots=entry_slots,
         )
+        if plan is not None:
+            # The window lengths the plan counted: the same values as the SWA group's, from the
+            # tensor the plan read, so plan and kernel cannot disagree on a token's keys.
+            assert compressed is not None and compressed.window_lens is not None
+            window = replace(window, lens=compressed.window_lens[:n])
         ops.sparse_attention(
             q[:n],
             window,
@@ -341,6 +374,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             out=output[:n],
             workspace=(scratch[0], scratch[1]) if scratch else None,
             check_values=False,
+            plan=plan,
         )
 
     def _prefill_budget(self) -> int:

@@ -46,8 +46,11 @@ from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWAMetadata
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from dsv4_attn.kernels.sparse_decode_schedule import DecodeSchedule
 from dsv4_attn.kv_cache import KVFormat
 from dsv4_attn.scope import KVScope
+from dsv4_attn.vllm_glue.balanced import BalancedDecodePlanner, balanced_capable
+from dsv4_attn.vllm_glue.support import padded_num_heads
 
 __all__ = [
     "CSA_RATIO",
@@ -64,6 +67,7 @@ __all__ = [
     "local_entry_slots",
     "map_tokens",
     "visible_entry_slots",
+    "window_lengths",
     "window_slots",
 ]
 
@@ -127,6 +131,13 @@ def _slots(
     return torch.where(use, number * rows_per_block + rows % rows_per_block, -1)
 
 
+def window_lengths(tokens: TokenMap, window: int) -> torch.Tensor:
+    """int64 ``[T]``: how many positions of ``max(0, pos - window + 1) .. pos`` a token sees
+    (0 for invalid tokens)."""
+    start = (tokens.pos - (window - 1)).clamp(min=0)
+    return torch.where(tokens.valid, tokens.pos - start + 1, 0)
+
+
 def window_slots(
     tokens: TokenMap, block_table: torch.Tensor, block_size: int, window: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +145,7 @@ def window_slots(
     increasing order, -1 padded, and their count ``int32 [T]``."""
     offsets = torch.arange(window, device=tokens.pos.device)
     start = (tokens.pos - (window - 1)).clamp(min=0)
-    lens = torch.where(tokens.valid, tokens.pos - start + 1, 0)
+    lens = window_lengths(tokens, window)
     use = offsets[None, :] < lens[:, None]
     slots = _slots(block_table, tokens.req, start[:, None] + offsets, block_size, use)
     return slots.int(), lens.int()
@@ -226,10 +237,13 @@ def fill_compressed(
     staging_rows: torch.Tensor,
     visible_slots: torch.Tensor | None = None,
     visible_lens: torch.Tensor | None = None,
+    window: int = 0,
+    window_lens: torch.Tensor | None = None,
 ) -> None:
     """Write a compressed group's lists of ``T = write_slots.shape[0]`` tokens into the views:
     request, validity, compressed write slot, staging row (the token's own index where it
-    completes an entry, else -1) and, for HCA, the visible entries' slots."""
+    completes an entry, else -1), for HCA the visible entries' slots, and with ``window_lens``
+    each token's length of a ``window``-token sliding window (:func:`window_lengths`)."""
     T = write_slots.shape[0]
     block_table = cm.block_table_tensor
     if block_table.is_cuda:
@@ -239,6 +253,7 @@ def fill_compressed(
             cm.query_start_loc, cm.seq_lens, cm.slot_mapping, block_table, rows_per_block,
             compress_ratio, token_req=token_req, valid=valid, write_slots=write_slots,
             staging_rows=staging_rows, visible_slots=visible_slots, visible_lens=visible_lens,
+            window=window, window_lens=window_lens,
         )  # fmt: skip
         return
     tokens = map_tokens(cm.query_start_loc, cm.seq_lens, cm.slot_mapping, T)
@@ -254,6 +269,8 @@ def fill_compressed(
         )
         visible_slots.copy_(visible)
         visible_lens.copy_(count)
+    if window_lens is not None:
+        window_lens.copy_(window_lengths(tokens, window))
 
 
 def fill_entry_slots(
@@ -315,6 +332,11 @@ class DSV4CompressedMetadata(DeepseekV4FlashMLAMetadata):
     staging_rows: torch.Tensor | None = None  # int64 [T] token index or -1 (NVFP4 staging)
     hca_indices: torch.Tensor | None = None  # int32 [T, W], HCA only
     hca_lens: torch.Tensor | None = None  # int32 [T], HCA only
+    # The balanced decode schedule (HCA, :mod:`.balanced`): the plan of the step's first
+    # decode_plan.token_plan.shape[0] tokens, and the window lengths it counted (the layer's
+    # kernel reads these, so plan and kernel count the same keys). None: the split launch.
+    decode_plan: DecodeSchedule | None = None
+    window_lens: torch.Tensor | None = None  # int32 [T]
 
 
 def _seq_lens_cpu(cm: CommonAttentionMetadata) -> torch.Tensor:
@@ -405,6 +427,10 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
     ratio)]`` buffer: decode-only steps (the ones CUDA graphs capture) use the full width, so a
     replay sees every entry of any context; steps with prefills use the width their longest
     sequence needs. CUDA graphs: ``UNIFORM_BATCH``, as the SWA builder.
+
+    HCA on Hopper with long lists: the step's decode tokens get the balanced decode schedule
+    (:mod:`.balanced`), planned here once per step for every HCA layer, into the planner's
+    buffers (``decode_plan``, ``window_lens``).
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
@@ -431,12 +457,22 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
         self.write_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.staging_rows = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.hca_indices = self.hca_lens = None
+        self.window_size = vllm_config.model_config.hf_config.sliding_window
+        self.planner: BalancedDecodePlanner | None = None
         if ratio != CSA_RATIO:
             self.max_entries = -(-vllm_config.model_config.max_model_len // ratio)
             self.hca_indices = torch.full(
                 (max_tokens, self.max_entries), -1, dtype=torch.int32, device=device
             )
             self.hca_lens = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+            capacity = self.window_size + self.max_entries
+            if balanced_capable(torch.device(device), capacity):
+                heads = vllm_config.model_config.get_num_attention_heads(
+                    vllm_config.parallel_config
+                )
+                self.planner = BalancedDecodePlanner(
+                    padded_num_heads(heads), capacity, max_tokens, torch.device(device)
+                )
 
     def _hca_width(self, cm: CommonAttentionMetadata) -> int:
         if cm.max_query_len <= self.decode_threshold:
@@ -457,11 +493,23 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
         if self.hca_indices is not None and self.hca_lens is not None:
             hca_indices = self.hca_indices[:T, : self._hca_width(cm)]
             hca_lens = self.hca_lens[:T]
+        _, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
+            cm, decode_threshold=self.decode_threshold
+        )
+        # The layer runs the first num_decode_tokens tokens through the decode kernel (all T
+        # in a decode-only step, padding included): the plan covers exactly those.
+        plan_tokens = num_decode_tokens if num_prefills else T
+        window_lens = None
+        if self.planner is not None and self.planner.wants(plan_tokens):
+            window_lens = self.planner.window_lens[:T]
         fill_compressed(
             cm, self.rows_per_block, self.compress_ratio, token_req=token_req, valid=valid,
             write_slots=write_slots, staging_rows=staging_rows, visible_slots=hca_indices,
-            visible_lens=hca_lens,
+            visible_lens=hca_lens, window=self.window_size, window_lens=window_lens,
         )  # fmt: skip
+        decode_plan = None
+        if window_lens is not None and hca_lens is not None and self.planner is not None:
+            decode_plan = self.planner.build(window_lens[:plan_tokens], hca_lens[:plan_tokens])
         return DSV4CompressedMetadata(
             num_reqs=cm.num_reqs,
             max_query_len=cm.max_query_len,
@@ -479,6 +527,8 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
             staging_rows=staging_rows,
             hca_indices=hca_indices,
             hca_lens=hca_lens,
+            decode_plan=decode_plan,
+            window_lens=window_lens,
         )
 
 

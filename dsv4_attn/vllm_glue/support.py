@@ -19,7 +19,14 @@ from vllm.logger import init_logger
 
 from dsv4_attn.vllm_glue import BACKEND_NAME
 
-__all__ = ["ALLOW_FALLBACK_ENV", "check_serving_device", "check_supported", "kernel_stack_error"]
+__all__ = [
+    "ALLOW_FALLBACK_ENV",
+    "check_serving_device",
+    "check_supported",
+    "kernel_stack_error",
+    "padded_num_heads",
+    "unsupported_device_reason",
+]
 
 logger = init_logger(__name__)
 
@@ -70,7 +77,8 @@ def kernel_stack_error() -> str | None:
     return None
 
 
-def _unsupported_device_reason(device: torch.device) -> str | None:
+def unsupported_device_reason(device: torch.device) -> str | None:
+    """Why the backend's kernels cannot run on ``device``, or None."""
     if device.type != "cuda":
         return f"this vLLM worker runs on {device.type}, not on a CUDA GPU"
     capability = torch.cuda.get_device_capability(device)
@@ -83,7 +91,7 @@ def _unsupported_device_reason(device: torch.device) -> str | None:
 def check_serving_device(device: torch.device) -> None:
     """Raise RuntimeError unless the backend's kernels can run on ``device`` (or the fallback
     is explicitly allowed by ``DSV4_ATTN_ALLOW_FALLBACK=1``)."""
-    reason = _unsupported_device_reason(device)
+    reason = unsupported_device_reason(device)
     if reason is None:
         return
     if os.environ.get(ALLOW_FALLBACK_ENV, "0") == "1":
@@ -101,3 +109,16 @@ def check_serving_device(device: torch.device) -> None:
         f"vLLM's own backend. (Set {ALLOW_FALLBACK_ENV}=1 to run this backend's torch fallback "
         "anyway, for testing: it is slow.)"
     )
+
+
+def padded_num_heads(num_heads: int) -> int:
+    """Query heads the layer allocates: the smallest head count the CuTeDSL kernel supports
+    (``sparse_decode.SUPPORTED_HEAD_COUNTS``) that holds ``num_heads``, so no padding where the
+    kernel takes the count as it is; ``num_heads`` itself when the kernel takes no count that
+    large, or is absent (the SDPA fallback takes any count)."""
+    try:
+        from dsv4_attn.kernels import sparse_decode
+    except ImportError:
+        return num_heads
+    counts = sorted(getattr(sparse_decode, "SUPPORTED_HEAD_COUNTS", ()))
+    return next((c for c in counts if c >= num_heads), num_heads)
