@@ -26,7 +26,7 @@ from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 
 __all__ = [
     "BALANCED_MIN_CAPACITY",
-    "BALANCED_MIN_TOKENS",
+    "BALANCED_MIN_KEYS_PER_PART",
     "SUPPORTED_HEAD_COUNTS",
     "balanced_parts",
     "balanced_pays",
@@ -57,9 +57,10 @@ _FORMATS = {KVFormat.FP8_DS_MLA: "fp8_ds_mla", KVFormat.NVFP4: "nvfp4"}
 _INDEX_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 _NOT_BALANCED = (None, None, None, None)
 # When the balanced schedule pays (balanced_pays): from the decode bench against FlashMLA on
-# ragged HCA lists (BENCHMARKS.md, fourteenth session).
-BALANCED_MIN_TOKENS = 8
-BALANCED_MIN_CAPACITY = 1024 + 128  # the balanced schedule's partials and plan
+# ragged HCA lists (BENCHMARKS.md, fourteenth session): window + 2048 entries (256K context),
+# and capacity for at least 1024 keys per part.
+BALANCED_MIN_CAPACITY = 128 + 2048
+BALANCED_MIN_KEYS_PER_PART = 1024  # the balanced schedule's partials and plan
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,21 +289,24 @@ def decode_config(window, sink, extra, write_partial: bool, balanced: bool = Fal
 # ----------------------------------------------------------------------------------------------
 
 
-def compile_variants(fmt: KVFormat, block_size: int, extra_block_size: int) -> None:
+def compile_variants(
+    fmt: KVFormat, block_size: int, extra_block_size: int, balanced: bool = False
+) -> None:
     """Compile (or load from the disk cache) the variants a serving layer uses: int32 slot lists,
-    a sink, final output and split partials, plus the combine kernel. ``extra_block_size`` 0:
-    no extra scope."""
+    a sink, final output and split partials, plus the combine kernel; with ``balanced`` also
+    the balanced schedule's variant and combine. ``extra_block_size`` 0: no extra scope."""
     from dsv4_attn.kernels.combine import CombineConfig
     from dsv4_attn.kernels.sparse_decode_config import SparseDecodeConfig
 
     decode_cache, combine_cache = _caches()
-    for partial in (False, True):
-        config = SparseDecodeConfig(
-            _FORMATS[fmt], block_size, extra_block_size, "int32", "int32", True, partial
-        )
+    outputs = [(False, False), (True, False)] + ([(False, True)] if balanced else [])
+    for partial, balanced_variant in outputs:  # (write_partial, balanced)
+        config = SparseDecodeConfig(_FORMATS[fmt], block_size, extra_block_size, "int32", "int32",
+                                    True, partial, balanced_variant)  # fmt: skip
         decode_cache.get(config, lambda c=config: build_decode_kernel(c))
-    combine_config = CombineConfig(has_sink=True)
-    combine_cache.get(combine_config, lambda: build_combine_kernel(combine_config))
+    for balanced_combine in (False, True) if balanced else (False,):
+        combine_config = CombineConfig(has_sink=True, balanced=balanced_combine)
+        combine_cache.get(combine_config, lambda c=combine_config: build_combine_kernel(c))
 
 
 def workspace_shape(num_splits: int, num_tokens: int, num_heads: int) -> tuple[tuple, tuple]:
@@ -440,16 +444,22 @@ def sparse_attention(
     return out, lse
 
 
-def balanced_pays(num_tokens: int, key_capacity: int) -> bool:
-    """Whether the balanced schedule is worth its plan for a call of ``num_tokens`` tokens whose
-    key lists hold up to ``key_capacity`` keys (the policy of ``DSV4_ATTN_DECODE_SCHEDULE=auto``).
+def balanced_pays(num_tokens: int, key_capacity: int, num_parts: int) -> bool:
+    """Whether the balanced schedule with ``num_parts`` parts (CTAs per 64-head block) is worth
+    its plan for ``num_tokens`` tokens whose key lists hold up to ``key_capacity`` keys (the
+    policy of ``DSV4_ATTN_DECODE_SCHEDULE=auto``): lists of at least
+    :data:`BALANCED_MIN_CAPACITY` keys, and capacity for :data:`BALANCED_MIN_KEYS_PER_PART`
+    keys per part.
 
-    Long lists of unequal length leave most SMs idle under the split launch while a few finish
-    (HCA at long contexts); short lists fit one wave either way, and a couple of tokens are
-    split evenly already (BENCHMARKS.md, fourteenth session, has the measurements behind
-    :data:`BALANCED_MIN_TOKENS` and :data:`BALANCED_MIN_CAPACITY`).
+    Measured on ragged HCA lists (each request's count uniform in [0, entries]; H100, CUDA
+    graphs, BENCHMARKS.md fourteenth session): the balanced schedule wins by 10-40% from 64
+    tokens at 2048 and 4096 entries and from 32 tokens at 8192, ties or loses below that, and
+    never wins at 1024 entries, where a wave of the split launch is short anyway.
     """
-    return num_tokens >= BALANCED_MIN_TOKENS and key_capacity >= BALANCED_MIN_CAPACITY
+    return (
+        key_capacity >= BALANCED_MIN_CAPACITY
+        and num_tokens * key_capacity >= BALANCED_MIN_KEYS_PER_PART * num_parts
+    )
 
 
 def balanced_plan(

@@ -40,16 +40,19 @@ def test_against_defaults_cover_the_issue_shapes_and_batches():
     assert args.batches == [1, 32, 64, 128, 256]
     assert args.shapes == [
         "v4-flash", "v4-pro", "hca-1m", "v4-flash-tp2", "v4-flash-tp4", "v4-flash-tp8",
-        "hca-1m-ragged", "hca-128k-ragged",
+        "hca-1m-ragged", "hca-512k-ragged", "hca-256k-ragged", "hca-128k-ragged",
     ]  # fmt: skip
     heads = {s: decode.ALL_SHAPES[s][0] for s in args.shapes}
     assert heads == {"v4-flash": 64, "v4-pro": 128, "hca-1m": 64, "v4-flash-tp2": 32,
                      "v4-flash-tp4": 16, "v4-flash-tp8": 8, "hca-1m-ragged": 64,
+                     "hca-512k-ragged": 64, "hca-256k-ragged": 64,
                      "hca-128k-ragged": 64}  # fmt: skip
     assert decode.ALL_SHAPES["v4-pro"][1:] == (128, 1024)
     assert decode.ALL_SHAPES["hca-1m"][1:] == (128, 8192)
     assert decode.ALL_SHAPES["hca-1m-ragged"][1:] == (128, 8192)
-    assert decode.ALL_SHAPES["hca-128k-ragged"][1:] == (128, 1024)
+    assert [decode.ALL_SHAPES[f"hca-{c}-ragged"][1:] for c in ("512k", "256k", "128k")] == [
+        (128, 4096), (128, 2048), (128, 1024)
+    ]  # fmt: skip
     assert all(decode.ALL_SHAPES[s][1:] == (128, 512) for s in decode.TP_SHAPES)
     assert args.formats == ["fp8_ds_mla", "nvfp4"]
     assert args.json == "bench_decode_vs_flashmla.json"

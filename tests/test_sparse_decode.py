@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -61,6 +62,35 @@ def test_unsupported_reason_on_cpu_tensors():
     window = KVScope(cache, KVFormat.FP8_DS_MLA, 64, idx, lens)
     reason = sparse_decode.unsupported_reason(q, window, None, None)
     assert reason is not None and "CUDA" in reason
+
+
+@pytest.mark.parametrize("balanced", [False, True])
+def test_serving_compiles_the_variants_it_launches(balanced, monkeypatch):
+    """What a serving layer compiles in its profiling run (never inside a graph capture): the
+    int32 / sink variants with final output and split partials, the combine, and where the
+    layer may run the balanced schedule its variant and combine too."""
+    from dsv4_attn.kernels.combine import CombineConfig
+    from dsv4_attn.kernels.compile_cache import CompileCache
+
+    caches = (CompileCache("decode-test"), CompileCache("combine-test"))
+    built = []
+    monkeypatch.setattr(sparse_decode, "_caches", lambda: caches)
+    monkeypatch.setattr(sparse_decode, "build_decode_kernel", lambda c: built.append(c) or c)
+    monkeypatch.setattr(sparse_decode, "build_combine_kernel", lambda c: built.append(c) or c)
+    sparse_decode.compile_variants(KVFormat.NVFP4, 64, 2, balanced)
+    # The scopes of a serving call: int32 slot lists and lengths, 64-row SWA pages, 2-row HCA
+    # pages (what decode_config reads of them).
+    int32 = torch.zeros(1, dtype=torch.int32)
+    window = SimpleNamespace(fmt=KVFormat.NVFP4, block_size=64, indices=int32, lens=int32)
+    extra = SimpleNamespace(fmt=KVFormat.NVFP4, block_size=2, indices=int32, lens=int32)
+    sink = torch.zeros(8)
+    variants = [sparse_decode.decode_config(window, sink, extra, False),
+                sparse_decode.decode_config(window, sink, extra, True)]  # fmt: skip
+    combines = [CombineConfig(has_sink=True)]
+    if balanced:
+        variants.append(sparse_decode.decode_config(window, sink, extra, False, balanced=True))
+        combines.append(CombineConfig(has_sink=True, balanced=True))
+    assert built == variants + combines
 
 
 def test_a_balanced_plan_must_fit_the_call():

@@ -40,23 +40,31 @@ def test_no_balanced_schedule_where_the_kernel_does_not_run(monkeypatch):
     assert not balanced.balanced_capable(torch.device("cpu"), 1 << 20)
 
 
-def test_the_policy_needs_long_lists_and_enough_tokens():
-    tokens, capacity = sparse_decode.BALANCED_MIN_TOKENS, sparse_decode.BALANCED_MIN_CAPACITY
-    assert sparse_decode.balanced_pays(tokens, capacity)
-    assert not sparse_decode.balanced_pays(tokens - 1, capacity)
-    assert not sparse_decode.balanced_pays(tokens, capacity - 1)
+def test_the_policy_needs_long_lists_and_enough_work_per_part():
+    capacity, parts = sparse_decode.BALANCED_MIN_CAPACITY, 132
+    enough = -(-sparse_decode.BALANCED_MIN_KEYS_PER_PART * parts // capacity)
+    assert sparse_decode.balanced_pays(enough, capacity, parts)
+    assert not sparse_decode.balanced_pays(enough - 1, capacity, parts)
+    assert not sparse_decode.balanced_pays(10**6, capacity - 1, parts)
+    # The measured cases (H100, 132 parts): 1M context (8320 keys) from 32 tokens, 256K (2176)
+    # from 64, never at 128K (1152).
+    assert sparse_decode.balanced_pays(32, 128 + 8192, 132)
+    assert not sparse_decode.balanced_pays(16, 128 + 8192, 132)
+    assert sparse_decode.balanced_pays(64, 128 + 2048, 132)
+    assert not sparse_decode.balanced_pays(32, 128 + 2048, 132)
+    assert not sparse_decode.balanced_pays(512, 128 + 1024, 132)
 
 
 @pytest.mark.parametrize("choice", ["auto", "balanced"])
 def test_which_steps_the_planner_takes(choice, monkeypatch):
     monkeypatch.setenv(balanced.SCHEDULE_ENV, choice)
     long, short = sparse_decode.BALANCED_MIN_CAPACITY, sparse_decode.BALANCED_MIN_CAPACITY - 1
-    few, many = sparse_decode.BALANCED_MIN_TOKENS - 1, sparse_decode.BALANCED_MIN_TOKENS
-    planner = BalancedDecodePlanner(64, long, 64, torch.device("cpu"), num_parts=8)
+    planner = BalancedDecodePlanner(64, long, 128, torch.device("cpu"), num_parts=132)
+    many = -(-sparse_decode.BALANCED_MIN_KEYS_PER_PART * 132 // long)
     assert planner.wants(many)
-    assert planner.wants(few) == (choice == "balanced")
-    assert not planner.wants(0) and not planner.wants(65)  # nothing to plan; beyond the buffers
-    planner = BalancedDecodePlanner(64, short, 64, torch.device("cpu"), num_parts=8)
+    assert planner.wants(many - 1) == (choice == "balanced")
+    assert not planner.wants(0) and not planner.wants(129)  # nothing to plan; beyond the buffers
+    planner = BalancedDecodePlanner(64, short, 128, torch.device("cpu"), num_parts=132)
     assert planner.wants(many) == (choice == "balanced")
 
 

@@ -57,13 +57,18 @@ TP_SHAPES = {  # V4-Flash at the per-GPU head counts of tensor parallelism 2, 4 
     "v4-flash-tp4": (16, 128, 512),
     "v4-flash-tp8": (8, 128, 512),
 }
-# Uneven work (issue 12, "balanced work"): HCA at a 1M (128K) context where each request has
-# its own number of compressed entries, uniform in [0, 8192] ([0, 1024]; the tokens of a
+# Uneven work (issue 12, "balanced work"): HCA at a 1M .. 128K context where each request has
+# its own number of compressed entries, uniform in [0, 8192] .. [0, 1024] (the tokens of a
 # request share it).
-RAGGED_SHAPES = {"hca-1m-ragged": (64, 128, 8192), "hca-128k-ragged": (64, 128, 1024)}
+RAGGED_SHAPES = {
+    "hca-1m-ragged": (64, 128, 8192),
+    "hca-512k-ragged": (64, 128, 4096),
+    "hca-256k-ragged": (64, 128, 2048),
+    "hca-128k-ragged": (64, 128, 1024),
+}
 # The HCA shapes are also timed on the balanced schedule (``fp8 bal us``, its plan made once
 # outside the timing as FlashMLA's is; ``plan us`` alone), as a server runs HCA layers.
-BALANCED_SHAPES = ("hca-1m", "hca-1m-ragged", "hca-128k-ragged")
+BALANCED_SHAPES = ("hca-1m", *RAGGED_SHAPES)
 ALL_SHAPES = {**SHAPES, **TP_SHAPES, **RAGGED_SHAPES}
 TOKENS = (1, 8, 64, 128, 256)
 BATCHES = (1, 32, 64, 128, 256)  # requests b with --against (T = b * s_q)

@@ -212,6 +212,15 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             return self.window_size + hca_width
         return self.window_size
 
+    def _may_run_balanced(self) -> bool:
+        """Whether this layer's decode steps may run on the balanced schedule (an HCA layer
+        whose lists are long enough, :func:`~dsv4_attn.vllm_glue.balanced.balanced_capable`):
+        its workspace and kernels are then reserved and compiled in the profiling run."""
+        if self.compress_ratio <= CSA_RATIO:
+            return False
+        max_hca_width = -(-self.max_model_len // self.compress_ratio)
+        return balanced_capable(self.device, self._key_capacity(max_hca_width))
+
     def _scratch_shapes(
         self,
         num_tokens: int,
@@ -237,7 +246,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             o_numel, lse_numel = sparse_decode.peak_workspace_numel(
                 num_tokens, heads, capacity, self.device
             )
-            if self.compress_ratio > CSA_RATIO and balanced_capable(self.device, capacity):
+            if self._may_run_balanced():
                 parts = sparse_decode.balanced_parts(heads, self.device)
                 o_shape, lse_shape = sparse_decode.balanced_workspace_shape(parts, heads)
                 o_numel = max(o_numel, math.prod(o_shape))
@@ -285,7 +294,9 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         extra_rows = 0
         if self.compress_ratio > 1:
             extra_rows = self.cache_config.block_size // self.compress_ratio
-        sparse_decode.compile_variants(self.kv_format, self.swa_cache_layer.block_size, extra_rows)
+        sparse_decode.compile_variants(
+            self.kv_format, self.swa_cache_layer.block_size, extra_rows, self._may_run_balanced()
+        )
         try:
             from dsv4_attn.kernels import fmha
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 
 import torch
+from vllm.logger import init_logger
 
 from dsv4_attn.kernels import sparse_decode
 from dsv4_attn.kernels.sparse_decode_schedule import DecodeSchedule
@@ -37,6 +38,8 @@ __all__ = [
     "balanced_capable",
     "decode_schedule_choice",
 ]
+
+logger = init_logger(__name__)
 
 SCHEDULE_ENV = "DSV4_ATTN_DECODE_SCHEDULE"
 SCHEDULES = ("auto", "balanced", "split")
@@ -91,12 +94,22 @@ class BalancedDecodePlanner:
         self.token_plan = torch.zeros(max_tokens, 5, dtype=torch.int32, device=device)
         # Each token's window length, filled by the builder's kernel, read by plan and kernel.
         self.window_lens = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        logger.info_once(
+            "HCA decode steps run on the balanced schedule %s (%s; lists of up to %d keys, "
+            "%d parts per 64 heads).",
+            "always" if self.always else "where it pays",
+            f"{SCHEDULE_ENV}={decode_schedule_choice()}",
+            key_capacity,
+            self.num_parts,
+        )
 
     def wants(self, num_tokens: int) -> bool:
         """Whether a step with ``num_tokens`` decode tokens runs on the balanced schedule."""
         if num_tokens <= 0 or num_tokens > self.token_plan.shape[0]:
             return False
-        return self.always or sparse_decode.balanced_pays(num_tokens, self.key_capacity)
+        return self.always or sparse_decode.balanced_pays(
+            num_tokens, self.key_capacity, self.num_parts
+        )
 
     def build(self, window_lens: torch.Tensor, extra_lens: torch.Tensor) -> DecodeSchedule:
         """The plan of tokens with ``window_lens + extra_lens`` keys (int32 ``[T]``, the tensors
