@@ -55,12 +55,12 @@ MAX_GRID_TOKENS = 65535  # CUDA's limit on a grid's z axis, which carries the to
 _MAX_PACKED_SLOTS = 1 << 30  # the kernel packs (slot, scope) into one int32
 _FORMATS = {KVFormat.FP8_DS_MLA: "fp8_ds_mla", KVFormat.NVFP4: "nvfp4"}
 _INDEX_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
-_NOT_BALANCED = (None, None, None, None)
+_NOT_BALANCED = (None, None, None, None)  # the balanced schedule's partials and plan
 # When the balanced schedule pays (balanced_pays): from the decode bench against FlashMLA on
 # ragged HCA lists (BENCHMARKS.md, fourteenth session): window + 2048 entries (256K context),
 # and capacity for at least 1024 keys per part.
 BALANCED_MIN_CAPACITY = 128 + 2048
-BALANCED_MIN_KEYS_PER_PART = 1024  # the balanced schedule's partials and plan
+BALANCED_MIN_KEYS_PER_PART = 1024
 
 
 # ----------------------------------------------------------------------------------------------

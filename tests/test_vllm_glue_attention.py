@@ -218,7 +218,6 @@ def test_forward_mqa_on_the_balanced_plan(kv_dtype, batch_name, monkeypatch):
     the window lengths the plan counted (the torch fallback runs here and ignores the plan's
     work split: the output is the reference's either way)."""
     from dsv4_attn.vllm_glue import balanced
-    from dsv4_attn.vllm_glue.balanced import BalancedDecodePlanner
 
     monkeypatch.setenv(balanced.SCHEDULE_ENV, "balanced")
     model = vt.tiny_model(kv_dtype)
@@ -228,11 +227,7 @@ def test_forward_mqa_on_the_balanced_plan(kv_dtype, batch_name, monkeypatch):
     batch = vt.make_batch(gen, seq_lens, query_lens, padding=2, num_blocks=300)
     write_step_rows(layer, batch, gen)
     builders = Builders(layer)
-    hca = builders.compressed
-    capacity, max_tokens = vt.WINDOW + hca.max_entries, hca.hca_lens.shape[0]
-    hca.planner = BalancedDecodePlanner(
-        layer.padded_heads, capacity, max_tokens, torch.device("cpu"), num_parts=6
-    )
+    planner = vt.attach_planner(builders.compressed, layer.padded_heads, num_parts=6)
     calls = []
     real_op = ops.sparse_attention
 
@@ -251,7 +246,7 @@ def test_forward_mqa_on_the_balanced_plan(kv_dtype, batch_name, monkeypatch):
         layer.forward_mqa(q, None, batch.swa_cm.positions, output)
     window, got_plan = calls[0]
     assert got_plan is plan
-    assert window.lens.data_ptr() == hca.planner.window_lens.data_ptr()
+    assert window.lens.data_ptr() == planner.window_lens.data_ptr()
     assert window.lens.shape[0] == plan.token_plan.shape[0]
     ref = expected_output(layer, batch, q, None)
     torch.testing.assert_close(output.double(), ref, rtol=2**-7, atol=1e-3 * ref.abs().max())

@@ -18,7 +18,6 @@ from dsv4_attn.kernels import sparse_decode_schedule as schedule
 from dsv4_attn.kernels.sparse_decode_config import BLOCK_N
 from dsv4_attn.kv_cache import KVFormat
 from dsv4_attn.vllm_glue import balanced, kv_spec
-from dsv4_attn.vllm_glue.balanced import BalancedDecodePlanner
 from dsv4_attn.vllm_glue.metadata import (
     DSV4CompressedMetadataBuilder,
     DSV4SWAMetadataBuilder,
@@ -158,15 +157,9 @@ def test_builders_fill_buffers_allocated_once(config):
 
 
 def planned_builder(config, parts: int) -> DSV4CompressedMetadataBuilder:
-    """An HCA builder with a balanced planner of ``parts`` parts on the CPU (where the builder
-    makes none itself: the kernel it plans for runs on Hopper only)."""
+    """An HCA builder with a balanced planner of ``parts`` parts on the CPU."""
     builder = compressed_builder(config, 128)
-    assert builder.planner is None
-    capacity = vt.WINDOW + builder.max_entries
-    max_tokens = builder.hca_lens.shape[0]
-    builder.planner = BalancedDecodePlanner(
-        vt.NUM_HEADS, capacity, max_tokens, torch.device("cpu"), num_parts=parts
-    )
+    vt.attach_planner(builder, vt.NUM_HEADS, parts)
     return builder
 
 

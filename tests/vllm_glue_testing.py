@@ -341,6 +341,20 @@ def random_batch(gen: torch.Generator, max_seq: int = 1200, max_reqs: int = 6) -
 # ----------------------------------------------------------------------------------------------
 
 
+def attach_planner(builder, num_heads: int, num_parts: int):
+    """Give an HCA metadata builder a balanced decode planner of ``num_parts`` parts on the CPU
+    (where the builder makes none itself: the kernel it plans for runs on Hopper only); returns
+    the planner."""
+    from dsv4_attn.vllm_glue.balanced import BalancedDecodePlanner
+
+    assert builder.planner is None
+    capacity, max_tokens = WINDOW + builder.max_entries, builder.hca_lens.shape[0]
+    builder.planner = BalancedDecodePlanner(
+        num_heads, capacity, max_tokens, torch.device("cpu"), num_parts=num_parts
+    )
+    return builder.planner
+
+
 def slot(block_table: torch.Tensor, req: int, row: int, rows_per_block: int) -> int:
     return int(block_table[req, row // rows_per_block]) * rows_per_block + row % rows_per_block
 

@@ -18,8 +18,8 @@ back; ours runs the real head count). Per row: both our times, FlashMLA's, Flash
 format (> 1: ours is faster), for the HCA shapes also ours on the balanced schedule (plan made
 once, as FlashMLA's) and the plan's own time, the floors, max |ours fp8 - FlashMLA| and the
 issue's target where one applies (:func:`targets`). Without flash_mla importable it says so
-once and times ours. The NVFP4 caches hold their own random
-rows (same distribution, same slot ids): only the FP8 comparison needs the same bytes.
+once and times ours. The NVFP4 caches hold their own random rows (same distribution, same slot
+ids): only the FP8 comparison needs the same bytes.
 """
 
 from __future__ import annotations

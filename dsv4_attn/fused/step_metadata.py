@@ -56,6 +56,14 @@ def _row_slots(block_table_ptr, bt_stride, req, rows, rows_per_block, use):
 
 
 @triton.jit
+def _window_span(pos, valid, WINDOW: tl.constexpr):
+    """(first position, length) of a token's window ``max(0, pos - WINDOW + 1) .. pos``; length
+    0 for an invalid token."""
+    first = tl.maximum(pos - (WINDOW - 1), 0)
+    return first, tl.where(valid, pos - first + 1, 0)
+
+
+@triton.jit
 def _window_kernel(
     query_start_ptr, seq_lens_ptr, slot_mapping_ptr, num_reqs,
     block_table_ptr, bt_stride, block_size,
@@ -65,8 +73,7 @@ def _window_kernel(
     t = tl.program_id(0)
     req, pos, valid = _token_map(t, query_start_ptr, seq_lens_ptr, slot_mapping_ptr, num_reqs,
                                  BLOCK_REQS)  # fmt: skip
-    first = tl.maximum(pos - (WINDOW - 1), 0)
-    length = tl.where(valid, pos - first + 1, 0)
+    first, length = _window_span(pos, valid, WINDOW)
     offset = tl.arange(0, WINDOW_P2)
     use = offset < length
     slots = _row_slots(block_table_ptr, bt_stride, req, first + offset, block_size, use)
@@ -137,8 +144,8 @@ def _compressed_kernel(
             tl.store(row_out + entry, slots.to(tl.int32), mask=entry < visible_width)
         tl.store(visible_lens_out + t, count.to(tl.int32))
     if WINDOW > 0:  # the token's window length, as the SWA group's kernel counts it
-        first = tl.maximum(pos - (WINDOW - 1), 0)
-        tl.store(window_lens_out + t, tl.where(valid, pos - first + 1, 0).to(tl.int32))
+        _, length = _window_span(pos, valid, WINDOW)
+        tl.store(window_lens_out + t, length.to(tl.int32))
 
 
 def fill_compressed_metadata(

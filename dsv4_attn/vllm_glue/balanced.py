@@ -98,7 +98,7 @@ class BalancedDecodePlanner:
             "HCA decode steps run on the balanced schedule %s (%s; lists of up to %d keys, "
             "%d parts per 64 heads).",
             "always" if self.always else "where it pays",
-            f"{SCHEDULE_ENV}={decode_schedule_choice()}",
+            f"{SCHEDULE_ENV}={'balanced' if self.always else 'auto'}",
             key_capacity,
             self.num_parts,
         )
