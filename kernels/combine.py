@@ -14,13 +14,18 @@ in compact slots (``[slots, H, 512]``, ``[slots, H]``): token ``t`` has ``pieces
 slot ``first slot`` on (its ``token_plan`` row), and a token of one piece was finished by the
 decode kernel, so its rows are left alone.
 
-One warp per (token, head): lane ``l`` owns columns 16l..16l+15 (four 16-byte loads per split,
-coalesced across the warp). 128 threads per CTA, four rows.
+``warps_per_row`` warps merge one (token, head) row, each lane ``512 / (32 * warps_per_row)``
+columns: 4 warps when there are few rows (small batches: more SMs share the work), 1 when there
+are many. Every lane first takes one split's weight (lanes over splits); then the loads of
+:func:`splits_in_flight` splits are issued together, predicated off for splits without weight,
+each weight fetched from its lane by a shuffle. (A loop that loads one split after another waits
+one L2 round trip per split: ~0.8 us each on an H100.)
 
 Launched with programmatic dependent launch (PDL): its CTAs may start while the decode grid
 before it drains (the decode kernel triggers at its start) and wait in ``griddepcontrol.wait``
 until that grid has finished and its writes are visible; after any other kernel, or without PDL
-support, the wait returns at once and the launch is an ordinary stream-ordered one.
+support, the wait returns at once and the launch is an ordinary stream-ordered one. It uses no
+shared memory, so its CTAs fit beside a decode CTA (which takes nearly all of an SM's).
 """
 
 from __future__ import annotations
@@ -35,10 +40,10 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from dsv4_attn.kernels import ptx_ops
 
-__all__ = ["CombineConfig", "SplitCombine"]
+__all__ = ["CTA_THREADS", "CombineConfig", "SplitCombine", "splits_in_flight"]
 
 HEAD_DIM = 512
-ROWS_PER_CTA = 4
+CTA_THREADS = 128
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -49,6 +54,18 @@ class CombineConfig:
 
     has_sink: bool
     balanced: bool = False  # partials in the balanced schedule's slots
+    warps_per_row: int = 1  # 1 or 4 (see the module docstring)
+
+    def __post_init__(self):
+        if self.warps_per_row not in (1, 4):
+            raise ValueError(f"warps_per_row must be 1 or 4, got {self.warps_per_row}")
+
+
+def splits_in_flight(warps_per_row: int) -> int:
+    """Splits whose partial loads a lane issues together. Four warps a row (few rows, latency
+    the limit): 16 splits of one 16-byte load each. One warp a row (many rows, bandwidth the
+    limit, occupancy matters): 2 splits of four loads."""
+    return 16 if warps_per_row == 4 else 2
 
 
 class SplitCombine:
@@ -56,6 +73,9 @@ class SplitCombine:
 
     def __init__(self, config: CombineConfig):
         self.cfg = config
+        self.cols_per_lane = HEAD_DIM // (32 * config.warps_per_row)
+        self.batch = splits_in_flight(config.warps_per_row)
+        self.rows_per_cta = CTA_THREADS // (32 * config.warps_per_row)
 
     @cute.jit
     def __call__(
@@ -71,9 +91,11 @@ class SplitCombine:
         """Partials ``[S, T, H, 512]`` / ``[S, T, H]``; balanced ``[slots, H, 512]`` /
         ``[slots, H]`` with ``mTokenPlan``."""
         rows = mO.shape[0] * mO.shape[1]
-        grid = ((rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1, 1)
+        grid = ((rows + self.rows_per_cta - 1) // self.rows_per_cta, 1, 1)
+        # min_blocks_per_mp: with a launch bound ptxas issues a batch's loads back to back;
+        # without one it sinks each load next to its use (a few in flight, 32 registers).
         self.kernel(mOpart, mLsePart, mSink, mO, mLse, mTokenPlan).launch(
-            grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream, use_pdl=True
+            grid=grid, block=(CTA_THREADS, 1, 1), stream=stream, use_pdl=True, min_blocks_per_mp=1
         )
 
     @cute.kernel
@@ -89,8 +111,11 @@ class SplitCombine:
         cute.arch.griddepcontrol_wait()  # the decode grid's partials are complete and visible
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx & 31
-        row = bidx * ROWS_PER_CTA + cute.arch.make_warp_uniform(tidx // 32)
+        warps_per_row = const_expr(self.cfg.warps_per_row)
+        row = bidx * self.rows_per_cta + warp // warps_per_row
+        column = ((warp % warps_per_row) * 32 + lane) * self.cols_per_lane  # lane's first column
         num_tokens = mO.shape[0]
         num_heads = mO.shape[1]
         # Split s of this row is partial row first + s * split_stride.
@@ -108,7 +133,6 @@ class SplitCombine:
         if (row < num_tokens * num_heads) & (num_splits > 0):
             head = row % num_heads
             lse_part_base = mLsePart.iterator.toint()
-            opart_base = mOpart.iterator.toint()
             # Max over splits, then the sum of weights: lanes stride over the splits.
             m = Float32(-math.inf)
             for s in cutlass.range(lane, num_splits, 32, unroll=1):
@@ -127,30 +151,52 @@ class SplitCombine:
             has_keys = total > 0.0
             lse2 = m_safe * LOG2E + ptx_ops.log2_approx(total)  # log2 units
             lse2 = Float32(cutlass.select_(has_keys, lse2, Float32(-math.inf)))
-
-            acc = cute.make_rmem_tensor((16,), Float32)
-            acc.fill(0.0)
-            for s in cutlass.range(num_splits, unroll=1):
-                lse_s = ptx_ops.ld_global_f32(lse_part_base + (s * split_stride + first) * 4)
-                if lse_s > -math.inf:
-                    w = ptx_ops.exp2_approx(lse_s * LOG2E - lse2)
-                    src = opart_base + ((s * split_stride + first) * HEAD_DIM + lane * 16) * 4
-                    for q in cutlass.range_constexpr(4):
-                        a, b, c, d = ptx_ops.ld_global_v4_f32(src + q * 16)
-                        acc[4 * q + 0] = acc[4 * q + 0] + w * a
-                        acc[4 * q + 1] = acc[4 * q + 1] + w * b
-                        acc[4 * q + 2] = acc[4 * q + 2] + w * c
-                        acc[4 * q + 3] = acc[4 * q + 3] + w * d
+            # The sink, applied once to the merged row: sigmoid(lse - sink) (exp2(+inf) = inf
+            # makes it 0 for sink = +inf); a row without keys is 0.
             factor = Float32(cutlass.select_(has_keys, Float32(1.0), Float32(0.0)))
             if const_expr(self.cfg.has_sink):
                 sink = Float32(mSink[head])
-                # sigmoid(lse - sink); exp2(+inf) = inf makes it 0 for sink = +inf.
                 f = ptx_ops.rcp_approx(1.0 + ptx_ops.exp2_approx(sink * LOG2E - lse2))
                 factor = Float32(cutlass.select_(has_keys, f, Float32(0.0)))
-            packed = [ptx_ops.cvt_bf16x2_f32(acc[2 * i] * factor, acc[2 * i + 1] * factor)
-                      for i in range(8)]  # fmt: skip
-            dst = mO.iterator.toint() + (Int64(row) * HEAD_DIM + lane * 16) * 2
-            ptx_ops.st_global_v4_b32(dst, packed[0], packed[1], packed[2], packed[3])
-            ptx_ops.st_global_v4_b32(dst + 16, packed[4], packed[5], packed[6], packed[7])
-            if lane == 0:
+            if column == 0:
                 ptx_ops.st_global_f32(mLse.iterator.toint() + Int64(row) * 4, lse2 * LN2)
+
+            acc = cute.make_rmem_tensor((self.cols_per_lane,), Float32)
+            acc.fill(0.0)
+            opart_row = mOpart.iterator.toint() + (first * HEAD_DIM + column) * 4
+            split_bytes = split_stride * (HEAD_DIM * 4)
+            for chunk in cutlass.range(0, num_splits, 32, unroll=1):
+                # Lane l: the weight of split chunk + l, 0 past the last split and for a split
+                # without keys (its partial row was never written: it may hold anything).
+                weight = Float32(0.0)
+                if chunk + lane < num_splits:
+                    lse_s = ptx_ops.ld_global_f32(
+                        lse_part_base + ((chunk + lane) * split_stride + first) * 4
+                    )
+                    if lse_s > -math.inf:
+                        weight = ptx_ops.exp2_approx(lse_s * LOG2E - lse2)
+                in_chunk = cutlass.min(num_splits - chunk, 32)
+                for j0 in cutlass.range(0, in_chunk, self.batch, unroll=1):
+                    weights = []
+                    values = []
+                    for k in cutlass.range_constexpr(self.batch):
+                        w = cute.arch.shuffle_sync(weight, cutlass.min(j0 + k, 31))
+                        w = Float32(cutlass.select_(j0 + k < in_chunk, w, Float32(0.0)))
+                        weights.append(w)
+                        src = opart_row + Int64(chunk + j0 + k) * split_bytes
+                        used = Int32(cutlass.select_(w > 0.0, Int32(1), Int32(0)))
+                        values.append([ptx_ops.ld_global_v4_f32_if(src + 16 * q, used)
+                                       for q in range(self.cols_per_lane // 4)])  # fmt: skip
+                    # A load without weight left zeros (w * 0 = 0, never w * garbage).
+                    for w, loads in zip(weights, values, strict=True):
+                        for q, quad in enumerate(loads):
+                            for i in cutlass.range_constexpr(4):
+                                acc[4 * q + i] = acc[4 * q + i] + w * quad[i]
+            packed = [ptx_ops.cvt_bf16x2_f32(acc[2 * i] * factor, acc[2 * i + 1] * factor)
+                      for i in range(self.cols_per_lane // 2)]  # fmt: skip
+            dst = mO.iterator.toint() + (Int64(row) * HEAD_DIM + column) * 2
+            if const_expr(self.cols_per_lane == 4):
+                ptx_ops.st_global_v2_b32(dst, packed[0], packed[1])
+            else:
+                for q in cutlass.range_constexpr(self.cols_per_lane // 8):
+                    ptx_ops.st_global_v4_b32(dst + 16 * q, *packed[4 * q : 4 * q + 4])

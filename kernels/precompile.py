@@ -37,9 +37,10 @@ def decode_variants(
 
 def combine_variants() -> list[CombineConfig]:
     return [
-        CombineConfig(has_sink=sink, balanced=balanced)
+        CombineConfig(has_sink=sink, balanced=balanced, warps_per_row=warps)
         for sink in (True, False)
         for balanced in (False, True)
+        for warps in (1, 4)
     ]
 
 

@@ -125,6 +125,24 @@ def ld_global_v4_f32(
 
 
 @dsl_user_op
+def ld_global_v4_f32_if(
+    addr: Int64, pred: Int32, *, loc=None, ip=None
+) -> tuple[Float32, Float32, Float32, Float32]:
+    """16-byte global load of four floats where ``pred`` != 0, else four zeros (no access)."""
+    return _vector(
+        Float32,
+        T.f32(),
+        4,
+        [_i64(addr, loc, ip), _i32(pred, loc, ip)],
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $5, 0;\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;"
+        "\n\tmov.b32 $2, 0;\n\tmov.b32 $3, 0;\n\t@p ld.global.v4.f32 {$0, $1, $2, $3}, [$4];\n\t}",
+        "=f,=f,=f,=f,l,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
 def ld_global_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
     return _scalar(
         Float32, T.f32(), [_i64(addr, loc, ip)], "ld.global.f32 $0, [$1];", "=f,l", loc, ip
@@ -142,6 +160,17 @@ def prefetch_bulk_l2(addr: Int64, size: int, *, loc=None, ip=None) -> None:
 @dsl_user_op
 def st_global_b32(addr: Int64, v: Uint32, *, loc=None, ip=None) -> None:
     _statement([_i64(addr, loc, ip), _u32(v, loc, ip)], "st.global.b32 [$0], $1;", "l,r", loc, ip)
+
+
+@dsl_user_op
+def st_global_v2_b32(addr: Int64, a: Uint32, b: Uint32, *, loc=None, ip=None) -> None:
+    _statement(
+        [_i64(addr, loc, ip), _u32(a, loc, ip), _u32(b, loc, ip)],
+        "st.global.v2.b32 [$0], {$1, $2};",
+        "l,r,r",
+        loc,
+        ip,
+    )
 
 
 @dsl_user_op

@@ -32,6 +32,7 @@ __all__ = [
     "balanced_pays",
     "balanced_plan",
     "balanced_workspace_shape",
+    "combine_config_for",
     "compile_variants",
     "kernel_stack_error",
     "key_capacity",
@@ -52,6 +53,9 @@ SUPPORTED_HEAD_COUNTS = (8, 16, 32, 64, 128)
 MIN_TILES_PER_SPLIT = max(1, 64 // BLOCK_N)
 MAX_SPLITS = 32
 MAX_GRID_TOKENS = 65535  # CUDA's limit on a grid's z axis, which carries the tokens
+# The combine merges a (token, head) row with 4 warps below this many rows per SM, else with 1
+# (BENCHMARKS.md, fifteenth session).
+WIDE_COMBINE_ROWS_PER_SM = 4
 _MAX_PACKED_SLOTS = 1 << 30  # the kernel packs (slot, scope) into one int32
 _FORMATS = {KVFormat.FP8_DS_MLA: "fp8_ds_mla", KVFormat.NVFP4: "nvfp4"}
 _INDEX_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
@@ -305,8 +309,9 @@ def compile_variants(
                                     True, partial, balanced_variant)  # fmt: skip
         decode_cache.get(config, lambda c=config: build_decode_kernel(c))
     for balanced_combine in (False, True) if balanced else (False,):
-        combine_config = CombineConfig(has_sink=True, balanced=balanced_combine)
-        combine_cache.get(combine_config, lambda c=combine_config: build_combine_kernel(c))
+        for warps_per_row in (1, 4):
+            combine = CombineConfig(True, balanced_combine, warps_per_row)
+            combine_cache.get(combine, lambda c=combine: build_combine_kernel(c))
 
 
 def workspace_shape(num_splits: int, num_tokens: int, num_heads: int) -> tuple[tuple, tuple]:
@@ -403,8 +408,6 @@ def sparse_attention(
     holding at least :func:`workspace_shape` for the split-KV partials (their leading part is
     used; allocated per call when omitted). Returns ``(out, lse)``.
     """
-    from dsv4_attn.kernels.combine import CombineConfig
-
     T, H, _ = q.shape
     if out is None:
         out = torch.empty(T, H, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
@@ -438,10 +441,22 @@ def sparse_attention(
     o_part, lse_part = _partials(workspace, *workspace_shape(num_splits, T, H), q.device)
     decode(q, window.cache, window.indices, window.lens, *extra_args, sink, o_part, lse_part,
            *_NOT_BALANCED, scale_log2, num_splits, tiles_per_split)  # fmt: skip
-    combine_config = CombineConfig(has_sink=sink is not None)
+    num_sms = _num_sms(q.device.index or 0)
+    combine_config = combine_config_for(T * H, sink is not None, False, num_sms)
     combine = combine_cache.get(combine_config, lambda: build_combine_kernel(combine_config))
     combine(o_part, lse_part, sink, out, lse, None)
     return out, lse
+
+
+def combine_config_for(rows: int, has_sink: bool, balanced: bool, num_sms: int):
+    """The combine variant (:class:`~dsv4_attn.kernels.combine.CombineConfig`) for ``rows``
+    (token, head) rows on a GPU of ``num_sms`` SMs: four warps a row while there are fewer
+    than :data:`WIDE_COMBINE_ROWS_PER_SM` rows per SM (latency-bound: more SMs and more loads
+    in flight per row), else one."""
+    from dsv4_attn.kernels.combine import CombineConfig
+
+    wide = rows < WIDE_COMBINE_ROWS_PER_SM * num_sms
+    return CombineConfig(has_sink, balanced, 4 if wide else 1)
 
 
 def balanced_pays(num_tokens: int, key_capacity: int, num_parts: int) -> bool:
@@ -531,8 +546,6 @@ def plan_for_counts(
 
 def _balanced_attention(q, window, sink, scale, extra, plan, out, lse, workspace):
     """:func:`sparse_attention` on the balanced schedule ``plan``."""
-    from dsv4_attn.kernels.combine import CombineConfig
-
     T, H, _ = q.shape
     if plan.token_plan.shape[0] != T:
         raise ValueError(f"the plan covers {plan.token_plan.shape[0]} tokens, the call has {T}")
@@ -545,7 +558,8 @@ def _balanced_attention(q, window, sink, scale, extra, plan, out, lse, workspace
     decode(q, window.cache, window.indices, window.lens, *_extra_args(extra), sink, out, lse,
            o_part, lse_part, plan.part_plan, plan.token_plan, scale_log2, 1, 0)  # fmt: skip
     if parts > 1:  # one part cuts no token
-        combine_config = CombineConfig(has_sink=sink is not None, balanced=True)
+        num_sms = _num_sms(q.device.index or 0)
+        combine_config = combine_config_for(T * H, sink is not None, True, num_sms)
         combine = combine_cache.get(combine_config, lambda: build_combine_kernel(combine_config))
         combine(o_part, lse_part, sink, out, lse, plan.token_plan)
     return out, lse

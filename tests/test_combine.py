@@ -23,4 +23,4 @@ def test_combine_compiles_without_spills(config, tmp_path):
     )
     (kernel,) = read_resources(cubin)
     assert kernel.frame_bytes == 0
-    assert 0 < kernel.registers <= 64
+    assert 0 < kernel.registers <= 168  # three 128-thread CTAs fit an SM

@@ -69,7 +69,6 @@ def test_serving_compiles_the_variants_it_launches(balanced, monkeypatch):
     """What a serving layer compiles in its profiling run (never inside a graph capture): the
     int32 / sink variants with final output and split partials, the combine, and where the
     layer may run the balanced schedule its variant and combine too."""
-    from dsv4_attn.kernels.combine import CombineConfig
     from dsv4_attn.kernels.compile_cache import CompileCache
 
     caches = (CompileCache("decode-test"), CompileCache("combine-test"))
@@ -86,10 +85,11 @@ def test_serving_compiles_the_variants_it_launches(balanced, monkeypatch):
     sink = torch.zeros(8)
     variants = [sparse_decode.decode_config(window, sink, extra, False),
                 sparse_decode.decode_config(window, sink, extra, True)]  # fmt: skip
-    combines = [CombineConfig(has_sink=True)]
+    # Both combine widths: what a launch of few rows and one of many picks.
+    combines = [sparse_decode.combine_config_for(rows, True, False, 132) for rows in (10**6, 1)]
     if balanced:
         variants.append(sparse_decode.decode_config(window, sink, extra, False, balanced=True))
-        combines.append(CombineConfig(has_sink=True, balanced=True))
+        combines += [sparse_decode.combine_config_for(rows, True, True, 132) for rows in (10**6, 1)]
     assert built == variants + combines
 
 
