@@ -23,7 +23,6 @@ import torch
 from dsv4_attn.bench.decode import _RowPool, make_case
 from dsv4_attn.bench.timing import cuda_graph_replay, time_cuda_us
 from dsv4_attn.kernels import sparse_decode as sd
-from dsv4_attn.kernels.combine import CombineConfig
 from dsv4_attn.kv_cache import KVFormat
 
 HEADS, WINDOW, CAPACITY = 64, 128, 8192
@@ -54,7 +53,7 @@ def measure(pool: _RowPool, count: int, T: int) -> dict:
         o_part, lse_part = sd._partials(None, *sd.workspace_shape(splits, T, HEADS), device)
         config = sd.decode_config(window, sink, extra, True)
         decode = decode_cache.get(config, lambda: sd.build_decode_kernel(config))
-        combine_config = CombineConfig(has_sink=True)
+        combine_config = sd.combine_config_for(T * HEADS, True, False, sd._num_sms(0))
         combine = combine_cache.get(combine_config, lambda: sd.build_combine_kernel(combine_config))
         row["split_decode_us"] = graph_us(
             lambda: decode(
@@ -75,7 +74,7 @@ def measure(pool: _RowPool, count: int, T: int) -> dict:
                                     device)  # fmt: skip
     config = sd.decode_config(window, sink, extra, False, balanced=True)
     decode = decode_cache.get(config, lambda: sd.build_decode_kernel(config))
-    combine_config = CombineConfig(has_sink=True, balanced=True)
+    combine_config = sd.combine_config_for(T * HEADS, True, True, sd._num_sms(0))
     combine = combine_cache.get(combine_config, lambda: sd.build_combine_kernel(combine_config))
     row["balanced_decode_us"] = graph_us(
         lambda: decode(
