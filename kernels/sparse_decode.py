@@ -21,7 +21,7 @@ import math
 import torch
 
 from dsv4_attn.kernels import sparse_decode_schedule as schedule
-from dsv4_attn.kernels.sparse_decode_config import BLOCK_H, BLOCK_N
+from dsv4_attn.kernels.sparse_decode_config import BLOCK_H, BLOCK_N, MIN_SPLIT_TILES
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 
 __all__ = [
@@ -50,7 +50,7 @@ SUPPORTED_HEAD_COUNTS = (8, 16, 32, 64, 128)
 # Split-KV limits (from a sweep of forced split counts on the H100, BENCHMARKS.md 2026-11-23c):
 # a split of 64 keys still pays off at T = 2, while past ~32 splits writing and combining the
 # fp32 partials (128 KB per split and 64-head block) costs more than the split saves.
-MIN_TILES_PER_SPLIT = max(1, 64 // BLOCK_N)
+MIN_TILES_PER_SPLIT = MIN_SPLIT_TILES
 MAX_SPLITS = 32
 MAX_GRID_TOKENS = 65535  # CUDA's limit on a grid's z axis, which carries the tokens
 # The combine merges a (token, head) row with 4 warps below this many rows per SM, else with 1

@@ -16,6 +16,7 @@ HEAD_DIM = 512
 NOPE_DIM = 448
 BLOCK_H = 64  # query heads per CTA (wgmma M)
 BLOCK_N = 32  # keys per tile
+MIN_SPLIT_TILES = max(1, 64 // BLOCK_N)  # least tiles a split of a token takes (64 keys)
 NUM_STAGES = 2  # bf16 K/V stages (what the MMA warpgroups read)
 KEYS_PER_PRODUCER_WARP = BLOCK_N // 4
 NUM_P_BUFFERS = 1  # P / row-factor buffers between WG0 and WG1

@@ -91,6 +91,7 @@ from dsv4_attn.kernels.sparse_decode_config import (
     ID_SLOT_BYTES,
     ID_STAGES,
     LAUNCH_REGS,
+    MIN_SPLIT_TILES,
     MMA_THREADS,
     NOPE_DIM,
     NUM_P_BUFFERS,
@@ -401,11 +402,21 @@ class SparseDecodeSm90(SparseDecodeProducer):
 
     @cute.jit
     def key_range(self, mLens, mELens, token, split, tiles_per_split):
-        """This CTA's share of the token's key list: (n_window, begin, end, number of tiles)."""
-        key_begin = split * tiles_per_split * BLOCK_N
-        return self.keys_between(
-            mLens, mELens, token, key_begin, key_begin + tiles_per_split * BLOCK_N
-        )
+        """This CTA's share of the token's key list: (n_window, begin, end, number of tiles).
+
+        The token's own tiles (not the launch's capacity, which sized the grid) spread over the
+        grid's splits, at least MIN_SPLIT_TILES and at most ``tiles_per_split`` per split: a
+        list much shorter than the capacity still keeps every split of its token busy."""
+        n_total = Int32(mLens[token])
+        if const_expr(self.cfg.has_extra):
+            n_total = n_total + Int32(mELens[token])
+        _, num_splits, _ = cute.arch.grid_dim()
+        token_tiles = (n_total + BLOCK_N - 1) // BLOCK_N
+        share = (token_tiles + Int32(num_splits) - 1) // Int32(num_splits)
+        share = cutlass.min(cutlass.max(share, Int32(MIN_SPLIT_TILES)), tiles_per_split)
+        share = cute.arch.make_warp_uniform(share)  # keeps the tile loop's values uniform
+        key_begin = split * share * BLOCK_N
+        return self.keys_between(mLens, mELens, token, key_begin, key_begin + share * BLOCK_N)
 
     @cute.jit
     def keys_between(self, mLens, mELens, token, key_begin, key_limit):

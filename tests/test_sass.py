@@ -42,3 +42,13 @@ def test_missing_tool_is_reported(monkeypatch):
     monkeypatch.setattr(sass, "find_cuda_tool", lambda name: None)
     with pytest.raises(FileNotFoundError, match="nvdisasm"):
         sass.opcode_counts(b"\x7fELF")
+
+
+def test_moves_before_wgmma_counts_only_moves_next_to_an_mma():
+    move = "        /*0000*/                   R2UR UR8, R2 ;\n"
+    other = "        /*0000*/                   IADD3 R4, R4, 0x1, RZ ;\n"
+    mma = "        /*0000*/                   HGMMA.64x32x16.F32.BF16 R24, gdesc[UR8], R24 ;\n"
+    assert sass.count_moves_before_wgmma(move + other * 3 + mma, window=4) == 1
+    assert sass.count_moves_before_wgmma(move + other * 4 + mma, window=4) == 0  # outside
+    assert sass.count_moves_before_wgmma((move + mma) * 3 + move) == 3  # the last one: no MMA
+    assert sass.count_moves_before_wgmma(_LISTING) == 0

@@ -96,11 +96,14 @@ def test_wgmma_pipeline_is_not_serialized(config, cubin_of, nvdisasm):
 def test_wgmma_descriptors_stay_in_uniform_registers(config, cubin_of, nvdisasm):
     """With a runtime K/V stage index ptxas builds every wgmma B descriptor in regular registers
     and moves it over (R2UR) before each HGMMA, which paces a 64x32x16 QK HGMMA at ~27 cycles
-    instead of 16 (v11: 119 R2UR). The kernel issues its wgmmas from one copy per stage so the
-    descriptors are uniform-register immediates (v13: 5, none next to an HGMMA)."""
-    counts = sass.opcode_counts(cubin_of(config), nvdisasm)
+    instead of 16 (v11: 119 R2UR, each next to its HGMMA). The kernel issues its wgmmas from one
+    copy per stage so the descriptors are uniform-register immediates: the few R2UR moves left
+    make per-CTA values uniform in the roles' prologues, none near an HGMMA."""
+    cubin = cubin_of(config)
+    assert sass.moves_before_wgmma(cubin, nvdisasm) == 0
+    counts = sass.opcode_counts(cubin, nvdisasm)
     r2ur = sum(n for op, n in counts.items() if op.split(".")[0] == "R2UR")
-    assert r2ur <= 16, f"{r2ur} R2UR moves: wgmma descriptors left the uniform datapath"
+    assert r2ur <= 32, f"{r2ur} R2UR moves: wgmma descriptors left the uniform datapath"
 
 
 def test_swizzled_offset_matches_the_cute_layout():
