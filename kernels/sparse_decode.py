@@ -154,7 +154,11 @@ def plan_splits(
     ``extra_indices.shape[1]``). Without splitting there is one CTA per (token, 64-head block);
     when those fill less than ~80% of the SMs, each token's key tiles are split so the grid
     fills at most one wave (a second wave of short CTAs costs more than it saves), with at most
-    :data:`MAX_SPLITS` splits of at least :data:`MIN_TILES_PER_SPLIT` tiles.
+    :data:`MAX_SPLITS` splits of at least :data:`MIN_TILES_PER_SPLIT` tiles. The grid is sized
+    by the capacity; the kernel spreads each token's own tiles over its splits (at most
+    ``tiles_per_split`` each), so a token with a shorter list finishes sooner, not on fewer SMs.
+    (The sweep of forced split counts in BENCHMARKS.md, fifteenth session, finds this choice
+    within 0-1.2 us of the best at T = 2-64.)
     """
     tiles = max(1, math.ceil(key_capacity / BLOCK_N))
     ctas = num_tokens * math.ceil(num_heads / BLOCK_H)
