@@ -801,25 +801,31 @@ class SparseDecodeSm90(SparseDecodeProducer):
         row_bytes = STAGE_ROW_BYTES_F32 if partial else STAGE_ROW_BYTES_BF16
         # wgmma accumulator layout: register 4j + 2h + v holds row (row0 + 8h), column
         # 8j + 2 (lane % 4) + v of the accumulator's columns.
+        # Only the rows of real heads (fewer than 64 with tensor-parallel shards) are staged
+        # and copied.
         for acc_o, col_offset in accs:
             for h in cutlass.range_constexpr(2):
-                row_at = staging + (row0 + 8 * h) * row_bytes
-                for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
-                    idx = j * 4 + h * 2
-                    v0 = acc_o[idx] * factor[h]
-                    v1 = acc_o[idx + 1] * factor[h]
-                    col = col_offset + 8 * j + 2 * (lane & 3)
-                    if const_expr(partial):
-                        ptx_ops.st_shared_v2_f32(row_at + col * 4, v0, v1)
-                    else:
-                        ptx_ops.st_shared_b32(row_at + col * 2, ptx_ops.cvt_bf16x2_f32(v0, v1))
+                if head_block * BLOCK_H + row0 + 8 * h < num_heads:
+                    row_at = staging + (row0 + 8 * h) * row_bytes
+                    for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
+                        idx = j * 4 + h * 2
+                        v0 = acc_o[idx] * factor[h]
+                        v1 = acc_o[idx + 1] * factor[h]
+                        col = col_offset + 8 * j + 2 * (lane & 3)
+                        if const_expr(partial):
+                            ptx_ops.st_shared_v2_f32(row_at + col * 4, v0, v1)
+                        else:
+                            pair = ptx_ops.cvt_bf16x2_f32(v0, v1)
+                            ptx_ops.st_shared_b32(row_at + col * 2, pair)
         cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=MMA_THREADS)
 
         # 16-byte chunks, a warp's 32 consecutive chunks along one row. A partial row without
         # keys stays unwritten: the combine gives it weight 0 from lse = -inf, never reads it.
         chunks_per_row = HEAD_DIM * (4 if partial else 2) // 16
         copy_tid = tidx + wg * 128
-        for i in cutlass.range(BLOCK_H * chunks_per_row // MMA_THREADS, unroll=1):
+        rows = cutlass.min(num_heads - head_block * BLOCK_H, Int32(BLOCK_H))
+        copies = (rows * chunks_per_row + MMA_THREADS - 1) // MMA_THREADS
+        for i in cutlass.range(copies, unroll=1):
             chunk = copy_tid + i * MMA_THREADS
             row = chunk // chunks_per_row
             k = chunk % chunks_per_row
