@@ -27,6 +27,7 @@ from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 __all__ = [
     "BALANCED_MIN_CAPACITY",
     "BALANCED_MIN_KEYS_PER_PART",
+    "MIN_SPLIT_TILES",
     "SUPPORTED_HEAD_COUNTS",
     "balanced_parts",
     "balanced_pays",
@@ -48,9 +49,9 @@ __all__ = [
 
 SUPPORTED_HEAD_COUNTS = (8, 16, 32, 64, 128)
 # Split-KV limits (from a sweep of forced split counts on the H100, BENCHMARKS.md 2026-11-23c):
-# a split of 64 keys still pays off at T = 2, while past ~32 splits writing and combining the
-# fp32 partials (128 KB per split and 64-head block) costs more than the split saves.
-MIN_TILES_PER_SPLIT = MIN_SPLIT_TILES
+# a split of 64 keys (MIN_SPLIT_TILES, which the kernel also applies) still pays off at T = 2,
+# while past ~32 splits writing and combining the fp32 partials (128 KB per split and 64-head
+# block) costs more than the split saves.
 MAX_SPLITS = 32
 MAX_GRID_TOKENS = 65535  # CUDA's limit on a grid's z axis, which carries the tokens
 # The combine merges a (token, head) row with 4 warps below this many rows per SM, else with 1
@@ -154,7 +155,7 @@ def plan_splits(
     ``extra_indices.shape[1]``). Without splitting there is one CTA per (token, 64-head block);
     when those fill less than ~80% of the SMs, each token's key tiles are split so the grid
     fills at most one wave (a second wave of short CTAs costs more than it saves), with at most
-    :data:`MAX_SPLITS` splits of at least :data:`MIN_TILES_PER_SPLIT` tiles. The grid is sized
+    :data:`MAX_SPLITS` splits of at least :data:`MIN_SPLIT_TILES` tiles. The grid is sized
     by the capacity; the kernel spreads each token's own tiles over its splits (at most
     ``tiles_per_split`` each), so a token with a shorter list finishes sooner, not on fewer SMs.
     (The sweep of forced split counts in BENCHMARKS.md, fifteenth session, finds this choice
@@ -164,7 +165,7 @@ def plan_splits(
     ctas = num_tokens * math.ceil(num_heads / BLOCK_H)
     if ctas >= 0.8 * num_sms:
         return 1, tiles
-    want = min(num_sms // ctas, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS)
+    want = min(num_sms // ctas, tiles // MIN_SPLIT_TILES, MAX_SPLITS)
     if want <= 1:
         return 1, tiles
     tiles_per_split = math.ceil(tiles / want)

@@ -35,7 +35,7 @@ def test_plan_splits_covers_every_tile_once(tokens, heads, capacity):
     assert (splits - 1) * per_split < tiles <= splits * per_split  # no empty trailing split
     ctas = tokens * math.ceil(heads / 64)
     if splits > 1:
-        assert per_split >= sparse_decode.MIN_TILES_PER_SPLIT
+        assert per_split >= sparse_decode.MIN_SPLIT_TILES
         assert ctas * splits <= 132  # one wave at most
         assert splits <= sparse_decode.MAX_SPLITS
     if ctas >= 0.8 * 132:
@@ -44,7 +44,7 @@ def test_plan_splits_covers_every_tile_once(tokens, heads, capacity):
 
 def test_plan_splits_fills_small_batches():
     # 32-key tiles; splits of at least 64 keys (two tiles).
-    assert sparse_decode.BLOCK_N == 32 and sparse_decode.MIN_TILES_PER_SPLIT == 2
+    assert sparse_decode.BLOCK_N == 32 and sparse_decode.MIN_SPLIT_TILES == 2
     # V4-Flash at one token: 20 tiles of keys, one 64-head block -> 10 splits of 2 tiles.
     assert sparse_decode.plan_splits(1, 64, 640, num_sms=132) == (10, 2)
     # HCA at 1M context, one token: 260 tiles, at most 32 splits -> 29 splits of 9 tiles.
