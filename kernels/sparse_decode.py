@@ -34,6 +34,7 @@ __all__ = [
     "balanced_plan",
     "balanced_workspace_shape",
     "combine_config_for",
+    "combine_fake_args",
     "compile_variants",
     "kernel_stack_error",
     "key_capacity",
@@ -256,18 +257,23 @@ def build_decode_kernel(config):
 
 def build_combine_kernel(config):
     """Compile one :class:`CombineConfig` variant against fake tensors."""
-    import cutlass.cute as cute
-    from cutlass import BFloat16, Float32
-
     from dsv4_attn.kernels.combine import SplitCombine
     from dsv4_attn.kernels.compile_cache import compile_tvm_ffi
 
+    return compile_tvm_ffi(SplitCombine(config), *combine_fake_args(config.has_sink,
+                                                                    config.balanced))  # fmt: skip
+
+
+def combine_fake_args(has_sink: bool, balanced: bool) -> tuple:
+    """The fake tensors a combine kernel compiles against (its arguments before the stream)."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32
+
     # Partials: balanced slot-major [slots, H, ...], else split-major [S, T, H, ...].
-    lead = 2 if config.balanced else 3
-    token_plan = _plan(5) if config.balanced else None
-    sink = _fake(Float32, (cute.sym_int(),), (1,), 4) if config.has_sink else None
-    return compile_tvm_ffi(SplitCombine(config), _rows(Float32, lead), _lse(lead), sink,
-                           _rows(BFloat16, 2), _lse(2), token_plan)  # fmt: skip
+    lead = 2 if balanced else 3
+    token_plan = _plan(5) if balanced else None
+    sink = _fake(Float32, (cute.sym_int(),), (1,), 4) if has_sink else None
+    return _rows(Float32, lead), _lse(lead), sink, _rows(BFloat16, 2), _lse(2), token_plan
 
 
 @functools.cache

@@ -407,9 +407,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         The token's own tiles (not the launch's capacity, which sized the grid) spread over the
         grid's splits, at least MIN_SPLIT_TILES and at most ``tiles_per_split`` per split: a
         list much shorter than the capacity still keeps every split of its token busy."""
-        n_total = Int32(mLens[token])
-        if const_expr(self.cfg.has_extra):
-            n_total = n_total + Int32(mELens[token])
+        _, n_total = self.token_keys(mLens, mELens, token)
         _, num_splits, _ = cute.arch.grid_dim()
         token_tiles = (n_total + BLOCK_N - 1) // BLOCK_N
         share = (token_tiles + Int32(num_splits) - 1) // Int32(num_splits)
@@ -419,13 +417,19 @@ class SparseDecodeSm90(SparseDecodeProducer):
         return self.keys_between(mLens, mELens, token, key_begin, key_begin + share * BLOCK_N)
 
     @cute.jit
-    def keys_between(self, mLens, mELens, token, key_begin, key_limit):
-        """Keys ``key_begin .. key_limit`` of the token's list, cut at its length: (n_window,
-        begin, end, number of tiles)."""
+    def token_keys(self, mLens, mELens, token):
+        """(window keys, all keys) of the token's list."""
         n_window = Int32(mLens[token])
         n_total = n_window
         if const_expr(self.cfg.has_extra):
             n_total = n_window + Int32(mELens[token])
+        return n_window, n_total
+
+    @cute.jit
+    def keys_between(self, mLens, mELens, token, key_begin, key_limit):
+        """Keys ``key_begin .. key_limit`` of the token's list, cut at its length: (n_window,
+        begin, end, number of tiles)."""
+        n_window, n_total = self.token_keys(mLens, mELens, token)
         key_end = cutlass.min(n_total, key_limit)
         n_tiles = Int32(0)
         if key_end > key_begin:

@@ -47,19 +47,12 @@ def us(fn) -> float:
 
 def build_other(path: str, balanced: bool):
     """The other version's combine kernel (has_sink=True), compiled like the current one."""
-    import cutlass.cute as cute
-    from cutlass import BFloat16, Float32
-
     spec = importlib.util.spec_from_file_location("combine_other", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclass looks its module up
     spec.loader.exec_module(module)
-    lead = 2 if balanced else 3
-    sink = sd._fake(Float32, (cute.sym_int(),), (1,), 4)
     kernel = module.SplitCombine(module.CombineConfig(has_sink=True, balanced=balanced))
-    plan = sd._plan(5) if balanced else None
-    return compile_tvm_ffi(kernel, sd._rows(Float32, lead), sd._lse(lead), sink,
-                           sd._rows(BFloat16, 2), sd._lse(2), plan)  # fmt: skip
+    return compile_tvm_ffi(kernel, *sd.combine_fake_args(True, balanced))
 
 
 def launches(case, T, H, out, lse):

@@ -131,11 +131,17 @@ def _slots(
     return torch.where(use, number * rows_per_block + rows % rows_per_block, -1)
 
 
+def _window_span(tokens: TokenMap, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``[T]`` first position and length of each token's window ``max(0, pos - window
+    + 1) .. pos`` (length 0 for invalid tokens); the Triton kernels' ``_window_span``."""
+    start = (tokens.pos - (window - 1)).clamp(min=0)
+    return start, torch.where(tokens.valid, tokens.pos - start + 1, 0)
+
+
 def window_lengths(tokens: TokenMap, window: int) -> torch.Tensor:
     """int64 ``[T]``: how many positions of ``max(0, pos - window + 1) .. pos`` a token sees
     (0 for invalid tokens)."""
-    start = (tokens.pos - (window - 1)).clamp(min=0)
-    return torch.where(tokens.valid, tokens.pos - start + 1, 0)
+    return _window_span(tokens, window)[1]
 
 
 def window_slots(
@@ -144,8 +150,7 @@ def window_slots(
     """SWA slots ``int32 [T, window]`` of positions ``max(0, pos - window + 1) .. pos`` in
     increasing order, -1 padded, and their count ``int32 [T]``."""
     offsets = torch.arange(window, device=tokens.pos.device)
-    start = (tokens.pos - (window - 1)).clamp(min=0)
-    lens = window_lengths(tokens, window)
+    start, lens = _window_span(tokens, window)
     use = offsets[None, :] < lens[:, None]
     slots = _slots(block_table, tokens.req, start[:, None] + offsets, block_size, use)
     return slots.int(), lens.int()
