@@ -197,9 +197,10 @@ def sparse_attention(
         extra: the optional second list (compressed entries); same format as ``window``.
         out, lse: bf16 ``[T, H, 512]`` and fp32 ``[T, H]`` tensors to write into, in place
             (the kernel writes them directly; the fallbacks copy).
-        workspace: fp32 tensors for the kernel's split-KV partials, shaped as
-            :func:`dsv4_attn.kernels.sparse_decode.workspace_shapes` says (allocated per call
-            when omitted; ignored by the fallbacks).
+        workspace: the kernel's split-KV partials, two tensors of
+            :data:`dsv4_attn.kernels.sparse_decode.WORKSPACE_DTYPES` (fp16 rows, fp32 pairs)
+            shaped as :func:`dsv4_attn.kernels.sparse_decode.workspace_shapes` says (allocated
+            per call when omitted; ignored by the fallbacks).
         backend: ``"auto"``, ``"cutedsl"``, ``"sdpa"`` or ``"reference"``.
         check_values: also check index and length *values* (costs a device sync on CUDA).
             Shapes, dtypes and devices are always checked.

@@ -108,35 +108,23 @@ def ld_global_v2_f32(addr: Int64, *, loc=None, ip=None) -> tuple[Float32, Float3
 
 
 @dsl_user_op
-def ld_global_v4_f32(
-    addr: Int64, *, loc=None, ip=None
-) -> tuple[Float32, Float32, Float32, Float32]:
-    """16-byte global load of four floats."""
+def ld_global_vec_if(
+    addr: Int64, pred: Int32, words: int, *, loc=None, ip=None
+) -> tuple[Uint32, ...]:
+    """A ``4 * words``-byte global load (``words`` 2 or 4, the address aligned to it) where
+    ``pred`` != 0, else zeros (no access): one predicated load writes the result registers."""
+    if words not in (2, 4):
+        raise ValueError(f"words must be 2 or 4, got {words}")
+    dst = ", ".join(f"${i}" for i in range(words))
+    zeros = "".join(f"\n\tmov.b32 ${i}, 0;" for i in range(words))
     return _vector(
-        Float32,
-        T.f32(),
-        4,
-        [_i64(addr, loc, ip)],
-        "ld.global.v4.f32 {$0, $1, $2, $3}, [$4];",
-        "=f,=f,=f,=f,l",
-        loc,
-        ip,
-    )
-
-
-@dsl_user_op
-def ld_global_v4_f32_if(
-    addr: Int64, pred: Int32, *, loc=None, ip=None
-) -> tuple[Float32, Float32, Float32, Float32]:
-    """16-byte global load of four floats where ``pred`` != 0, else four zeros (no access)."""
-    return _vector(
-        Float32,
-        T.f32(),
-        4,
+        Uint32,
+        T.i32(),
+        words,
         [_i64(addr, loc, ip), _i32(pred, loc, ip)],
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $5, 0;\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;"
-        "\n\tmov.b32 $2, 0;\n\tmov.b32 $3, 0;\n\t@p ld.global.v4.f32 {$0, $1, $2, $3}, [$4];\n\t}",
-        "=f,=f,=f,=f,l,r",
+        f"{{\n\t.reg .pred p;\n\tsetp.ne.b32 p, ${words + 1}, 0;{zeros}"
+        f"\n\t@p ld.global.v{words}.b32 {{{dst}}}, [${words}];\n\t}}",
+        ",".join(["=r"] * words + ["l", "r"]),
         loc,
         ip,
     )
@@ -361,18 +349,6 @@ def st_shared_b32(addr: Int32, v: Uint32, *, loc=None, ip=None):
     _statement([_i32(addr, loc, ip), _u32(v, loc, ip)], "st.shared.b32 [$0], $1;", "r,r", loc, ip)
 
 
-@dsl_user_op
-def st_shared_v2_f32(addr: Int32, a: Float32, b: Float32, *, loc=None, ip=None):
-    """8-byte shared-memory store of two floats."""
-    _statement(
-        [_i32(addr, loc, ip), _f32(a, loc, ip), _f32(b, loc, ip)],
-        "st.shared.v2.f32 [$0], {$1, $2};",
-        "r,f,f",
-        loc,
-        ip,
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # Arithmetic and bit manipulation
 # ---------------------------------------------------------------------------------------------
@@ -415,6 +391,50 @@ def cvt_bf16x2_f32(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
         [_f32(hi, loc, ip), _f32(lo, loc, ip)],
         "cvt.rn.bf16x2.f32 $0, $1, $2;",
         "=r,f,f",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def cvt_f16x2_f32(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
+    """Pack two floats as fp16 (round to nearest even, overflow to inf): ``lo`` in the low half."""
+    return _scalar(
+        Uint32,
+        T.i32(),
+        [_f32(hi, loc, ip), _f32(lo, loc, ip)],
+        "cvt.rn.f16x2.f32 $0, $1, $2;",
+        "=r,f,f",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def f16x2_to_f32(pair: Uint32, *, loc=None, ip=None) -> tuple[Float32, Float32]:
+    """The two fp16 halves of ``pair`` as floats (exact): (low half, high half)."""
+    return _vector(
+        Float32,
+        T.f32(),
+        2,
+        [_u32(pair, loc, ip)],
+        "{\n\t.reg .f16 lo, hi;\n\tmov.b32 {lo, hi}, $2;\n\tcvt.f32.f16 $0, lo;"
+        "\n\tcvt.f32.f16 $1, hi;\n\t}",
+        "=f,=f,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def max_abs(acc: Float32, x: Float32, *, loc=None, ip=None) -> Float32:
+    """max(acc, |x|) (one FMNMX with an absolute-value operand; a NaN ``x`` is dropped)."""
+    return _scalar(
+        Float32,
+        T.f32(),
+        [_f32(acc, loc, ip), _f32(x, loc, ip)],
+        "{\n\t.reg .f32 t;\n\tabs.f32 t, $2;\n\tmax.f32 $0, $1, t;\n\t}",
+        "=f,f,f",
         loc,
         ip,
     )

@@ -28,7 +28,10 @@ __all__ = [
     "BALANCED_MIN_CAPACITY",
     "BALANCED_MIN_KEYS_PER_PART",
     "MIN_SPLIT_TILES",
+    "PARTIAL_DTYPE",
+    "PARTIAL_PAIR_DTYPE",
     "SUPPORTED_HEAD_COUNTS",
+    "WORKSPACE_DTYPES",
     "balanced_parts",
     "balanced_pays",
     "balanced_plan",
@@ -51,8 +54,8 @@ __all__ = [
 SUPPORTED_HEAD_COUNTS = (8, 16, 32, 64, 128)
 # Split-KV limits (from a sweep of forced split counts on the H100, BENCHMARKS.md 2026-11-23c):
 # a split of 64 keys (MIN_SPLIT_TILES, which the kernel also applies) still pays off at T = 2,
-# while past ~32 splits writing and combining the fp32 partials (128 KB per split and 64-head
-# block) costs more than the split saves.
+# while past ~32 splits writing and combining the partials (then fp32: 128 KB per split and
+# 64-head block, now half) costs more than the split saves.
 MAX_SPLITS = 32
 MAX_GRID_TOKENS = 65535  # CUDA's limit on a grid's z axis, which carries the tokens
 # The combine merges a (token, head) row with 4 warps below this many rows per SM, else with 1
@@ -62,11 +65,16 @@ _MAX_PACKED_SLOTS = 1 << 30  # the kernel packs (slot, scope) into one int32
 _FORMATS = {KVFormat.FP8_DS_MLA: "fp8_ds_mla", KVFormat.NVFP4: "nvfp4"}
 _INDEX_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 _NOT_BALANCED = (None, None, None, None)  # the balanced schedule's partials and plan
+# Split partials (the kernel's workspace): fp16 output rows scaled by 2^k per row, and fp32
+# (lse, k) pairs; see dsv4_attn.kernels.sparse_decode_sm90.
+PARTIAL_DTYPE = torch.float16
+PARTIAL_PAIR_DTYPE = torch.float32
+WORKSPACE_DTYPES = (PARTIAL_DTYPE, PARTIAL_PAIR_DTYPE)
 # When the balanced schedule pays (balanced_pays): from the decode bench against FlashMLA on
-# ragged HCA lists (BENCHMARKS.md, fourteenth and fifteenth sessions): window + 2048 entries
-# (256K context), and capacity for at least 768 keys per part.
+# ragged HCA lists (BENCHMARKS.md, fourteenth to sixteenth sessions): window + 2048 entries
+# (256K context), and capacity for at least 480 keys per part.
 BALANCED_MIN_CAPACITY = 128 + 2048
-BALANCED_MIN_KEYS_PER_PART = 768
+BALANCED_MIN_KEYS_PER_PART = 480
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,6 +218,16 @@ def _lse(lead: int):
     return _fake(Float32, shape, (*strides, 1), 4)
 
 
+def _partial_pair(lead: int):
+    """A fake fp32 ``[*lead dims, 2]`` tensor of (lse, k) pairs beside partial rows."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    shape = (*(cute.sym_int() for _ in range(lead)), 2)
+    strides = tuple(cute.sym_int64(divisibility=2) for _ in range(lead - 1))
+    return _fake(Float32, shape, (*strides, 2, 1), 8)
+
+
 def _plan(columns: int):
     """A fake int32 ``[n, columns]`` plan of the balanced schedule."""
     import cutlass.cute as cute
@@ -221,7 +239,7 @@ def _plan(columns: int):
 def build_decode_kernel(config):
     """Compile one :class:`SparseDecodeConfig` variant against fake tensors (no GPU needed)."""
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Uint8
+    from cutlass import BFloat16, Float16, Float32, Int32, Uint8
 
     from dsv4_attn.kernels.compile_cache import compile_tvm_ffi
     from dsv4_attn.kernels.sparse_decode_sm90 import SparseDecodeSm90
@@ -242,13 +260,13 @@ def build_decode_kernel(config):
     window = scope()
     extra = scope() if config.has_extra else (None, None, None)
     sink = _fake(Float32, (sym(),), (1,), 4) if config.has_sink else None
-    if config.write_partial:  # split-major [S, T, H, 512] and [S, T, H]
-        out, lse = _rows(Float32, 3), _lse(3)
+    if config.write_partial:  # split-major [S, T, H, 512] and [S, T, H, 2]
+        out, lse = _rows(Float16, 3), _partial_pair(3)
     else:
         out, lse = _rows(BFloat16, 2), _lse(2)
     balanced = _NOT_BALANCED
-    if config.balanced:  # slot-major partials [slots, H, 512] and [slots, H], the two plans
-        balanced = (_rows(Float32, 2), _lse(2), _plan(4), _plan(5))
+    if config.balanced:  # slot-major partials [slots, H, 512] and [slots, H, 2], the two plans
+        balanced = (_rows(Float16, 2), _partial_pair(2), _plan(4), _plan(5))
     return compile_tvm_ffi(
         SparseDecodeSm90(config), q, *window, *extra, sink, out, lse, *balanced,
         Float32(1.0), Int32(1), Int32(1),
@@ -267,13 +285,14 @@ def build_combine_kernel(config):
 def combine_fake_args(has_sink: bool, balanced: bool) -> tuple:
     """The fake tensors a combine kernel compiles against (its arguments before the stream)."""
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32
+    from cutlass import BFloat16, Float16, Float32
 
     # Partials: balanced slot-major [slots, H, ...], else split-major [S, T, H, ...].
     lead = 2 if balanced else 3
     token_plan = _plan(5) if balanced else None
     sink = _fake(Float32, (cute.sym_int(),), (1,), 4) if has_sink else None
-    return _rows(Float32, lead), _lse(lead), sink, _rows(BFloat16, 2), _lse(2), token_plan
+    return (_rows(Float16, lead), _partial_pair(lead), sink, _rows(BFloat16, 2), _lse(2),
+            token_plan)  # fmt: skip
 
 
 @functools.cache
@@ -326,8 +345,10 @@ def compile_variants(
 
 
 def workspace_shape(num_splits: int, num_tokens: int, num_heads: int) -> tuple[tuple, tuple]:
-    """Shapes of the split-KV workspace: fp32 partial outputs and their lse."""
-    return (num_splits, num_tokens, num_heads, HEAD_DIM), (num_splits, num_tokens, num_heads)
+    """Shapes of the split-KV workspace: partial outputs (:data:`PARTIAL_DTYPE`) and their
+    (lse, row scale) pairs (:data:`PARTIAL_PAIR_DTYPE`)."""
+    return ((num_splits, num_tokens, num_heads, HEAD_DIM),
+            (num_splits, num_tokens, num_heads, 2))  # fmt: skip
 
 
 def resolve_splits(
@@ -357,9 +378,10 @@ def balanced_parts(num_heads: int, device: torch.device) -> int:
 
 
 def balanced_workspace_shape(parts: int, num_heads: int) -> tuple[tuple, tuple]:
-    """Shapes of the balanced schedule's partials: fp32 outputs and their lse per slot."""
+    """Shapes of the balanced schedule's partials per slot: outputs (:data:`PARTIAL_DTYPE`)
+    and their (lse, row scale) pairs (:data:`PARTIAL_PAIR_DTYPE`)."""
     slots = max(1, schedule.max_partial_slots(parts))
-    return (slots, num_heads, HEAD_DIM), (slots, num_heads)
+    return (slots, num_heads, HEAD_DIM), (slots, num_heads, 2)
 
 
 def workspace_shapes(
@@ -378,8 +400,9 @@ def workspace_shapes(
 def peak_workspace_numel(
     max_tokens: int, num_heads: int, capacity: int, device: torch.device
 ) -> tuple[int, int]:
-    """The most fp32 elements of partial outputs and of partial lse that any call with at most
-    ``max_tokens`` tokens (and this head count and key capacity) needs.
+    """The most elements of partial outputs (:data:`PARTIAL_DTYPE`) and of their (lse, scale)
+    pairs (:data:`PARTIAL_PAIR_DTYPE`) that any call with at most ``max_tokens`` tokens (and
+    this head count and key capacity) needs.
 
     Splitting happens only while the unsplit grid is below about one wave, so only small token
     counts need a workspace; each of them is checked.
@@ -415,9 +438,9 @@ def sparse_attention(
     :func:`plan_splits` picks it from the shapes); ``plan`` (from :func:`balanced_plan` for
     these key counts) runs the balanced schedule instead, its partials in a ``workspace`` of
     :func:`balanced_workspace_shape`; ``out`` (bf16 ``[T, H, 512]``) and ``lse``
-    (fp32 ``[T, H]``) are written in place when given; ``workspace`` is a pair of fp32 tensors
-    holding at least :func:`workspace_shape` for the split-KV partials (their leading part is
-    used; allocated per call when omitted). Returns ``(out, lse)``.
+    (fp32 ``[T, H]``) are written in place when given; ``workspace`` is a pair of tensors of
+    :data:`WORKSPACE_DTYPES` holding at least :func:`workspace_shape` for the split-KV partials
+    (their leading part is used; allocated per call when omitted). Returns ``(out, lse)``.
     """
     T, H, _ = q.shape
     if out is None:
@@ -478,10 +501,11 @@ def balanced_pays(num_tokens: int, key_capacity: int, num_parts: int) -> bool:
     keys per part.
 
     Measured on ragged HCA lists (each request's count uniform in [0, entries]; H100 and H200,
-    CUDA graphs, BENCHMARKS.md fourteenth and fifteenth sessions): the balanced schedule wins
-    by 5-40% from 16 tokens at 8192 entries (1M context), from 32 at 4096 and from 64 at 2048,
-    ties or loses below that, and never wins at 1024 entries, where a wave of the split launch
-    is short anyway. (Lists all at the capacity lose 3-12% balanced; the rule cannot see the
+    CUDA graphs, BENCHMARKS.md fourteenth to sixteenth sessions; with fp16 partials since the
+    sixteenth): the balanced schedule wins by 5-40% from 8 tokens at 8192 entries (1M context),
+    from 16 at 4096 and from 32 at 2048, ties or loses below that, and never wins at 1024
+    entries, where a wave of the split launch is short anyway. (Lists all at the capacity lose
+    3-12% balanced, e.g. 1M at 8 tokens 1.41x -> 1.32x FlashMLA; the rule cannot see the
     counts, and real batches are ragged.)
     """
     return (
@@ -586,22 +610,25 @@ def _extra_args(extra) -> tuple:
 
 
 def _partials(workspace, o_shape, lse_shape, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 partial outputs and lse of these shapes: views of the caller's workspace, or new."""
+    """Partial outputs and (lse, scale) pairs of these shapes: views of the caller's workspace,
+    or new."""
     if workspace is not None:
         return _workspace_views(workspace, o_shape, lse_shape)
-    return (torch.empty(o_shape, dtype=torch.float32, device=device),
-            torch.empty(lse_shape, dtype=torch.float32, device=device))  # fmt: skip
+    return (torch.empty(o_shape, dtype=PARTIAL_DTYPE, device=device),
+            torch.empty(lse_shape, dtype=PARTIAL_PAIR_DTYPE, device=device))  # fmt: skip
 
 
 def _workspace_views(workspace, o_shape, lse_shape) -> tuple[torch.Tensor, torch.Tensor]:
     """Contiguous views of the exact shapes at the start of the caller's workspace tensors."""
     views = []
-    for tensor, shape in zip(workspace, (o_shape, lse_shape), strict=True):
+    for tensor, shape, dtype in zip(workspace, (o_shape, lse_shape), WORKSPACE_DTYPES,
+                                    strict=True):  # fmt: skip
         need = math.prod(shape)
-        if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.numel() < need:
+        if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.numel() < need:
             raise ValueError(
-                f"workspace tensors must be contiguous fp32 holding at least {shape}, got "
-                f"{tensor.dtype} {tuple(tensor.shape)}"
+                f"workspace tensors must be contiguous {WORKSPACE_DTYPES} holding at least "
+                f"{(o_shape, lse_shape)}; tensor of {shape} is {tensor.dtype} "
+                f"{tuple(tensor.shape)}{'' if tensor.is_contiguous() else ' (not contiguous)'}"
             )
         views.append(tensor.view(-1)[:need].view(shape))
     return views[0], views[1]

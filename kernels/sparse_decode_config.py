@@ -60,10 +60,22 @@ CTA_THREADS = 384
 MMA_THREADS = 256
 
 # Output staging (epilogue): the 64 x 512 output tile goes through SMEM (over Q, K/V and P, free
-# after the last MMA) so global stores are whole 16-byte chunks. Rows are padded (16 B bf16,
-# 32 B fp32) so the accumulator fragments' stores hit 32 distinct banks.
-STAGE_ROW_BYTES_BF16 = HEAD_DIM * 2 + 16
-STAGE_ROW_BYTES_F32 = HEAD_DIM * 4 + 32
+# after the last MMA) so global stores are whole 16-byte chunks. Both outputs are 16-bit (bf16
+# final rows, fp16 split partials); rows are padded by 16 B so the accumulator fragments' stores
+# hit 32 distinct banks.
+STAGE_ROW_BYTES = HEAD_DIM * 2 + 16
+
+# Split partials: fp16 rows scaled by a power of two per row, 2^k with k chosen so the row's
+# largest magnitude lands in [2^PARTIAL_TOP_LOG2, 2^(PARTIAL_TOP_LOG2 + 1)) (fp16's 11-bit
+# significand and its range both used; the combine divides by 2^k exactly). k is clamped to
+# [PARTIAL_MIN_LOG2, PARTIAL_MAX_LOG2]: the low end still maps the largest float below fp16's
+# limit; the high end keeps 2^-k normal in fp32 after the combine's division by up to 32
+# splits (rows below 2^-106 keep fewer fp16 bits: the bf16 output there is near its
+# subnormals anyway).
+# Half the bytes of fp32 partials at the same accuracy (``scripts/partials_precision.py``).
+PARTIAL_TOP_LOG2 = 14
+PARTIAL_MIN_LOG2 = -113
+PARTIAL_MAX_LOG2 = 120
 
 # Output columns per MMA warpgroup. WG0 (QK, softmax) keeps Q's nope columns in registers
 # (448 bf16 = 112 a thread) beside its O columns; WG1 holds the rest of O. Each WG1 tile is one

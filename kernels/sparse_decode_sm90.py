@@ -55,8 +55,11 @@ register split, the SMEM swizzle), :mod:`~dsv4_attn.kernels.sparse_decode_produc
 warpgroups and the epilogue.
 
 Outputs: with one split, ``out`` bf16 ``[T, H, 512]`` (sink applied) and ``lse`` fp32 ``[T, H]``;
-with several, fp32 partials ``[S, T, H, 512]`` normalized per split plus their natural-log lse
-``[S, T, H]`` (-inf for an empty split), merged by :mod:`dsv4_attn.kernels.combine`.
+with several, partials ``[S, T, H, 512]`` normalized per split, stored as fp16 times a power of
+two 2^k per row (the row's largest magnitude in [2^14, 2^15): fp32's accuracy at half its bytes,
+which the epilogue's stores and the combine's loads are bound by), and fp32 pairs
+``[S, T, H, 2]`` = (natural-log lse, -inf for an empty split; k), merged by
+:mod:`dsv4_attn.kernels.combine`.
 """
 
 from __future__ import annotations
@@ -98,11 +101,13 @@ from dsv4_attn.kernels.sparse_decode_config import (
     NUM_STAGES,
     NVFP4_DATA_ROW,
     NVFP4_SCALE_ROW,
+    PARTIAL_MAX_LOG2,
+    PARTIAL_MIN_LOG2,
+    PARTIAL_TOP_LOG2,
     PRODUCER_REGS,
     RAW_SLOT_BYTES,
     RAW_STAGES,
-    STAGE_ROW_BYTES_BF16,
-    STAGE_ROW_BYTES_F32,
+    STAGE_ROW_BYTES,
     WG0_COLS,
     WG0_REGS,
     WG1_REGS,
@@ -122,6 +127,10 @@ LOG2E = math.log2(math.e)
 # The running max moves only past this many log2 units (so P <= 2^RESCALE_LOG2): see softmax.
 RESCALE_LOG2 = 8.0
 LN2 = math.log(2.0)
+# Columns of the per-row statistics in SMEM: the final softmax sum and max (WG0 -> WG1), and,
+# for split partials, each MMA warpgroup's largest |output| (the row's fp16 scale).
+STAT_SUM, STAT_MAX, STAT_ABSMAX = 0, 1, 2
+ROW_STATS = STAT_ABSMAX + 2
 
 
 @cute.jit
@@ -162,10 +171,10 @@ class SparseDecodeSm90(SparseDecodeProducer):
         mEIdx: cute.Tensor | None,
         mELens: cute.Tensor | None,
         mSink: cute.Tensor | None,  # [H] fp32
-        mO: cute.Tensor,  # final: [T, H, 512] bf16; partial: [S, T, H, 512] fp32
-        mLse: cute.Tensor,  # final: [T, H] fp32; partial: [S, T, H] fp32
-        mOpart: cute.Tensor | None,  # balanced: [slots, H, 512] fp32
-        mLsePart: cute.Tensor | None,  # balanced: [slots, H] fp32
+        mO: cute.Tensor,  # final: [T, H, 512] bf16; partial: [S, T, H, 512] fp16 (scaled)
+        mLse: cute.Tensor,  # final: [T, H] fp32; partial: [S, T, H, 2] fp32 (lse, k)
+        mOpart: cute.Tensor | None,  # balanced: [slots, H, 512] fp16 (scaled)
+        mLsePart: cute.Tensor | None,  # balanced: [slots, H, 2] fp32 (lse, k)
         mPartPlan: cute.Tensor | None,  # balanced: [num_parts, 4] int32
         mTokenPlan: cute.Tensor | None,  # balanced: [T, 5] int32
         scale_log2: Float32,  # softmax scale * log2(e)
@@ -198,8 +207,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
             empty_bar: cute.struct.MemRange[Int64, NUM_STAGES]
             key_bias: cute.struct.MemRange[Float32, BLOCK_N * NUM_STAGES]
             row_factor: cute.struct.MemRange[Float32, BLOCK_H * NUM_P_BUFFERS]
-            row_sum: cute.struct.MemRange[Float32, BLOCK_H]
-            row_max: cute.struct.MemRange[Float32, BLOCK_H]
+            row_stats: cute.struct.MemRange[Float32, BLOCK_H * ROW_STATS]
             sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
@@ -211,7 +219,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         assert SharedStorage.size_in_bytes() <= 232448, SharedStorage.size_in_bytes()
         # The epilogue stages the output over Q, the K/V stages and P (not the raw ring, where
         # the producer's last copies may still land).
-        staged = BLOCK_H * max(STAGE_ROW_BYTES_F32, STAGE_ROW_BYTES_BF16)
+        staged = BLOCK_H * STAGE_ROW_BYTES
         assert staged <= 2 * (cute.cosize(sQ_layout) + cute.cosize(sK_layout)
                               + cute.cosize(sP_layout)), staged  # fmt: skip
         num_heads = mQ.shape[1]
@@ -294,8 +302,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         sIds = storage.sIds.get_tensor(cute.make_layout(ID_STAGES * ID_SLOT_BYTES))
         key_bias = storage.key_bias.get_tensor(cute.make_layout((BLOCK_N, NUM_STAGES)))
         row_factor = storage.row_factor.get_tensor(cute.make_layout((BLOCK_H, NUM_P_BUFFERS)))
-        row_sum_smem = storage.row_sum.get_tensor(cute.make_layout(BLOCK_H))
-        row_max_smem = storage.row_max.get_tensor(cute.make_layout(BLOCK_H))
+        row_stats = storage.row_stats.get_tensor(cute.make_layout((BLOCK_H, ROW_STATS)))
 
         # Each role computes its own values after its register reconfiguration, so nothing stays
         # live across the three roles' different register budgets. Every role walks the same
@@ -326,8 +333,8 @@ class SparseDecodeSm90(SparseDecodeProducer):
                         self.load_q(tma_q, tma_atom_q, sQ, q_full_bar, t, head_block)
                 cute.arch.mbarrier_wait(q_full_bar, done % 2)
                 self.consumer_softmax(
-                    outputs, mSink, sQ, sK, sP, key_bias, row_factor, row_sum_smem, row_max_smem,
-                    full_bar, empty_bar, mma_qk_rs, mma_qk_ss, mma_pv_wg0, scale_log2,
+                    outputs, mSink, sQ, sK, sP, key_bias, row_factor, row_stats, full_bar,
+                    empty_bar, mma_qk_rs, mma_qk_ss, mma_pv_wg0, scale_log2,
                     t, head_block, split, slot, g0, n_tiles, tidx,
                 )  # fmt: skip
 
@@ -345,8 +352,8 @@ class SparseDecodeSm90(SparseDecodeProducer):
                         cute.arch.barrier(barrier_id=BAR_ITEM, number_of_threads=CTA_THREADS)
                 cute.arch.mbarrier_wait(q_full_bar, done % 2)
                 self.consumer_right(
-                    outputs, mSink, sK, sP, row_factor, row_sum_smem, row_max_smem, full_bar,
-                    empty_bar, (mma_pv_mid, mma_pv_right), t, head_block, split, slot, g0,
+                    outputs, mSink, sK, sP, row_factor, row_stats, full_bar, empty_bar,
+                    (mma_pv_mid, mma_pv_right), t, head_block, split, slot, g0,
                     n_tiles, tidx - 128, sQ,
                 )  # fmt: skip
 
@@ -461,8 +468,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         sP: cute.Tensor,
         key_bias: cute.Tensor,
         row_factor: cute.Tensor,
-        row_sum_smem: cute.Tensor,
-        row_max_smem: cute.Tensor,
+        row_stats: cute.Tensor,
         full_bar,
         empty_bar,
         mma_qk_rs: cute.TiledMma,
@@ -599,12 +605,11 @@ class SparseDecodeSm90(SparseDecodeProducer):
         for h in cutlass.range_constexpr(2):
             row_l[h] = quad_sum(row_l[h])
         if (lane & 3) == 0:
-            row_sum_smem[row0] = row_l[0]
-            row_sum_smem[row0 + 8] = row_l[1]
-            row_max_smem[row0] = row_m[0]
-            row_max_smem[row0 + 8] = row_m[1]
+            for h in cutlass.range_constexpr(2):
+                row_stats[row0 + 8 * h, STAT_SUM] = row_l[h]
+                row_stats[row0 + 8 * h, STAT_MAX] = row_m[h]
         cute.arch.barrier_arrive(barrier_id=BAR_STATS, number_of_threads=MMA_THREADS)
-        self.epilogue(outputs, mSink, [(acc_o, 0)], tidx, 0, row_l, row_m, row_sum_smem,
+        self.epilogue(outputs, mSink, [(acc_o, 0)], tidx, 0, row_l, row_m, row_stats,
                       token, head_block, split, slot, sQ, True)  # fmt: skip
 
     @cute.jit
@@ -650,8 +655,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         sK: cute.Tensor,
         sP: cute.Tensor,
         row_factor: cute.Tensor,
-        row_sum_smem: cute.Tensor,
-        row_max_smem: cute.Tensor,
+        row_stats: cute.Tensor,
         full_bar,
         empty_bar,
         mma_pv: tuple,
@@ -707,12 +711,11 @@ class SparseDecodeSm90(SparseDecodeProducer):
         cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=MMA_THREADS)
         row_l = cute.make_rmem_tensor((2,), Float32)
         row_m = cute.make_rmem_tensor((2,), Float32)
-        row_l[0] = row_sum_smem[row0]
-        row_l[1] = row_sum_smem[row0 + 8]
-        row_m[0] = row_max_smem[row0]
-        row_m[1] = row_max_smem[row0 + 8]
+        for h in cutlass.range_constexpr(2):
+            row_l[h] = row_stats[row0 + 8 * h, STAT_SUM]
+            row_m[h] = row_stats[row0 + 8 * h, STAT_MAX]
         self.epilogue(outputs, mSink, list(zip(accs, [o for o, _ in WG1_TILES], strict=True)),
-                      tidx, 1, row_l, row_m, row_sum_smem,
+                      tidx, 1, row_l, row_m, row_stats,
                       token, head_block, split, slot, sQ_staging, False)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
@@ -726,7 +729,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         wg: cutlass.Constexpr[int],
         row_l: cute.Tensor,
         row_m: cute.Tensor,
-        row_sum_smem: cute.Tensor,
+        row_stats: cute.Tensor,
         token: Int32,
         head_block: Int32,
         split: Int32,
@@ -737,10 +740,11 @@ class SparseDecodeSm90(SparseDecodeProducer):
         """Normalize this warpgroup's output columns (``accs``: (accumulator, first column)
         pairs), stage them in SMEM, then both MMA warpgroups (``wg`` 0, 1) store the 64 x 512
         tile (and WG0 the lse) in 16-byte chunks: to the final output (bf16, sink applied) or to
-        a partial (fp32: split ``split`` of ``[S, T, H]``, or, balanced, slot ``slot`` of
-        ``[slots, H]`` when ``slot`` >= 0). ``outputs``: (mO, mLse, mOpart, mLsePart)."""
+        a partial (fp16 rows scaled by 2^k, ``[lse, k]`` beside them: split ``split`` of
+        ``[S, T, H]``, or, balanced, slot ``slot`` of ``[slots, H]`` when ``slot`` >= 0).
+        ``outputs``: (mO, mLse, mOpart, mLsePart)."""
         mO, mLse, mOpart, mLsePart = outputs
-        tile = (mSink, accs, tidx, wg, row_l, row_m, row_sum_smem, head_block, sQ_staging,
+        tile = (mSink, accs, tidx, wg, row_l, row_m, row_stats, head_block, sQ_staging,
                 write_lse)  # fmt: skip
         if const_expr(self.cfg.balanced):
             # Both warpgroups take the same branch: the slot is the CTA's.
@@ -766,9 +770,10 @@ class SparseDecodeSm90(SparseDecodeProducer):
         tile: tuple,
     ):
         """The body of :meth:`epilogue` for one destination: head h of this CTA goes to row
-        ``out_token * num_heads + h`` of ``mO`` (and ``mLse``); ``partial``: fp32, no sink.
-        ``tile``: the rest of :meth:`epilogue`'s arguments, as it packs them."""
-        (mSink, accs, tidx, wg, row_l, row_m, row_sum_smem, head_block, sQ_staging,
+        ``out_token * num_heads + h`` of ``mO`` (and ``mLse``); ``partial``: fp16 scaled rows,
+        ``[lse, k]`` pairs, no sink. ``tile``: the rest of :meth:`epilogue`'s arguments, as it
+        packs them."""
+        (mSink, accs, tidx, wg, row_l, row_m, row_stats, head_block, sQ_staging,
          write_lse) = tile  # fmt: skip
         lane = tidx & 31
         row0 = (tidx >> 5) * 16 + (lane >> 2)
@@ -789,20 +794,41 @@ class SparseDecodeSm90(SparseDecodeProducer):
                 f = f * ptx_ops.rcp_approx(1.0 + ptx_ops.exp2_approx(sink * LOG2E - lse2))
                 f = Float32(cutlass.select_(has_keys, f, Float32(0.0)))
             factor[h] = f
-        if const_expr(write_lse):
-            lse_base = mLse.iterator.toint()
+        if const_expr(partial):
+            # This warpgroup's largest |normalized output| per row, for the row's scale.
             for h in cutlass.range_constexpr(2):
-                head = head_block * BLOCK_H + row0 + 8 * h
-                if head < num_heads:  # noqa: SIM102
-                    if (lane & 3) == 0:
-                        row_index = out_token * num_heads + head
-                        ptx_ops.st_global_f32(lse_base + row_index * 4, lse_nat[h])
+                absmax = Float32(0.0)
+                for acc_o, _ in accs:
+                    for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
+                        absmax = ptx_ops.max_abs(absmax, acc_o[j * 4 + h * 2])
+                        absmax = ptx_ops.max_abs(absmax, acc_o[j * 4 + h * 2 + 1])
+                absmax = quad_max(absmax) * factor[h]
+                if (lane & 3) == 0:
+                    row_stats[row0 + 8 * h, STAT_ABSMAX + wg] = absmax
+        elif const_expr(write_lse):
+            self.store_lse(mLse, num_heads, out_token, head_block, row0, lane, lse_nat, None)
 
         # The staging area overlaps Q and the K/V stages: wait until both warpgroups are past
-        # their last MMA, write the fragments, wait until the whole tile is in SMEM.
+        # their last MMA (and have published their row maxima), write the fragments, wait until
+        # the whole tile is in SMEM.
         cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=MMA_THREADS)
+        if const_expr(partial):
+            # Row scale 2^k: the row's largest magnitude to [2^TOP, 2^(TOP + 1)) (exponent bits,
+            # exact), k clamped (see sparse_decode_config); a row of zeros takes the top k.
+            k_row = cute.make_rmem_tensor((2,), Float32)
+            for h in cutlass.range_constexpr(2):
+                absmax = cute.arch.fmax(row_stats[row0 + 8 * h, STAT_ABSMAX],
+                                        row_stats[row0 + 8 * h, STAT_ABSMAX + 1])  # fmt: skip
+                biased = Int32((ptx_ops.f32_to_bits(absmax) >> 23) & 0xFF)
+                k_exp = Int32(127 + PARTIAL_TOP_LOG2) - biased
+                k_exp = cutlass.min(cutlass.max(k_exp, Int32(PARTIAL_MIN_LOG2)),
+                                    Int32(PARTIAL_MAX_LOG2))  # fmt: skip
+                k_row[h] = Float32(k_exp)
+                factor[h] = factor[h] * ptx_ops.bits_to_f32(Uint32(k_exp + 127) << 23)
+            if const_expr(write_lse):
+                self.store_lse(mLse, num_heads, out_token, head_block, row0, lane, lse_nat,
+                               k_row)  # fmt: skip
         staging = sQ_staging.iterator.toint()  # Q, then the K/V stages and P: ~200 KB
-        row_bytes = STAGE_ROW_BYTES_F32 if partial else STAGE_ROW_BYTES_BF16
         # wgmma accumulator layout: register 4j + 2h + v holds row (row0 + 8h), column
         # 8j + 2 (lane % 4) + v of the accumulator's columns.
         # Only the rows of real heads (fewer than 64 with tensor-parallel shards) are staged
@@ -810,22 +836,22 @@ class SparseDecodeSm90(SparseDecodeProducer):
         for acc_o, col_offset in accs:
             for h in cutlass.range_constexpr(2):
                 if head_block * BLOCK_H + row0 + 8 * h < num_heads:
-                    row_at = staging + (row0 + 8 * h) * row_bytes
+                    row_at = staging + (row0 + 8 * h) * STAGE_ROW_BYTES
                     for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
                         idx = j * 4 + h * 2
                         v0 = acc_o[idx] * factor[h]
                         v1 = acc_o[idx + 1] * factor[h]
                         col = col_offset + 8 * j + 2 * (lane & 3)
                         if const_expr(partial):
-                            ptx_ops.st_shared_v2_f32(row_at + col * 4, v0, v1)
+                            pair = ptx_ops.cvt_f16x2_f32(v0, v1)
                         else:
                             pair = ptx_ops.cvt_bf16x2_f32(v0, v1)
-                            ptx_ops.st_shared_b32(row_at + col * 2, pair)
+                        ptx_ops.st_shared_b32(row_at + col * 2, pair)
         cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=MMA_THREADS)
 
         # 16-byte chunks, a warp's 32 consecutive chunks along one row. A partial row without
         # keys stays unwritten: the combine gives it weight 0 from lse = -inf, never reads it.
-        chunks_per_row = HEAD_DIM * (4 if partial else 2) // 16
+        chunks_per_row = HEAD_DIM * 2 // 16
         copy_tid = tidx + wg * 128
         rows = cutlass.min(num_heads - head_block * BLOCK_H, Int32(BLOCK_H))
         copies = (rows * chunks_per_row + MMA_THREADS - 1) // MMA_THREADS
@@ -837,9 +863,24 @@ class SparseDecodeSm90(SparseDecodeProducer):
             if out_head < num_heads:
                 write = True
                 if const_expr(partial):
-                    write = row_sum_smem[row] > 0.0
+                    write = row_stats[row, STAT_SUM] > 0.0
                 if write:
                     row_index = out_token * num_heads + out_head
-                    words = ptx_ops.ld_shared_v4(staging + row * row_bytes + k * 16)
+                    words = ptx_ops.ld_shared_v4(staging + row * STAGE_ROW_BYTES + k * 16)
                     row_addr = out_base + row_index * (chunks_per_row * 16)
                     ptx_ops.st_global_v4_b32(row_addr + k * 16, *words)
+
+    @cute.jit
+    def store_lse(self, mLse, num_heads, out_token, head_block, row0, lane, lse_nat, k_row):
+        """WG0: this thread's two rows' lse (natural log) to ``mLse``: one float per row, or,
+        for a partial (``k_row`` given), the pair (lse, k) of the row's fp16 scale 2^k."""
+        lse_base = mLse.iterator.toint()
+        for h in cutlass.range_constexpr(2):
+            head = head_block * BLOCK_H + row0 + 8 * h
+            if head < num_heads:  # noqa: SIM102
+                if (lane & 3) == 0:
+                    row_index = out_token * num_heads + head
+                    if const_expr(k_row is None):
+                        ptx_ops.st_global_f32(lse_base + row_index * 4, lse_nat[h])
+                    else:
+                        ptx_ops.st_global_v2_f32(lse_base + row_index * 8, lse_nat[h], k_row[h])

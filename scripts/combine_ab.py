@@ -2,10 +2,11 @@
 merged by both, their outputs compared, each timed alone and after the decode kernel (µs,
 CUDA-graph replays, L2 flushed, medians of 30), for the current kernel's 1- and 4-warp widths.
 
-The other version is a copy of ``kernels/combine.py`` from history, e.g. the one-warp-a-row
-kernel before the fifteenth session:
+The other version is a copy of ``kernels/combine.py`` from history that reads the same
+partial format (fp16 scaled rows and (lse, k) pairs, since the sixteenth session; the fp32
+versions before it, e.g. ``06df2a6``, ran against the decode kernel of their day):
 
-    git show 06df2a6:kernels/combine.py > /tmp/combine_old.py
+    git show <commit>:kernels/combine.py > /tmp/combine_old.py
     python scripts/combine_ab.py /tmp/combine_old.py [OUT.json]
 
 Cases: V4-Flash, V4-Pro and TP 8 at small T (split launch), HCA 1M with full, 2048-, 512-entry

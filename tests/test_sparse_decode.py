@@ -255,7 +255,9 @@ def _run_case(fmt, H, T, extra_width, sink_kind, seed, num_splits=None, extra_bs
     else:
         splits, _ = sparse_decode.resolve_splits(T, H, capacity, device, num_splits)
         shapes = sparse_decode.workspace_shape(splits, T, H)
-    workspace = tuple(torch.full(shape, float("nan"), device=device) for shape in shapes)
+    dtypes = sparse_decode.WORKSPACE_DTYPES
+    workspace = tuple(torch.full(shape, float("nan"), dtype=dtype, device=device)
+                      for shape, dtype in zip(shapes, dtypes, strict=True))  # fmt: skip
     sparse_decode.sparse_attention(*args, num_splits=num_splits, out=out, lse=lse,
                                    workspace=workspace, plan=plan)  # fmt: skip
     torch.cuda.synchronize()
@@ -365,6 +367,69 @@ def test_balanced_schedule_under_cuda_graph_replay():
 def test_forced_split_counts(fmt, num_splits):
     _needs_hopper()
     _run_case(fmt, 128, 5, 1024, "finite", seed=num_splits * 13 + 1, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
+@pytest.mark.parametrize("magnitude_log2", [-90, -24, 20, 100])
+@pytest.mark.parametrize("balanced", [False, True])
+def test_split_partials_keep_any_magnitude(fmt, magnitude_log2, balanced):
+    """Split partials are fp16 rows scaled per row by a power of two: rows of any magnitude a
+    bf16 cache holds (2^-90 .. 2^100, beyond fp16's 2^-24 .. 2^16) merge like the float64
+    reference (q scaled the other way keeps the scores ordinary)."""
+    _needs_hopper()
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(magnitude_log2 % 97 + 5 * balanced)
+    T, H, K = 6, 64, 1024
+    num_slots = 4096
+    cache = kv_cache.allocate(num_slots // 64, 64, fmt, device=device)
+    rows = torch.randn(num_slots, HEAD_DIM, generator=gen, device=device) * 2.0**magnitude_log2
+    kv_cache.write(cache, torch.arange(num_slots, device=device), rows.to(torch.bfloat16), fmt, 64)
+    window = KVScope(cache, fmt, 64, *_random_lists(T, K, num_slots, device, gen))
+    q = torch.randn(T, H, HEAD_DIM, generator=gen, device=device) * 2.0 ** (2 - magnitude_log2)
+    args = (q.to(torch.bfloat16), window, None, HEAD_DIM**-0.5, None)
+    out = torch.full((T, H, HEAD_DIM), float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=device)
+    plan = sparse_decode.balanced_plan(window, None, H) if balanced else None
+    sparse_decode.sparse_attention(*args, num_splits=None if balanced else 8, out=out, lse=lse,
+                                   plan=plan)  # fmt: skip
+    torch.cuda.synchronize()
+    ref_out, ref_lse = _reference(*args)
+    _check(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
+def test_split_partials_cost_no_accuracy(fmt):
+    """Merging 2 to 30 split partials (fp16 rows under a per-row power-of-two scale) adds no
+    error to speak of: the worst error against the float64 reference, relative to its row's
+    largest value, stays within 1.25x that of the same call unsplit (which writes its bf16
+    output straight from the fp32 accumulators) and of the reference's own bf16 rounding. The
+    CPU emulation (scripts/partials_precision.py) puts these partials at 1.00-1.04x the
+    rounding, fp32 partials at 1.0x and bf16 partials at 1.5-1.9x."""
+    _needs_hopper()
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(23)
+    T, H, K = 2, 64, 1024
+    cache = _random_cache(fmt, 64, 4096, device, gen)
+    idx = torch.randint(0, 4096, (T, K), generator=gen, device=device, dtype=torch.int32)
+    window = KVScope(cache, fmt, 64, idx, torch.full((T,), K, device=device, dtype=torch.int32))
+    q = (torch.randn(T, H, HEAD_DIM, generator=gen, device=device) * 2).to(torch.bfloat16)
+    args = (q, window, None, HEAD_DIM**-0.5, None)
+    ref_out, _ = _reference(*args)
+    errors = {}
+    for num_splits in (1, 2, 7, 30):
+        out, _ = sparse_decode.sparse_attention(*args, num_splits=num_splits)
+        torch.cuda.synchronize()
+        errors[num_splits] = _row_errors(out, ref_out)
+    bound = 1.25 * max(errors[1], _row_errors(ref_out.to(torch.bfloat16), ref_out))
+    assert all(error <= bound for error in errors.values()), (errors, bound)
+
+
+def _row_errors(out, ref_out) -> float:
+    """The worst |out - ref| of a row, relative to that row's largest |ref|, over all rows."""
+    scale = ref_out.abs().amax(-1, keepdim=True).clamp_min(1e-300)
+    return float(((out.double() - ref_out).abs() / scale).max())
 
 
 def _scored_cache(fmt, block_size, gains, direction, device, gen):

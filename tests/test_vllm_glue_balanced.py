@@ -46,14 +46,14 @@ def test_the_policy_needs_long_lists_and_enough_work_per_part():
     assert sparse_decode.balanced_pays(enough, capacity, parts)
     assert not sparse_decode.balanced_pays(enough - 1, capacity, parts)
     assert not sparse_decode.balanced_pays(10**6, capacity - 1, parts)
-    # The measured cases (H100/H200, 132 parts): 1M context (8320 keys) from 16 tokens, 512K
-    # (4224) from 32, 256K (2176) from 64, never at 128K (1152).
-    assert sparse_decode.balanced_pays(16, 128 + 8192, 132)
-    assert not sparse_decode.balanced_pays(8, 128 + 8192, 132)
-    assert sparse_decode.balanced_pays(32, 128 + 4096, 132)
-    assert not sparse_decode.balanced_pays(16, 128 + 4096, 132)
-    assert sparse_decode.balanced_pays(64, 128 + 2048, 132)
-    assert not sparse_decode.balanced_pays(32, 128 + 2048, 132)
+    # The measured cases (H100/H200, 132 parts): 1M context (8320 keys) from 8 tokens, 512K
+    # (4224) from 16, 256K (2176) from 32, never at 128K (1152).
+    assert sparse_decode.balanced_pays(8, 128 + 8192, 132)
+    assert not sparse_decode.balanced_pays(4, 128 + 8192, 132)
+    assert sparse_decode.balanced_pays(16, 128 + 4096, 132)
+    assert not sparse_decode.balanced_pays(8, 128 + 4096, 132)
+    assert sparse_decode.balanced_pays(32, 128 + 2048, 132)
+    assert not sparse_decode.balanced_pays(16, 128 + 2048, 132)
     assert not sparse_decode.balanced_pays(512, 128 + 1024, 132)
 
 

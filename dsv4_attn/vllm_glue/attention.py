@@ -242,6 +242,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         from dsv4_attn.kernels import sparse_decode
 
         heads = self.padded_heads
+        o_dtype, pair_dtype = sparse_decode.WORKSPACE_DTYPES  # the kernel's partials
         if peak:
             o_numel, lse_numel = sparse_decode.peak_workspace_numel(
                 num_tokens, heads, capacity, self.device
@@ -252,14 +253,14 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
                 o_numel = max(o_numel, math.prod(o_shape))
                 lse_numel = max(lse_numel, math.prod(lse_shape))
             if o_numel:
-                shapes += [((o_numel,), torch.float32), ((lse_numel,), torch.float32)]
+                shapes += [((o_numel,), o_dtype), ((lse_numel,), pair_dtype)]
             return shapes
         if plan is not None:
             o_shape, lse_shape = sparse_decode.balanced_workspace_shape(plan.num_parts, heads)
-            return [*shapes, (o_shape, torch.float32), (lse_shape, torch.float32)]
+            return [*shapes, (o_shape, o_dtype), (lse_shape, pair_dtype)]
         split = sparse_decode.workspace_shapes(num_tokens, heads, capacity, self.device)
         if split is not None:
-            shapes += [(split[0], torch.float32), (split[1], torch.float32)]
+            shapes += [(split[0], o_dtype), (split[1], pair_dtype)]
         return shapes
 
     def _reserve_scratch(self) -> None:
