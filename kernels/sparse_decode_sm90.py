@@ -133,6 +133,18 @@ STAT_SUM, STAT_MAX, STAT_ABSMAX = 0, 1, 2
 ROW_STATS = STAT_ABSMAX + 2
 
 
+def _largest_magnitude(values: list, chains: int = 8) -> Float32:
+    """max |v| over ``values`` (floats; 0 for none), as ``chains`` independent running maxima
+    and then a tree: one dependent chain through every value would cost its length in FMNMX
+    latencies. (A plain function: traced inline, its Python loops unrolled.)"""
+    maxima = [Float32(0.0)] * chains
+    for i, x in enumerate(values):
+        maxima[i % chains] = ptx_ops.max_abs(maxima[i % chains], x)
+    while len(maxima) > 1:
+        maxima = [cute.arch.fmax(a, b) for a, b in zip(maxima[::2], maxima[1::2], strict=True)]
+    return maxima[0]
+
+
 @cute.jit
 def _on_stage(stage: Int32, issue, s: cutlass.Constexpr[int] = 0):
     """``issue(stage)`` with ``stage`` (0 .. NUM_STAGES - 1) as a compile-time constant: an
@@ -795,16 +807,16 @@ class SparseDecodeSm90(SparseDecodeProducer):
                 f = Float32(cutlass.select_(has_keys, f, Float32(0.0)))
             factor[h] = f
         if const_expr(partial):
-            # This warpgroup's largest |normalized output| per row, for the row's scale.
-            for h in cutlass.range_constexpr(2):
-                absmax = Float32(0.0)
-                for acc_o, _ in accs:
-                    for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
-                        absmax = ptx_ops.max_abs(absmax, acc_o[j * 4 + h * 2])
-                        absmax = ptx_ops.max_abs(absmax, acc_o[j * 4 + h * 2 + 1])
-                absmax = quad_max(absmax) * factor[h]
-                if (lane & 3) == 0:
-                    row_stats[row0 + 8 * h, STAT_ABSMAX + wg] = absmax
+            # This warpgroup's largest |normalized output| per row, for the row's scale: over
+            # eight independent maxima (one chain through 32-96 values would take ~0.5 us), and
+            # only in warps holding rows of real heads (a warp's 16 rows: all or none padding).
+            if head_block * BLOCK_H + (tidx >> 5) * 16 < num_heads:
+                for h in cutlass.range_constexpr(2):
+                    values = [acc_o[j * 4 + h * 2 + v] for acc_o, _ in accs
+                              for j in range(cute.size(acc_o) // 4) for v in range(2)]  # fmt: skip
+                    absmax = quad_max(_largest_magnitude(values)) * factor[h]
+                    if (lane & 3) == 0:
+                        row_stats[row0 + 8 * h, STAT_ABSMAX + wg] = absmax
         elif const_expr(write_lse):
             self.store_lse(mLse, num_heads, out_token, head_block, row0, lane, lse_nat, None)
 
