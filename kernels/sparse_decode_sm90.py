@@ -467,14 +467,15 @@ class SparseDecodeSm90(SparseDecodeProducer):
 
     @cute.jit
     def prefetch_id_range(self, ids_row, lo, hi, width):
-        """L2 prefetch of ids ``lo .. hi`` (clamped to ``0 .. width``) of a row at ``ids_row``,
-        widened to whole 16-byte units."""
+        """L2 prefetch of ids ``lo .. hi`` (clamped to ``0 .. width``) of a row at ``ids_row``:
+        the whole 16-byte units inside (never a byte outside the row; the sectors of the cut
+        ends come along anyway)."""
         elem = self.cfg.index_bytes
         lo = cutlass.max(lo, Int32(0))
         hi = cutlass.min(hi, width)
-        if hi > lo:
-            start = (ids_row + Int64(lo) * elem) & Int64(-16)
-            end = (ids_row + Int64(hi) * elem + 15) & Int64(-16)
+        start = (ids_row + Int64(lo) * elem + 15) & Int64(-16)
+        end = (ids_row + Int64(hi) * elem) & Int64(-16)
+        if end > start:
             ptx_ops.prefetch_bulk_l2_n(start, Int32(end - start))
 
     @cute.jit
