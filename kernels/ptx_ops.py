@@ -146,6 +146,24 @@ def prefetch_bulk_l2(addr: Int64, size: int, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def prefetch_l1(addr: Int64, *, loc=None, ip=None) -> None:
+    """Prefetch the line holding ``addr`` into L1 (a later load of it waits less)."""
+    _statement([_i64(addr, loc, ip)], "prefetch.global.L1 [$0];", "l", loc, ip)
+
+
+@dsl_user_op
+def prefetch_bulk_l2_n(addr: Int64, size: Int32, *, loc=None, ip=None) -> None:
+    """:func:`prefetch_bulk_l2` of a runtime ``size`` (multiple of 16)."""
+    _statement(
+        [_i64(addr, loc, ip), _i32(size, loc, ip)],
+        "cp.async.bulk.prefetch.L2.global [$0], $1;",
+        "l,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
 def st_global_b32(addr: Int64, v: Uint32, *, loc=None, ip=None) -> None:
     _statement([_i64(addr, loc, ip), _u32(v, loc, ip)], "st.global.b32 [$0], $1;", "l,r", loc, ip)
 

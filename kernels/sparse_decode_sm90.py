@@ -288,6 +288,14 @@ class SparseDecodeSm90(SparseDecodeProducer):
             # scheduled on SMs this grid leaves idle; they wait for this grid's writes anyway.
             cute.arch.griddepcontrol_launch_dependents()
 
+        if const_expr(not balanced):  # noqa: SIM102 (a compile-time, then a runtime test)
+            if tidx == 256:
+                self.prefetch_first_ids(mIdx, mEIdx, token, split, tiles_per_split)
+                # Every role reads the token's lengths first (key_range): start that miss now.
+                for lens in (mLens, mELens) if const_expr(self.cfg.has_extra) else (mLens,):
+                    width = lens.element_type.width // 8
+                    ptx_ops.prefetch_l1(lens.iterator.toint() + Int64(token) * width)
+
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         q_full_bar = storage.q_full_bar.data_ptr()
@@ -434,6 +442,41 @@ class SparseDecodeSm90(SparseDecodeProducer):
         share = cute.arch.make_warp_uniform(share)  # keeps the tile loop's values uniform
         key_begin = split * share * BLOCK_N
         return self.keys_between(mLens, mELens, token, key_begin, key_begin + share * BLOCK_N)
+
+    @cute.jit
+    def prefetch_first_ids(self, mIdx, mEIdx, token, split, tiles_per_split):
+        """Ask L2 for the slot ids of this CTA's first RAW_STAGES tiles, placed as if the
+        token's list were full (the common case), before anything else: the producer can ask
+        for them only after the token's lengths have arrived (:meth:`key_range`), one DRAM
+        round trip later, and the first tile's rows wait for them."""
+        _, num_splits, _ = cute.arch.grid_dim()
+        window_cap = Int32(mIdx.shape[1])
+        capacity = window_cap
+        if const_expr(self.cfg.has_extra):
+            capacity = capacity + Int32(mEIdx.shape[1])
+        token_tiles = (capacity + BLOCK_N - 1) // BLOCK_N
+        share = (token_tiles + Int32(num_splits) - 1) // Int32(num_splits)
+        share = cutlass.min(cutlass.max(share, Int32(MIN_SPLIT_TILES)), tiles_per_split)
+        first = split * share * BLOCK_N
+        span = RAW_STAGES * BLOCK_N
+        window_ids, extra_ids = self.id_rows(mIdx, mEIdx, token)
+        self.prefetch_id_range(window_ids, first, first + span, window_cap)
+        if const_expr(self.cfg.has_extra):
+            self.prefetch_id_range(extra_ids, first - window_cap, first - window_cap + span,
+                                   Int32(mEIdx.shape[1]))  # fmt: skip
+
+    @cute.jit
+    def prefetch_id_range(self, ids_row, lo, hi, width):
+        """L2 prefetch of ids ``lo .. hi`` (clamped to ``0 .. width``) of a row at ``ids_row``:
+        the whole 16-byte units inside (never a byte outside the row; the sectors of the cut
+        ends come along anyway)."""
+        elem = self.cfg.index_bytes
+        lo = cutlass.max(lo, Int32(0))
+        hi = cutlass.min(hi, width)
+        start = (ids_row + Int64(lo) * elem + 15) & Int64(-16)
+        end = (ids_row + Int64(hi) * elem) & Int64(-16)
+        if end > start:
+            ptx_ops.prefetch_bulk_l2_n(start, Int32(end - start))
 
     @cute.jit
     def token_keys(self, mLens, mELens, token):
