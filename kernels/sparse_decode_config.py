@@ -106,7 +106,7 @@ class SparseDecodeConfig:
     index_dtype: str  # "int32" or "int64" (indices and extra_indices)
     lens_dtype: str  # "int32" or "int64" (lens and extra_lens)
     has_sink: bool
-    write_partial: bool  # True: fp32 partials for the combine kernel; False: final bf16 output
+    write_partial: bool  # True: (scaled fp16) partials for the combine kernel; False: final bf16
     # True: persistent CTAs, each a share of the balanced schedule
     # (:mod:`~dsv4_attn.kernels.sparse_decode_schedule`), writing final outputs and compact
     # partials (``write_partial`` must be False); False: one CTA per (token, split).

@@ -7,9 +7,9 @@ The *balanced* schedule lays every token's key tiles end to end (token 0's, then
 (its Q tile, the pipeline's first DRAM round trip, the epilogue), and cuts that line into
 ``num_parts`` equal shares: part ``p`` is one persistent CTA (per 64-head block) that runs its
 share token by token. A token inside one part is finished there (bf16 output, sink applied); a
-token cut by part boundaries leaves an fp32 partial per piece in a compact slot, merged by the
-combine kernel. Slots: a token with k cuts takes k + 1, so all tokens together take at most
-``2 (num_parts - 1)`` (:func:`max_partial_slots`).
+token cut by part boundaries leaves a partial per piece (fp16, row-scaled) in a compact slot,
+merged by the combine kernel. Slots: a token with k cuts takes k + 1, so all tokens together
+take at most ``2 (num_parts - 1)`` (:func:`max_partial_slots`).
 
 A boundary that falls within a few tiles of a token's edge (its overhead, plus a sixteenth of a
 share) moves to that edge: a cut costs a partial's write and read (128 KB each per 64 heads, the

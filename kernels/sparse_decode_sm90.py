@@ -852,8 +852,10 @@ class SparseDecodeSm90(SparseDecodeProducer):
         if const_expr(partial):
             # This warpgroup's largest |normalized output| per row, for the row's scale: over
             # eight independent maxima (one chain through 32-96 values would take ~0.5 us), and
-            # only in warps holding rows of real heads (a warp's 16 rows: all or none padding).
-            if head_block * BLOCK_H + (tidx >> 5) * 16 < num_heads:
+            # only in warps holding rows of real heads (a warp's 16 rows: all or none padding;
+            # the test is the warp's, so its quad shuffles need no divergence guard).
+            warp_row0 = cute.arch.make_warp_uniform((tidx >> 5) * 16)
+            if head_block * BLOCK_H + warp_row0 < num_heads:
                 for h in cutlass.range_constexpr(2):
                     values = [acc_o[j * 4 + h * 2 + v] for acc_o, _ in accs
                               for j in range(cute.size(acc_o) // 4) for v in range(2)]  # fmt: skip

@@ -193,6 +193,18 @@ def _check(out, lse, ref_out, ref_lse, tol=1e-2):
         assert (lse[finite].double() - ref_lse[finite]).abs().max() <= 1e-2
 
 
+def _run_and_check(args, **options) -> None:
+    """``sparse_attention(*args, **options)`` into NaN-poisoned outputs, checked against the
+    float64 reference."""
+    q = args[0]
+    T, H, _ = q.shape
+    out = torch.full((T, H, HEAD_DIM), float("nan"), dtype=torch.bfloat16, device=q.device)
+    lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=q.device)
+    sparse_decode.sparse_attention(*args, out=out, lse=lse, **options)
+    torch.cuda.synchronize()
+    _check(out, lse, *_reference(*args))
+
+
 def _graph_case(fmt, T, H, extra_width, seed):
     """Inputs of a CUDA-graph test: (generator, ``sparse_attention`` args) with a 128-key
     window (page 64, 4096 slots) and ``extra_width`` compressed keys (page 16, over
@@ -388,14 +400,8 @@ def test_split_partials_keep_any_magnitude(fmt, magnitude_log2, balanced):
     window = KVScope(cache, fmt, 64, *_random_lists(T, K, num_slots, device, gen))
     q = torch.randn(T, H, HEAD_DIM, generator=gen, device=device) * 2.0 ** (2 - magnitude_log2)
     args = (q.to(torch.bfloat16), window, None, HEAD_DIM**-0.5, None)
-    out = torch.full((T, H, HEAD_DIM), float("nan"), dtype=torch.bfloat16, device=device)
-    lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=device)
     plan = sparse_decode.balanced_plan(window, None, H) if balanced else None
-    sparse_decode.sparse_attention(*args, num_splits=None if balanced else 8, out=out, lse=lse,
-                                   plan=plan)  # fmt: skip
-    torch.cuda.synchronize()
-    ref_out, ref_lse = _reference(*args)
-    _check(out, lse, ref_out, ref_lse)
+    _run_and_check(args, num_splits=None if balanced else 8, plan=plan)
 
 
 @pytest.mark.gpu
@@ -481,12 +487,7 @@ def test_running_max_that_moves_after_the_first_tile(fmt, profile):
     args = (q, scope(window_cache, 64, K_WIN), None, HEAD_DIM**-0.5,
             scope(extra_cache, 16, K_EXTRA))  # fmt: skip
     for num_splits in (1, 4):
-        out = torch.full((T, H, HEAD_DIM), float("nan"), dtype=torch.bfloat16, device=device)
-        lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=device)
-        sparse_decode.sparse_attention(*args, num_splits=num_splits, out=out, lse=lse)
-        torch.cuda.synchronize()
-        ref_out, ref_lse = _reference(*args)
-        _check(out, lse, ref_out, ref_lse)
+        _run_and_check(args, num_splits=num_splits)
 
 
 @pytest.mark.gpu
