@@ -851,8 +851,8 @@ class SparseDecodeSm90(SparseDecodeProducer):
             factor[h] = f
         if const_expr(partial):
             # This warpgroup's largest |normalized output| per row, for the row's scale: over
-            # eight independent maxima (one chain through 32-96 values would take ~0.5 us), and
-            # only in warps holding rows of real heads (a warp's 16 rows: all or none padding;
+            # eight independent maxima (not one chain of 32-96 dependent FMNMX), and only in
+            # warps holding rows of real heads (a warp's 16 rows: all or none padding;
             # the test is the warp's, so its quad shuffles need no divergence guard).
             warp_row0 = cute.arch.make_warp_uniform((tidx >> 5) * 16)
             if head_block * BLOCK_H + warp_row0 < num_heads:
