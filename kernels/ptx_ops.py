@@ -138,22 +138,8 @@ def ld_global_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def prefetch_bulk_l2(addr: Int64, size: int, *, loc=None, ip=None) -> None:
+def prefetch_bulk_l2(addr: Int64, size: Int32, *, loc=None, ip=None) -> None:
     """Bulk prefetch of ``size`` bytes (multiple of 16, 16-byte aligned address) into L2."""
-    _statement(
-        [_i64(addr, loc, ip)], f"cp.async.bulk.prefetch.L2.global [$0], {size};", "l", loc, ip
-    )
-
-
-@dsl_user_op
-def prefetch_l1(addr: Int64, *, loc=None, ip=None) -> None:
-    """Prefetch the line holding ``addr`` into L1 (a later load of it waits less)."""
-    _statement([_i64(addr, loc, ip)], "prefetch.global.L1 [$0];", "l", loc, ip)
-
-
-@dsl_user_op
-def prefetch_bulk_l2_n(addr: Int64, size: Int32, *, loc=None, ip=None) -> None:
-    """:func:`prefetch_bulk_l2` of a runtime ``size`` (multiple of 16)."""
     _statement(
         [_i64(addr, loc, ip), _i32(size, loc, ip)],
         "cp.async.bulk.prefetch.L2.global [$0], $1;",
@@ -161,6 +147,12 @@ def prefetch_bulk_l2_n(addr: Int64, size: Int32, *, loc=None, ip=None) -> None:
         loc,
         ip,
     )
+
+
+@dsl_user_op
+def prefetch_l1(addr: Int64, *, loc=None, ip=None) -> None:
+    """Prefetch the line holding ``addr`` into L1 (a later load of it waits less)."""
+    _statement([_i64(addr, loc, ip)], "prefetch.global.L1 [$0];", "l", loc, ip)
 
 
 @dsl_user_op
@@ -400,32 +392,29 @@ def mul_bf16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
     )
 
 
-@dsl_user_op
-def cvt_bf16x2_f32(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
-    """Pack two floats as bf16 (round to nearest even): ``lo`` in the low half."""
+def _cvt_pair(kind: str, lo: Float32, hi: Float32, loc, ip) -> Uint32:
+    """Two floats packed as a 16-bit ``kind`` pair (``bf16x2`` or ``f16x2``), ``lo`` low."""
     return _scalar(
         Uint32,
         T.i32(),
         [_f32(hi, loc, ip), _f32(lo, loc, ip)],
-        "cvt.rn.bf16x2.f32 $0, $1, $2;",
+        f"cvt.rn.{kind}.f32 $0, $1, $2;",
         "=r,f,f",
         loc,
         ip,
     )
+
+
+@dsl_user_op
+def cvt_bf16x2_f32(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
+    """Pack two floats as bf16 (round to nearest even): ``lo`` in the low half."""
+    return _cvt_pair("bf16x2", lo, hi, loc, ip)
 
 
 @dsl_user_op
 def cvt_f16x2_f32(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
     """Pack two floats as fp16 (round to nearest even, overflow to inf): ``lo`` in the low half."""
-    return _scalar(
-        Uint32,
-        T.i32(),
-        [_f32(hi, loc, ip), _f32(lo, loc, ip)],
-        "cvt.rn.f16x2.f32 $0, $1, $2;",
-        "=r,f,f",
-        loc,
-        ip,
-    )
+    return _cvt_pair("f16x2", lo, hi, loc, ip)
 
 
 @dsl_user_op

@@ -463,7 +463,7 @@ def sparse_attention(
         return out, lse
     capacity = key_capacity(window, extra)
     num_splits, tiles_per_split = resolve_splits(T, H, capacity, q.device, num_splits)
-    decode_cache, combine_cache = _caches()
+    decode_cache = _caches()[0]
     config = decode_config(window, sink, extra, num_splits > 1)
     decode = decode_cache.get(config, lambda: build_decode_kernel(config))
     scale_log2 = float(scale) * math.log2(math.e)
@@ -475,10 +475,7 @@ def sparse_attention(
     o_part, lse_part = _partials(workspace, *workspace_shape(num_splits, T, H), q.device)
     decode(q, window.cache, window.indices, window.lens, *extra_args, sink, o_part, lse_part,
            *_NOT_BALANCED, scale_log2, num_splits, tiles_per_split)  # fmt: skip
-    num_sms = _num_sms(q.device.index or 0)
-    combine_config = combine_config_for(T * H, sink is not None, False, num_sms)
-    combine = combine_cache.get(combine_config, lambda: build_combine_kernel(combine_config))
-    combine(o_part, lse_part, sink, out, lse, None)
+    _merge_partials(o_part, lse_part, sink, out, lse, None)
     return out, lse
 
 
@@ -588,18 +585,25 @@ def _balanced_attention(q, window, sink, scale, extra, plan, out, lse, workspace
         raise ValueError(f"the plan covers {plan.token_plan.shape[0]} tokens, the call has {T}")
     parts = plan.num_parts
     o_part, lse_part = _partials(workspace, *balanced_workspace_shape(parts, H), q.device)
-    decode_cache, combine_cache = _caches()
+    decode_cache = _caches()[0]
     config = decode_config(window, sink, extra, False, balanced=True)
     decode = decode_cache.get(config, lambda: build_decode_kernel(config))
     scale_log2 = float(scale) * math.log2(math.e)
     decode(q, window.cache, window.indices, window.lens, *_extra_args(extra), sink, out, lse,
            o_part, lse_part, plan.part_plan, plan.token_plan, scale_log2, 1, 0)  # fmt: skip
     if parts > 1:  # one part cuts no token
-        num_sms = _num_sms(q.device.index or 0)
-        combine_config = combine_config_for(T * H, sink is not None, True, num_sms)
-        combine = combine_cache.get(combine_config, lambda: build_combine_kernel(combine_config))
-        combine(o_part, lse_part, sink, out, lse, plan.token_plan)
+        _merge_partials(o_part, lse_part, sink, out, lse, plan.token_plan)
     return out, lse
+
+
+def _merge_partials(o_part, lse_part, sink, out, lse, token_plan) -> None:
+    """The combine kernel over a call's partials (``token_plan``: the balanced schedule's,
+    None for the split launch), in the width :func:`combine_config_for` picks."""
+    T, H, _ = out.shape
+    num_sms = _num_sms(out.device.index or 0)
+    config = combine_config_for(T * H, sink is not None, token_plan is not None, num_sms)
+    combine = _caches()[1].get(config, lambda: build_combine_kernel(config))
+    combine(o_part, lse_part, sink, out, lse, token_plan)
 
 
 def _extra_args(extra) -> tuple:
@@ -614,8 +618,10 @@ def _partials(workspace, o_shape, lse_shape, device) -> tuple[torch.Tensor, torc
     or new."""
     if workspace is not None:
         return _workspace_views(workspace, o_shape, lse_shape)
-    return (torch.empty(o_shape, dtype=PARTIAL_DTYPE, device=device),
-            torch.empty(lse_shape, dtype=PARTIAL_PAIR_DTYPE, device=device))  # fmt: skip
+    shapes = (o_shape, lse_shape)
+    o_part, lse_part = (torch.empty(shape, dtype=dtype, device=device)
+                        for shape, dtype in zip(shapes, WORKSPACE_DTYPES, strict=True))  # fmt: skip
+    return o_part, lse_part
 
 
 def _workspace_views(workspace, o_shape, lse_shape) -> tuple[torch.Tensor, torch.Tensor]:

@@ -435,13 +435,19 @@ class SparseDecodeSm90(SparseDecodeProducer):
         grid's splits, at least MIN_SPLIT_TILES and at most ``tiles_per_split`` per split: a
         list much shorter than the capacity still keeps every split of its token busy."""
         _, n_total = self.token_keys(mLens, mELens, token)
-        _, num_splits, _ = cute.arch.grid_dim()
-        token_tiles = (n_total + BLOCK_N - 1) // BLOCK_N
-        share = (token_tiles + Int32(num_splits) - 1) // Int32(num_splits)
-        share = cutlass.min(cutlass.max(share, Int32(MIN_SPLIT_TILES)), tiles_per_split)
+        share = self.split_share(n_total, tiles_per_split)
         share = cute.arch.make_warp_uniform(share)  # keeps the tile loop's values uniform
         key_begin = split * share * BLOCK_N
         return self.keys_between(mLens, mELens, token, key_begin, key_begin + share * BLOCK_N)
+
+    @cute.jit
+    def split_share(self, n_keys, tiles_per_split):
+        """Tiles each split of the grid takes of a list of ``n_keys`` keys: its tiles spread over
+        the grid's splits, at least MIN_SPLIT_TILES and at most ``tiles_per_split``."""
+        _, num_splits, _ = cute.arch.grid_dim()
+        token_tiles = (n_keys + BLOCK_N - 1) // BLOCK_N
+        share = (token_tiles + Int32(num_splits) - 1) // Int32(num_splits)
+        return cutlass.min(cutlass.max(share, Int32(MIN_SPLIT_TILES)), tiles_per_split)
 
     @cute.jit
     def prefetch_first_ids(self, mIdx, mEIdx, token, split, tiles_per_split):
@@ -449,15 +455,11 @@ class SparseDecodeSm90(SparseDecodeProducer):
         token's list were full (the common case), before anything else: the producer can ask
         for them only after the token's lengths have arrived (:meth:`key_range`), one DRAM
         round trip later, and the first tile's rows wait for them."""
-        _, num_splits, _ = cute.arch.grid_dim()
         window_cap = Int32(mIdx.shape[1])
         capacity = window_cap
         if const_expr(self.cfg.has_extra):
             capacity = capacity + Int32(mEIdx.shape[1])
-        token_tiles = (capacity + BLOCK_N - 1) // BLOCK_N
-        share = (token_tiles + Int32(num_splits) - 1) // Int32(num_splits)
-        share = cutlass.min(cutlass.max(share, Int32(MIN_SPLIT_TILES)), tiles_per_split)
-        first = split * share * BLOCK_N
+        first = split * self.split_share(capacity, tiles_per_split) * BLOCK_N
         span = RAW_STAGES * BLOCK_N
         window_ids, extra_ids = self.id_rows(mIdx, mEIdx, token)
         self.prefetch_id_range(window_ids, first, first + span, window_cap)
@@ -476,7 +478,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         start = (ids_row + Int64(lo) * elem + 15) & Int64(-16)
         end = (ids_row + Int64(hi) * elem) & Int64(-16)
         if end > start:
-            ptx_ops.prefetch_bulk_l2_n(start, Int32(end - start))
+            ptx_ops.prefetch_bulk_l2(start, Int32(end - start))
 
     @cute.jit
     def token_keys(self, mLens, mELens, token):

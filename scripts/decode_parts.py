@@ -40,7 +40,7 @@ def measure(pool: _RowPool, count: int, T: int) -> dict:
     case.extra.lens.fill_(count)
     q, window, sink, scale, extra = case.args()
     scale_log2 = float(scale) * math.log2(math.e)
-    decode_cache, combine_cache = sd._caches()
+    decode_cache = sd._caches()[0]
     out = torch.empty(T, HEADS, 512, dtype=torch.bfloat16, device=device)
     lse = torch.empty(T, HEADS, dtype=torch.float32, device=device)
     scopes = (q, window.cache, window.indices, window.lens, *sd._extra_args(extra), sink)
@@ -53,14 +53,14 @@ def measure(pool: _RowPool, count: int, T: int) -> dict:
         o_part, lse_part = sd._partials(None, *sd.workspace_shape(splits, T, HEADS), device)
         config = sd.decode_config(window, sink, extra, True)
         decode = decode_cache.get(config, lambda: sd.build_decode_kernel(config))
-        combine_config = sd.combine_config_for(T * HEADS, True, False, sd._num_sms(0))
-        combine = combine_cache.get(combine_config, lambda: sd.build_combine_kernel(combine_config))
         row["split_decode_us"] = graph_us(
             lambda: decode(
                 *scopes, o_part, lse_part, *sd._NOT_BALANCED, scale_log2, splits, tiles_per_split
             )
         )
-        row["split_combine_us"] = graph_us(lambda: combine(o_part, lse_part, sink, out, lse, None))
+        row["split_combine_us"] = graph_us(
+            lambda: sd._merge_partials(o_part, lse_part, sink, out, lse, None)
+        )
 
     plan = sd.balanced_plan(window, extra, HEADS)
     part_plan, token_plan = plan.part_plan.cpu(), plan.token_plan.cpu()
@@ -74,15 +74,13 @@ def measure(pool: _RowPool, count: int, T: int) -> dict:
                                     device)  # fmt: skip
     config = sd.decode_config(window, sink, extra, False, balanced=True)
     decode = decode_cache.get(config, lambda: sd.build_decode_kernel(config))
-    combine_config = sd.combine_config_for(T * HEADS, True, True, sd._num_sms(0))
-    combine = combine_cache.get(combine_config, lambda: sd.build_combine_kernel(combine_config))
     row["balanced_decode_us"] = graph_us(
         lambda: decode(
             *scopes, out, lse, o_part, lse_part, plan.part_plan, plan.token_plan, scale_log2, 1, 0
         )
     )
     row["balanced_combine_us"] = graph_us(
-        lambda: combine(o_part, lse_part, sink, out, lse, plan.token_plan)
+        lambda: sd._merge_partials(o_part, lse_part, sink, out, lse, plan.token_plan)
     )
     return row
 
