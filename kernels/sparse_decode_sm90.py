@@ -752,9 +752,13 @@ class SparseDecodeSm90(SparseDecodeProducer):
             cute.arch.barrier(barrier_id=BAR_P_FULL + pbuf, number_of_threads=MMA_THREADS)
             f0 = row_factor[row0, pbuf]
             f1 = row_factor[row0 + 8, pbuf]
-            for acc in accs:
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    acc[i] = acc[i] * (f0 if (i // 2) % 2 == 0 else f1)
+            # WG0 moves its running max only now and then (lazy rescaling): in most tiles every
+            # factor of this warp's rows is 1, and 192 multiplies a thread would only take issue
+            # slots from the producer and WG0 on the same schedulers.
+            if cute.arch.vote_any_sync((f0 != 1.0) | (f1 != 1.0)):
+                for acc in accs:
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        acc[i] = acc[i] * (f0 if (i // 2) % 2 == 0 else f1)
             warpgroup.fence()
             _on_stage(stage, lambda s: self.pv(
                 mma_pv, accs, [p[None, None, None, s % NUM_P_BUFFERS] for p in tOrP], tOrV, s
