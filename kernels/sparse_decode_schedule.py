@@ -12,8 +12,8 @@ merged by the combine kernel. Slots: a token with k cuts takes k + 1, so all tok
 take at most ``2 (num_parts - 1)`` (:func:`max_partial_slots`).
 
 A boundary that falls within a few tiles of a token's edge (its overhead, plus a sixteenth of a
-share) moves to that edge: a cut costs a partial's write and read (128 KB each per 64 heads, the
-bytes of ~7 FP8 tiles), more than the imbalance it saves there.
+share) moves to that edge: a cut costs a partial's write and read (64 KB each per 64 heads in
+fp16, the bytes of ~3.5 FP8 tiles), more than the imbalance it saves there.
 
 :func:`build_schedule` is the plan's definition, in torch ops on the device from the per-token
 key counts (no host sync: a CUDA graph may capture it): ~50 small kernels, ~0.12 ms on an H100

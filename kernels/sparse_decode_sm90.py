@@ -145,6 +145,15 @@ def _largest_magnitude(values: list, chains: int = 8) -> Float32:
     return maxima[0]
 
 
+def _scale_rows(accs: list, f0: Float32, f1: Float32) -> None:
+    """Multiply a thread's wgmma accumulators by its two rows' factors: register 4j + 2h + v
+    holds row row0 + 8h (``f0`` for h = 0, ``f1`` for h = 1). (A plain function: traced
+    inline.)"""
+    for acc in accs:
+        for i in range(cute.size(acc)):
+            acc[i] = acc[i] * (f0 if (i // 2) % 2 == 0 else f1)
+
+
 @cute.jit
 def _on_stage(stage: Int32, issue, s: cutlass.Constexpr[int] = 0):
     """``issue(stage)`` with ``stage`` (0 .. NUM_STAGES - 1) as a compile-time constant: an
@@ -652,8 +661,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
             cute.arch.barrier_arrive(barrier_id=BAR_P_FULL + pbuf, number_of_threads=MMA_THREADS)
             # ---- O_left = O_left * scale + P V_left
             if rescale:
-                for i in cutlass.range_constexpr(cute.size(acc_o)):
-                    acc_o[i] = acc_o[i] * scale_row[(i // 2) % 2]
+                _scale_rows([acc_o], scale_row[0], scale_row[1])
             warpgroup.fence()
             _on_stage(stage, lambda s: self.pv([mma_pv], [acc_o], [tOrP], [tOrV], s))
             cute.arch.mbarrier_arrive(empty_bar + stage)
@@ -756,9 +764,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
             # factor of this warp's rows is 1, and 192 multiplies a thread would only take issue
             # slots from the producer and WG0 on the same schedulers.
             if cute.arch.vote_any_sync((f0 != 1.0) | (f1 != 1.0)):
-                for acc in accs:
-                    for i in cutlass.range_constexpr(cute.size(acc)):
-                        acc[i] = acc[i] * (f0 if (i // 2) % 2 == 0 else f1)
+                _scale_rows(accs, f0, f1)
             warpgroup.fence()
             _on_stage(stage, lambda s: self.pv(
                 mma_pv, accs, [p[None, None, None, s % NUM_P_BUFFERS] for p in tOrP], tOrV, s
