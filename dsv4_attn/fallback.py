@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_attn import kv_cache
+from dsv4_attn.index_checks import counted_entries
 from dsv4_attn.scope import KVScope
 
 __all__ = ["sparse_attention"]
@@ -23,11 +24,11 @@ _CHUNK_BYTES = 256 * 1024 * 1024
 
 
 def _gather(scope: KVScope) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantized rows ``[t, K, 512]`` float32 (zeros at holes) and the valid mask ``[t, K]``."""
+    """Dequantized rows ``[t, K, 512]`` float32 (zeros at holes) and the valid mask ``[t, K]``
+    (:func:`~dsv4_attn.index_checks.counted_entries`: slots outside the cache are holes)."""
     indices = scope.indices
     t, K = indices.shape
-    counted = torch.arange(K, device=indices.device)[None, :] < scope.lens[:, None]
-    valid = counted & (indices >= 0)
+    valid = counted_entries(indices, scope.lens, scope.cache.shape[0] * scope.block_size)
     slots = torch.where(valid, indices, torch.full_like(indices, -1)).reshape(-1)
     rows = kv_cache.read_unchecked(scope.cache, slots, scope.fmt, scope.block_size)
     return rows.view(t, K, kv_cache.HEAD_DIM).float(), valid

@@ -19,18 +19,18 @@ those keys (``j > i + Sk - Sq - w``) and needs ``causal=True``.
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
 
 from dsv4_attn import reference
 from dsv4_attn.dispatch_log import log_fallback_once
-from dsv4_attn.index_checks import check_index_lists, check_index_values
+from dsv4_attn.index_checks import check_index_lists, check_index_values, counted_entries
+from dsv4_attn.log import get_logger
 
 __all__ = ["BACKENDS", "fmha", "sparse_prefill"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 BACKENDS = ("auto", "cutedsl", "sdpa", "reference")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -340,7 +340,7 @@ def _sparse_torch(q, kv, indices, lens, sink, scale):
     for t0 in range(0, tokens, per_chunk):
         t1 = min(tokens, t0 + per_chunk)
         idx = indices[t0:t1]
-        valid = (torch.arange(width, device=q.device)[None, :] < lens[t0:t1, None]) & (idx >= 0)
+        valid = counted_entries(idx, lens[t0:t1], kv.shape[0])
         rows = kv[torch.where(valid, idx, torch.zeros_like(idx)).long()].float()  # [t, K, D]
         scores = torch.bmm(q[t0:t1].float(), rows.transpose(1, 2)) * scale  # [t, H, K]
         scores = scores.masked_fill(~valid[:, None, :], -math.inf)
@@ -380,7 +380,9 @@ def sparse_prefill(
         sink: ``[H]`` per-head sink logits (float) or None.
         scale: softmax scale, default ``512 ** -0.5``.
         backend: ``"auto"``, ``"cutedsl"``, ``"sdpa"`` (torch fallback) or ``"reference"``.
-        check_values: also check index and length values (a device sync on CUDA).
+        check_values: also check index and length values (a device sync on CUDA). Unchecked
+            values are safe: a length outside ``[0, K]`` counts as clamped into it and a row id
+            outside ``kv`` is a hole (:func:`~dsv4_attn.index_checks.counted_entries`).
         out: ``[T, H, 512]`` in q's dtype, contiguous: written in place and returned.
 
     Returns:
@@ -395,18 +397,26 @@ def sparse_prefill(
         raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor on "
                          f"{q.device}, got {_shape(out)}")  # fmt: skip
     if backend == "reference":
-        result, lse = reference.sparse_attention(q, kv, indices, lens, sink, scale)
+        counted = counted_entries(indices, lens, kv.shape[0])
+        result, lse = reference.sparse_attention(
+            q, kv, torch.where(counted, indices, -1), lens.clamp(0, indices.shape[1]), sink, scale
+        )
         return _into(out, result.to(q.dtype)), lse.to(torch.float32)
     if backend in ("auto", "cutedsl"):
         reason = _sparse_kernel_reason(q, kv, indices)
         if reason is None:
             from dsv4_attn.kernels import fmha as kernel
 
-            idx32 = indices if indices.dtype == torch.int32 else indices.to(torch.int32)
+            # Narrowed saturating, so an int64 id or length out of int32's range stays out of
+            # kv's rows (a hole) or is clamped, as the wide value would be.
+            idx32, lens32 = indices, lens
+            if indices.dtype != torch.int32:
+                idx32 = indices.clamp(-1, 2**31 - 1).to(torch.int32)
+            if lens.dtype != torch.int32:
+                lens32 = lens.clamp(0, indices.shape[1]).to(torch.int32)
             return kernel.run_sparse(
-                q, kv, idx32.contiguous(), lens.to(torch.int32).contiguous(), sink, scale,
-                out=out,
-            )  # fmt: skip
+                q, kv, idx32.contiguous(), lens32.contiguous(), sink, scale, out=out
+            )
         if backend == "cutedsl":
             raise ValueError(f"backend='cutedsl' cannot run this case: {reason}")
         log_fallback_once(logger, "sparse_prefill", reason)

@@ -1,11 +1,12 @@
-"""Validation of per-token index lists (``indices [T, K]`` with ``lens [T]``), shared by the
-sparse-attention entry points. Every failure is a ValueError naming the value and the range."""
+"""Per-token index lists (``indices [T, K]`` with ``lens [T]``), shared by the sparse-attention
+entry points: their validation (every failure a ValueError naming the value and the range), and
+the rule every backend applies to values it was not asked to check (:func:`counted_entries`)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["check_index_lists", "check_index_values"]
+__all__ = ["check_index_lists", "check_index_values", "counted_entries"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -59,3 +60,16 @@ def check_index_values(
             f"{prefix}indices hold {what} {int(bad[0])}: {what}s must lie in "
             f"[-1, {shown_limit}){note}, -1 meaning skip"
         )
+
+
+def counted_entries(indices: torch.Tensor, lens: torch.Tensor, limit: int) -> torch.Tensor:
+    """bool ``[T, K]``: the entries that count, whatever the values hold.
+
+    The rule of ``check_values=False`` in every backend (kernels and fallbacks alike): a length
+    outside ``[0, K]`` counts as clamped into it, and an id outside ``[0, limit)`` (-1, or any
+    other) is a hole. Nothing is read for a hole, so no value makes a backend read outside its
+    cache or rows; values that pass :func:`check_index_values` are unaffected.
+    """
+    width = indices.shape[1]
+    within = torch.arange(width, device=indices.device)[None, :] < lens[:, None]
+    return within & (indices >= 0) & (indices < limit)

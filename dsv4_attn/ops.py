@@ -17,7 +17,6 @@ lives in :mod:`dsv4_attn.fmha_ops` and is re-exported here.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -26,8 +25,9 @@ import torch
 from dsv4_attn import fallback, kv_cache, reference
 from dsv4_attn.dispatch_log import log_fallback_once
 from dsv4_attn.fmha_ops import fmha, sparse_prefill
-from dsv4_attn.index_checks import check_index_lists, check_index_values
+from dsv4_attn.index_checks import check_index_lists, check_index_values, counted_entries
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+from dsv4_attn.log import get_logger
 from dsv4_attn.scope import KVScope
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ __all__ = [
     "sparse_prefill",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 BACKENDS = ("auto", "cutedsl", "sdpa", "reference")
 
@@ -143,13 +143,13 @@ def _reference_on_cache(q, window, sink, scale, extra) -> tuple[torch.Tensor, to
     """Run the float64 reference on the dequantized rows the indices touch."""
 
     def rows_and_local_ids(scope: KVScope):
-        K = scope.capacity
-        counted = torch.arange(K, device=scope.indices.device)[None, :] < scope.lens[:, None]
+        num_slots = scope.cache.shape[0] * scope.block_size
+        counted = counted_entries(scope.indices, scope.lens, num_slots)
         slots = torch.where(counted, scope.indices, torch.full_like(scope.indices, -1))
         unique, local = torch.unique(slots, return_inverse=True)
         rows = kv_cache.read_unchecked(scope.cache, unique, scope.fmt, scope.block_size)
         local = torch.where(slots >= 0, local, torch.full_like(local, -1))
-        return rows, local, scope.lens
+        return rows, local, scope.lens.clamp(0, scope.capacity)
 
     kv, local, lens = rows_and_local_ids(window)
     extra_args = rows_and_local_ids(extra) if extra is not None else (None, None, None)
@@ -203,7 +203,9 @@ def sparse_attention(
             per call when omitted; ignored by the fallbacks).
         backend: ``"auto"``, ``"cutedsl"``, ``"sdpa"`` or ``"reference"``.
         check_values: also check index and length *values* (costs a device sync on CUDA).
-            Shapes, dtypes and devices are always checked.
+            Shapes, dtypes and devices are always checked. Unchecked values are safe: every
+            backend counts a length outside ``[0, K]`` as clamped into it and treats a slot id
+            outside the cache as a hole (:func:`~dsv4_attn.index_checks.counted_entries`).
         plan: the kernel's balanced schedule for exactly these key counts
             (:func:`dsv4_attn.kernels.sparse_decode.balanced_plan`, made once per step); the
             workspace then holds its partial slots

@@ -9,15 +9,24 @@ Values are random normal, never zeros.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from dsv4_attn import kv_cache
+from dsv4_attn.index_checks import counted_entries
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.scope import KVScope
 
-__all__ = ["DecodeCase", "make_decode_case", "random_cache", "random_rows"]
+__all__ = [
+    "DecodeCase",
+    "make_decode_case",
+    "poison_lists",
+    "poisoned_scope",
+    "random_cache",
+    "random_rows",
+    "sanitized_lists",
+]
 
 _FILL_CHUNK = 1 << 16  # rows generated and written at a time
 
@@ -162,3 +171,44 @@ def make_decode_case(
     sink_t = sinks[sink].to(device) if sinks[sink] is not None else None
     extra_scope = scope(extra, extra_block_size) if extra is not None else None
     return DecodeCase(q, window_scope, sink_t, HEAD_DIM**-0.5, extra_scope)
+
+
+def poison_lists(
+    indices: torch.Tensor, lens: torch.Tensor, limit: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of ``indices [T, K]`` and ``lens [T]`` with values no builder should produce: about
+    a quarter of the lengths outside ``[0, K]`` (negative, past K, the dtype's extremes) and an
+    eighth of the ids outside ``[-1, limit)`` (below -1, at and past ``limit``, the extremes).
+    ``gen`` is a CPU generator; the copies keep the inputs' dtype and device."""
+    T, K = indices.shape
+    info = torch.iinfo(indices.dtype)
+    bad_ids = torch.tensor([-2, -1000, info.min, limit, limit + 5, info.max], dtype=torch.int64)
+    bad_lens = torch.tensor([-7, -1, K + 1, K + 37, torch.iinfo(lens.dtype).min,
+                             torch.iinfo(lens.dtype).max], dtype=torch.int64)  # fmt: skip
+    pick_id = bad_ids[torch.randint(0, len(bad_ids), (T, K), generator=gen)]
+    pick_len = bad_lens[torch.randint(0, len(bad_lens), (T,), generator=gen)]
+    id_mask = torch.rand(T, K, generator=gen) < 0.125
+    len_mask = torch.rand(T, generator=gen) < 0.25
+    poisoned_ids = torch.where(id_mask, pick_id, indices.cpu().long())
+    poisoned_lens = torch.where(len_mask, pick_len, lens.cpu().long())
+    return (poisoned_ids.to(indices.dtype).to(indices.device),
+            poisoned_lens.to(lens.dtype).to(lens.device))  # fmt: skip
+
+
+def sanitized_lists(
+    indices: torch.Tensor, lens: torch.Tensor, limit: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What unchecked values mean (:func:`dsv4_attn.index_checks.counted_entries`), as lists the
+    reference accepts: ids that do not count become -1, lengths are clamped into ``[0, K]``."""
+    counted = counted_entries(indices, lens, limit)
+    return torch.where(counted, indices, -1), lens.clamp(0, indices.shape[1])
+
+
+def poisoned_scope(scope: KVScope, gen: torch.Generator) -> tuple[KVScope, KVScope]:
+    """``scope`` with poisoned lists (:func:`poison_lists`), and the same scope with those lists
+    sanitized (:func:`sanitized_lists`): what a backend must compute from the first."""
+    limit = scope.cache.shape[0] * scope.block_size
+    indices, lens = poison_lists(scope.indices, scope.lens, limit, gen)
+    clean = sanitized_lists(indices, lens, limit)
+    return replace(scope, indices=indices, lens=lens), replace(scope, indices=clean[0],
+                                                               lens=clean[1])  # fmt: skip

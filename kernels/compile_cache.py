@@ -10,8 +10,18 @@ stream (``use_tvm_ffi_env_stream``), so it works under CUDA-graph capture.
 
 Optional disk cache: with ``DSV4_ATTN_KERNEL_CACHE_DIR`` set, executables are exported there as
 object files (``export_to_c``) and reloaded by later processes (``cute.runtime.load_module``,
-milliseconds instead of seconds of compiling). File names hash the key, the kernels' source
-files and the CuTeDSL / TVM-FFI versions, so a changed kernel never loads a stale object.
+milliseconds instead of seconds of compiling). Loading links native code into the process, so
+the cache is guarded (:class:`DiskCache`):
+
+* a file is named by a hash of the key, the kernels' source files, the CuTeDSL / TVM-FFI versions,
+  the CuTeDSL runtime library variant (cu12 / cu13) and the machine, so a changed kernel or
+  another build never loads a stale object;
+* a file carries the SHA-256 and length of its object; a file that does not match (truncated,
+  corrupted, flipped) is never loaded: the kernel is rebuilt and the file rewritten;
+* the directory must belong to this user and be writable by nobody else; otherwise the cache
+  is not used at all (kernels compile in memory, one WARNING per directory);
+* writers write a uniquely named temporary file and rename it into place, so processes (or
+  containers sharing the directory) never see or produce a half-written file.
 """
 
 from __future__ import annotations
@@ -19,27 +29,33 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import logging
 import os
+import platform
+import stat
+import tempfile
 import threading
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
+from dsv4_attn.log import get_logger
+
 __all__ = [
     "CACHE_DIR_ENV",
     "COMPILE_OPTIONS",
     "CompileCache",
+    "DiskCache",
     "compile_keeping_cubin",
     "compile_tvm_ffi",
     "fake_stream",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 COMPILE_OPTIONS = "--enable-tvm-ffi --gpu-arch sm_90a"
 CACHE_DIR_ENV = "DSV4_ATTN_KERNEL_CACHE_DIR"
 _EXPORTED_NAME = "func"
+_REFUSED_DIRS: set[str] = set()  # cache directories already warned about (one warning each)
 
 
 def fake_stream() -> Any:
@@ -76,8 +92,12 @@ def compile_keeping_cubin(build: Callable[[], Any], dump_dir: str | os.PathLike)
 
 @functools.cache
 def _source_fingerprint() -> str:
-    """Hash of this package's kernel sources and the DSL versions."""
+    """Hash of everything a cached object depends on besides its key: this package's kernel
+    sources, the DSL versions, the runtime libraries it links against (by variant and size, not
+    install path: ``cu13/libcute_dsl_runtime.so`` or ``cu12/...``, so any install of the same
+    build shares objects) and the machine."""
     import cutlass
+    import cutlass.cute as cute
     import tvm_ffi
 
     digest = hashlib.sha256()
@@ -86,6 +106,10 @@ def _source_fingerprint() -> str:
         digest.update(path.read_bytes())
     digest.update(str(getattr(cutlass, "__version__", "?")).encode())
     digest.update(str(getattr(tvm_ffi, "__version__", "?")).encode())
+    for lib in map(Path, cute.runtime.find_runtime_libraries(enable_tvm_ffi=True)):
+        size = lib.stat().st_size if lib.exists() else -1
+        digest.update(f"{lib.parent.parent.name}/{lib.name}|{size}".encode())
+    digest.update(f"{platform.system()}|{platform.machine()}".encode())
     return digest.hexdigest()
 
 
@@ -98,6 +122,104 @@ def _preload_runtime_libraries() -> None:
     for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
         if Path(lib).exists():
             ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+
+
+class DiskCache:
+    """Compiled objects in one directory, checked before they are loaded (see the module
+    docstring). File format: :data:`MAGIC`, the SHA-256 of the object (32 bytes), its length
+    (8 bytes, little-endian), the object."""
+
+    MAGIC = b"DSV4KC1\n"
+    SUFFIX = ".kc"
+    _HEADER = len(MAGIC) + 32 + 8
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+
+    def usable(self) -> bool:
+        """Create the directory (mode 0700) if needed; whether it is safe to load from: a
+        directory of this user's, writable by no one else. Warns once per directory if not."""
+        reason = self._unsafe_reason()
+        if reason is None:
+            return True
+        if str(self.directory) not in _REFUSED_DIRS:
+            _REFUSED_DIRS.add(str(self.directory))
+            logger.warning(
+                "dsv4_attn: kernel cache %s is not used (%s); kernels compile in memory. Set %s "
+                "to a directory of your own with mode 0700 or 0755.",
+                self.directory,
+                reason,
+                CACHE_DIR_ENV,
+            )
+        return False
+
+    def _unsafe_reason(self) -> str | None:
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            info = self.directory.stat()
+        except OSError as exc:
+            return f"cannot create or read it: {exc}"
+        if not stat.S_ISDIR(info.st_mode):
+            return "not a directory"
+        if info.st_uid != os.geteuid():
+            return f"owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return f"writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
+        return None
+
+    def path(self, stem: str) -> Path:
+        return self.directory / f"{stem}{self.SUFFIX}"
+
+    def read(self, stem: str) -> bytes | None:
+        """The object stored under ``stem`` if present and intact; None if absent. Raises
+        ValueError naming what is wrong with a damaged file."""
+        try:
+            data = self.path(stem).read_bytes()
+        except FileNotFoundError:
+            return None
+        if len(data) < self._HEADER or not data.startswith(self.MAGIC):
+            raise ValueError(f"{len(data)} bytes without a valid header")
+        digest = data[len(self.MAGIC) : len(self.MAGIC) + 32]
+        length = int.from_bytes(data[len(self.MAGIC) + 32 : self._HEADER], "little")
+        payload = data[self._HEADER :]
+        if len(payload) != length:
+            raise ValueError(f"object of {len(payload)} bytes, its header says {length}")
+        if hashlib.sha256(payload).digest() != digest:
+            raise ValueError("object does not match its SHA-256")
+        return payload
+
+    def write(self, stem: str, payload: bytes) -> None:
+        """Store ``payload`` under ``stem``: a uniquely named temporary file renamed into place."""
+        header = self.MAGIC + hashlib.sha256(payload).digest() + len(payload).to_bytes(8, "little")
+        fd, tmp = tempfile.mkstemp(prefix=f".{stem}.", suffix=".tmp", dir=self.directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(header + payload)
+            os.replace(tmp, self.path(stem))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def _export_object(compiled: Any) -> bytes:
+    """The object file of a compiled executable (``export_to_c`` writes it to a path)."""
+    with tempfile.TemporaryDirectory(prefix="dsv4_attn_export_") as private:
+        path = Path(private) / "kernel.o"
+        compiled.export_to_c(object_file_path=str(path), function_name=_EXPORTED_NAME)
+        return path.read_bytes()
+
+
+def _load_object(payload: bytes) -> Any:
+    """Link a verified object into the process, from a private copy (nobody can swap the file
+    between the check and the load)."""
+    import cutlass.cute as cute
+
+    _preload_runtime_libraries()
+    with tempfile.TemporaryDirectory(prefix="dsv4_attn_load_") as private:
+        path = Path(private) / "kernel.o"
+        path.write_bytes(payload)
+        module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
+    return getattr(module, _EXPORTED_NAME)
 
 
 class CompileCache:
@@ -120,35 +242,38 @@ class CompileCache:
                 self._compiled[key] = compiled
         return compiled
 
+    def file_stem(self, key: Hashable) -> str:
+        """The name (without suffix) the disk cache keeps ``key``'s object under."""
+        digest = hashlib.sha256(f"{self.name}|{key!r}|{_source_fingerprint()}".encode())
+        return f"{self.name}-{digest.hexdigest()[:32]}"
+
     def object_path(self, key: Hashable, directory: str | os.PathLike) -> Path:
         """Where the disk cache keeps ``key``'s object file inside ``directory``."""
-        digest = hashlib.sha256(f"{self.name}|{key!r}|{_source_fingerprint()}".encode())
-        return Path(directory) / f"{self.name}-{digest.hexdigest()[:32]}.o"
+        return DiskCache(directory).path(self.file_stem(key))
 
     def _load_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
         directory = os.environ.get(CACHE_DIR_ENV)
         if not directory:
             return build()
-        path = self.object_path(key, directory)
-        if path.exists():
-            try:
-                import cutlass.cute as cute
-
-                _preload_runtime_libraries()
-                module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
-                return getattr(module, _EXPORTED_NAME)
-            except Exception as exc:  # a broken or foreign object: rebuild it
-                logger.warning(
-                    "dsv4_attn: cannot load cached kernel %s (%s); recompiling", path, exc
-                )
+        disk = DiskCache(directory)
+        if not disk.usable():
+            return build()
+        stem = self.file_stem(key)
+        try:
+            payload = disk.read(stem)
+            if payload is not None:
+                return _load_object(payload)
+        except Exception as exc:  # damaged, or an object this runtime cannot link: rebuild
+            logger.warning(
+                "dsv4_attn: cached kernel %s not loaded (%s); recompiling", disk.path(stem), exc
+            )
         compiled = build()
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp.o")
-            compiled.export_to_c(object_file_path=str(tmp), function_name=_EXPORTED_NAME)
-            tmp.replace(path)
+            disk.write(stem, _export_object(compiled))
         except Exception as exc:
-            logger.warning("dsv4_attn: cannot store kernel %s in the disk cache (%s)", path, exc)
+            logger.warning(
+                "dsv4_attn: cannot store kernel %s in the disk cache (%s)", disk.path(stem), exc
+            )
         return compiled
 
     def __contains__(self, key: Hashable) -> bool:

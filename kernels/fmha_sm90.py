@@ -41,7 +41,7 @@ from typing import NamedTuple
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32, Int32, Int64, const_expr
+from cutlass import Boolean, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from dsv4_attn.kernels import fmha_sm90_utils as fu
@@ -443,7 +443,8 @@ class FmhaSm90:
                 self._consume_split(
                     tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage, sK_layout,
                     sP_layout, mbar_q, mbar_q_empty, mbar_full, mbar_empty, mO, mLSE, mSink,
-                    mIndices, mLens, scale_log2, window, None, tidx - _THREADS_PER_WG,
+                    (mIndices, Int32(mKV.shape[0])), mLens, scale_log2, window, None,
+                    tidx - _THREADS_PER_WG,
                 )  # fmt: skip
         else:
             # ---- this CTA's tile and KV range (identical in every thread) --------------------
@@ -483,7 +484,7 @@ class FmhaSm90:
                         self._consume_split(
                             tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage,
                             sK_layout, sP_layout, mbar_q, None, mbar_full,
-                            mbar_empty, mO, mLSE, mSink, mIndices, mLens, scale_log2, window,
+                            mbar_empty, mO, mLSE, mSink, (None, None), mLens, scale_log2, window,
                             (m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min, n_max),
                             ctidx,
                         )  # fmt: skip
@@ -983,14 +984,16 @@ class FmhaSm90:
         return cute.size(mQ.shape[2]) * cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
 
     @cute.jit
-    def _gather_item(self, mQ, mLens, item):
+    def _gather_item(self, mQ, mLens, width, item):
         """``(token, first head, heads in the block, keys)`` of gathered work item ``item``
-        (``mQ``: Q as ``(H, D, T)``)."""
+        (``mQ``: Q as ``(H, D, T)``); the token's length clamped into ``0 .. width``, the
+        lists' width, so no length runs the kernel past its index row."""
         num_heads = cute.size(mQ.shape[0])
         head_blocks = cute.ceil_div(num_heads, self.tile_m)
         token = item // head_blocks
         q_row0 = (item - token * head_blocks) * self.tile_m
-        return token, q_row0, num_heads - q_row0, mLens[token]
+        num_keys = cutlass.min(cutlass.max(Int32(mLens[token]), Int32(0)), Int32(width))
+        return token, q_row0, num_heads - q_row0, num_keys
 
     @cute.jit
     def _produce_gather(
@@ -1017,13 +1020,14 @@ class FmhaSm90:
         src_chunk = mKV.iterator.toint() + Int64(chunk * 16)
         row_bytes = Int64(mKV.stride[0] * 2)
         width = cute.size(mIndices.shape[1])
+        num_rows = Int32(mKV.shape[0])
         num_items = self._num_gather_items(mQ)
         steps_done = Int32(0)
         parity = Int32(0)
         for item in cutlass.range(
             cute.arch.block_idx()[0], num_items, cute.arch.grid_dim()[0], unroll=1
         ):
-            token, q_row0, _, num_keys = self._gather_item(mQ, mLens, item)
+            token, q_row0, _, num_keys = self._gather_item(mQ, mLens, width, item)
             if warp_idx == 0:
                 fu.mbar_wait(mbar_q_empty, 0, parity ^ 1)
                 self._load_q(mQ, tma_atom_q, sQ, mbar_q, q_row0, token)
@@ -1031,11 +1035,11 @@ class FmhaSm90:
             # This thread's 8 rows of the step (2 tiles x 4), loaded a step ahead. The loads
             # are bounded by the list's width, not the token's length, so that the first ones
             # leave together with the length's load instead of after it.
-            rows = self._gather_rows(entry_base, width, 0, group)
+            rows = self._gather_rows(entry_base, width, num_rows, 0, group)
             num_steps = cute.ceil_div(num_keys, 2 * self.tile_n)
             for step in cutlass.range(num_steps, unroll=1):
                 phase = (steps_done + step) & 1
-                rows_next = self._gather_rows(entry_base, width, 2 * step + 2, group)
+                rows_next = self._gather_rows(entry_base, width, num_rows, 2 * step + 2, group)
                 for j in cutlass.range_constexpr(4):
                     half, tile_in_step, col_half = self._HALF_ORDER[j]
                     buffer = self._half_buffer(half, phase)
@@ -1070,7 +1074,7 @@ class FmhaSm90:
     def _consume_split(
         self, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage, sKV_half_layout,
         sP_layout, mbar_q, mbar_q_empty, mbar_full, mbar_empty, mO, mLSE,
-        mSink, mIndices, mLens, scale_log2, window, dense_tile, ctidx,
+        mSink, gather_lists, mLens, scale_log2, window, dense_tile, ctidx,
     ):  # fmt: skip
         """Compute warpgroups of the column split: set up, then per item (gathered: each item
         of this persistent CTA; dense: the CTA's tile) the staggered mainloop and the store.
@@ -1118,15 +1122,16 @@ class FmhaSm90:
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
         s_sum = storage.row_sum.get_tensor(cute.make_layout((rows, 2, 2)))
         item_args = (ops, acc_s, acc_o, row_max, row_sum, s_sum, thr_mma_qk, st_atom, sQ, sP,
-                     mbar_q, mO, mLSE, mSink, mIndices, scale_log2, window)  # fmt: skip
+                     mbar_q, mO, mLSE, mSink, gather_lists, scale_log2, window)  # fmt: skip
         if const_expr(self.gather):
             num_items = self._num_gather_items(mO)
+            width = cute.size(gather_lists[0].shape[1])
             steps_done = Int32(0)
             parity = Int32(0)
             for item in cutlass.range(
                 cute.arch.block_idx()[0], num_items, cute.arch.grid_dim()[0], unroll=1
             ):
-                token, item_row0, item_rows, num_keys = self._gather_item(mO, mLens, item)
+                token, item_row0, item_rows, num_keys = self._gather_item(mO, mLens, width, item)
                 num_steps = cute.ceil_div(num_keys, 2 * self.tile_n)
                 self._split_item(
                     *item_args, Int32(0), item_row0, token, item_rows, Int32(0), num_keys,
@@ -1144,7 +1149,7 @@ class FmhaSm90:
     @cute.jit
     def _split_item(
         self, ops, acc_s, acc_o, row_max, row_sum, s_sum, thr_mma_qk, st_atom, sQ, sP, mbar_q,
-        mO, mLSE, mSink, mIndices, scale_log2, window, m_block, q_row0, q_l, row_limit,
+        mO, mLSE, mSink, gather_lists, scale_log2, window, m_block, q_row0, q_l, row_limit,
         seqlen_q, seqlen_k, n_min, num_steps, steps_done, parity, ctidx,
     ):  # fmt: skip
         """One 64-row output tile: wait for its Q, run the mainloop (barrier phases continue
@@ -1164,7 +1169,7 @@ class FmhaSm90:
             if num_steps == 0:  # no QK: Q's buffer is free at once
                 fu.mbar_arrive_one_per_warp(ops.mbar_q_empty, 0)
         loop_args = (
-            ops, acc_s, acc_o, row_max, row_sum, mIndices, scale_log2, window, m_block * rows,
+            ops, acc_s, acc_o, row_max, row_sum, gather_lists, scale_log2, window, m_block * rows,
             q_l, seqlen_q, seqlen_k, n_min, num_steps, steps_done, lane,
         )  # fmt: skip
         if wg == 0:
@@ -1262,14 +1267,14 @@ class FmhaSm90:
     # max) and rescales O, the row sum and the P tile it hands over once the follower has merged.
     @cute.jit
     def _split_mainloop_lead(
-        self, ops, acc_s, acc_o, row_max, row_sum, mIndices, scale_log2, window, row0, q_l,
+        self, ops, acc_s, acc_o, row_max, row_sum, gather_lists, scale_log2, window, row0, q_l,
         seqlen_q, seqlen_k, n_min, num_steps, steps_done, lane,
     ):  # fmt: skip
         """Warpgroup 0 of the column split: S of tile a, output columns 0..255 (halves 0, 2)."""
         num_rows = cute.size(row_max)
         c_mn = fu.acc_as_mn(ops.t_coord)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
-        entries = self._split_entries(mIndices, q_l, n_min, lane)
+        entries = self._split_entries(gather_lists, q_l, n_min, lane)
         if num_steps > 0:  # no rows are coming otherwise
             self._split_qk(ops, acc_s, 0, steps_done & 1)
             self._split_qk(ops, acc_s, 1, steps_done & 1)
@@ -1279,7 +1284,7 @@ class FmhaSm90:
         for step in cutlass.range(num_steps, unroll=1):
             phase = (steps_done + step) & 1
             tile = n_min + 2 * step
-            entries_next = self._split_entries(mIndices, q_l, tile + 2, lane)
+            entries_next = self._split_entries(gather_lists, q_l, tile + 2, lane)
             self._split_mask(acc_s, entries, ops.t_coord, row0, tile, seqlen_q, seqlen_k, window)
             self._split_softmax(acc_s, row_max, row_max, row_sum, row_scale, scale_log2)
             if lane % 4 == 0:
@@ -1325,7 +1330,7 @@ class FmhaSm90:
 
     @cute.jit
     def _split_mainloop_follow(
-        self, ops, acc_s, acc_o, row_max, row_sum, mIndices, scale_log2, window, row0, q_l,
+        self, ops, acc_s, acc_o, row_max, row_sum, gather_lists, scale_log2, window, row0, q_l,
         seqlen_q, seqlen_k, n_min, num_steps, steps_done, lane,
     ):  # fmt: skip
         """Warpgroup 1 of the column split: S of tile b, output columns 256..511 (halves 3, 1)."""
@@ -1333,11 +1338,11 @@ class FmhaSm90:
         c_mn = fu.acc_as_mn(ops.t_coord)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         m_lead = cute.make_rmem_tensor(num_rows, Float32)
-        entries = self._split_entries(mIndices, q_l, n_min + 1, lane)
+        entries = self._split_entries(gather_lists, q_l, n_min + 1, lane)
         for step in cutlass.range(num_steps, unroll=1):
             phase = (steps_done + step) & 1
             tile = n_min + 2 * step + 1
-            entries_next = self._split_entries(mIndices, q_l, tile + 2, lane)
+            entries_next = self._split_entries(gather_lists, q_l, tile + 2, lane)
             self._split_qk(ops, acc_s, 3, phase)
             self._split_qk(ops, acc_s, 2, phase)
             warpgroup.wait_group(0)
@@ -1433,11 +1438,12 @@ class FmhaSm90:
         self._on_half_buffer(half, phase, issue)
 
     @cute.jit
-    def _split_entries(self, mIndices, token, tile, lane):
-        """Gathered: this lane's two index entries of ``tile`` (validity bits for the mask)."""
+    def _split_entries(self, gather_lists, token, tile, lane):
+        """Gathered: this lane's two index entries of ``tile`` (validity bits for the mask);
+        ``gather_lists``: (indices, rows of kv)."""
         entries = (Int32(-1), Int32(-1))
         if const_expr(self.gather):
-            entries = self._gather_entries(mIndices, token, tile, lane)
+            entries = self._gather_entries(*gather_lists, token, tile, lane)
         return entries
 
     @cute.jit
@@ -1513,28 +1519,39 @@ class FmhaSm90:
             cute.arch.fence_view_async_shared()
 
     @cute.jit
-    def _gather_rows(self, entry_base, width, tile, group):
+    def _gather_rows(self, entry_base, width, num_rows, tile, group):
         """KV rows of entries ``64 t + group + 16 i`` (i < 4) of tiles ``t = tile, tile + 1``
-        (-1 past the list's ``width``; entries past the token's length are the caller's to
-        drop), as 8 predicated loads nobody waits for until they are read."""
+        (-1 past the list's ``width`` and for ids outside ``0 .. num_rows``; entries past the
+        token's length are the caller's to drop), as 8 predicated loads nobody waits for until
+        they are read."""
         out = []
         for t in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(4):
                 entry = (tile + t) * self.tile_n + group + 16 * i
                 present = Int32(cutlass.select_(entry < width, Int32(1), Int32(0)))
-                out.append(ptx_ops.ld_global_nc_b32_if(entry_base + Int64(entry) * 4, present, -1))
+                row = ptx_ops.ld_global_nc_b32_if(entry_base + Int64(entry) * 4, present, -1)
+                out.append(self._row_or_hole(row, num_rows))
         return tuple(out)
 
     @cute.jit
-    def _gather_entries(self, mIndices, token, tile, lane):
-        """Index entries ``64*tile + lane`` and ``+ 32`` of ``token`` (-1 past the list's width;
-        the token's length is applied by the mask), as loaded: one predicated load each, so
-        nothing waits for them until they are read, not even for the length."""
+    def _gather_entries(self, mIndices, num_rows, token, tile, lane):
+        """Index entries ``64*tile + lane`` and ``+ 32`` of ``token`` (-1 past the list's width
+        and for ids outside ``0 .. num_rows``; the token's length is applied by the mask), as
+        loaded: one predicated load each, so nothing waits for them until they are read, not
+        even for the length."""
         row = mIndices.iterator.toint() + Int64(token) * Int64(mIndices.stride[0]) * 4
         width = cute.size(mIndices.shape[1])
         out = []
         for half in cutlass.range_constexpr(2):
             entry = tile * self.tile_n + lane + 32 * half
             present = Int32(cutlass.select_(entry < width, Int32(1), Int32(0)))
-            out.append(ptx_ops.ld_global_nc_b32_if(row + Int64(entry) * 4, present, -1))
+            loaded = ptx_ops.ld_global_nc_b32_if(row + Int64(entry) * 4, present, -1)
+            out.append(self._row_or_hole(loaded, num_rows))
         return out[0], out[1]
+
+    @staticmethod
+    @cute.jit
+    def _row_or_hole(row: Int32, num_rows: Int32) -> Int32:
+        """``row`` if it is a row of kv, else -1 (a hole): producer and mask agree, and no id
+        makes the kernel read outside kv (one unsigned compare covers negative ids)."""
+        return Int32(cutlass.select_(Uint32(row) < Uint32(num_rows), row, Int32(-1)))

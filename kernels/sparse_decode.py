@@ -526,7 +526,7 @@ def balanced_plan(
     return plan_for_counts(
         window.lens,
         extra.lens if extra is not None else None,
-        key_capacity(window, extra),
+        (window.capacity, extra.capacity if extra is not None else 0),
         num_heads,
         method=method,
         out=out,
@@ -536,7 +536,7 @@ def balanced_plan(
 def plan_for_counts(
     lens: torch.Tensor,
     extra_lens: torch.Tensor | None,
-    capacity: int,
+    capacities: tuple[int, int],
     num_heads: int,
     *,
     method: str = "triton",
@@ -544,8 +544,12 @@ def plan_for_counts(
     out: schedule.DecodeSchedule | None = None,
 ) -> schedule.DecodeSchedule:
     """The balanced schedule of tokens with ``lens + extra_lens`` keys (int ``[T]``; the very
-    tensors the call's scopes hold) and lists of at most ``capacity`` keys, for ``num_heads``
-    query heads.
+    tensors the call's scopes hold) in lists of at most ``capacities = (window, extra)`` keys
+    (the scopes' widths), for ``num_heads`` query heads.
+
+    Each length is clamped into ``0 ..`` its scope's width first, as the kernel clamps it: plan
+    and kernel count the same keys whatever the lengths hold, and no length can push the plan's
+    int32 positions, or the partial slots they give, out of range.
 
     ``method``: ``"triton"`` (on CUDA: one program, :mod:`dsv4_attn.fused.decode_schedule`) or
     ``"torch"`` (the construction it reproduces, ~50 small kernels, ~0.12 ms on an H100 even
@@ -557,7 +561,8 @@ def plan_for_counts(
         raise ValueError(f"method must be 'triton' or 'torch', got {method!r}")
     T = lens.shape[0]
     parts = num_parts if num_parts is not None else balanced_parts(num_heads, lens.device)
-    capacity_tiles = math.ceil(capacity / BLOCK_N)
+    window_capacity, extra_capacity = capacities if extra_lens is not None else (capacities[0], 0)
+    capacity_tiles = math.ceil((window_capacity + extra_capacity) / BLOCK_N)
     # Positions on the cost line are int32 in the plan.
     if T * (capacity_tiles + schedule.TOKEN_OVERHEAD_TILES) >= 2**31:
         raise ValueError(
@@ -568,8 +573,12 @@ def plan_for_counts(
     if method == "triton" and lens.is_cuda:
         from dsv4_attn.fused import decode_schedule
 
-        return decode_schedule.build_schedule(lens, extra_lens, parts, min_share, out=out)
-    key_counts = lens if extra_lens is None else lens + extra_lens
+        return decode_schedule.build_schedule(
+            lens, extra_lens, (window_capacity, extra_capacity), parts, min_share, out=out
+        )
+    key_counts = lens.long().clamp(0, window_capacity)
+    if extra_lens is not None:
+        key_counts = key_counts + extra_lens.long().clamp(0, extra_capacity)
     plan = schedule.build_schedule(key_counts, parts, min_share)
     if out is None:
         return plan

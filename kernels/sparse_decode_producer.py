@@ -114,6 +114,9 @@ class SparseDecodeProducer:
         key0 = key_begin + pwarp * KEYS_PER_PRODUCER_WARP + (lane >> 2)
         row = pwarp * KEYS_PER_PRODUCER_WARP + (lane >> 2)
         scope = (*self.id_rows(mIdx, mEIdx, token), n_window, key_end)
+        # A slot id outside its cache (not a row of a page) is a hole, like -1: the kernel
+        # never reads outside the caches, whatever the metadata holds.
+        limits = (n_window, key_end, *self.slot_limits(mCache, mECache))
 
         # Prologue: the ids of tiles 0 .. RAW_STAGES - 1 (one wait), then the copies of those
         # tiles' rows, each group with the ids of the tile RAW_STAGES further on.
@@ -122,7 +125,7 @@ class SparseDecodeProducer:
         ptx_ops.cp_async_commit()
         ptx_ops.cp_async_wait_group(0)
         for s in cutlass.range_constexpr(RAW_STAGES):
-            packed = self.read_packed(self.id_slot(id0, s), key0 + s * BLOCK_N, n_window, key_end)
+            packed = self.read_packed(self.id_slot(id0, s), key0 + s * BLOCK_N, *limits)
             self.copy_key(packed, part, parity, unit0 + s * RAW_SLOT_BYTES, *bases)
             self.copy_id(
                 *scope, key0 + (s + RAW_STAGES) * BLOCK_N, self.id_slot(id0, s + RAW_STAGES)
@@ -140,7 +143,7 @@ class SparseDecodeProducer:
             if g >= NUM_STAGES:
                 cute.arch.mbarrier_wait(empty_bar + stage, ((g // NUM_STAGES) + 1) % 2)
             stage_base = sK_base + stage * (BLOCK_N * HEAD_DIM * 2)
-            packed = self.read_packed(self.id_slot(id0, tile), key, n_window, key_end)
+            packed = self.read_packed(self.id_slot(id0, tile), key, *limits)
             self.store_key(unit, packed >= 0, row, lane, parity, stage_base)
             if part == 0:
                 key_bias[row, stage] = Float32(
@@ -151,9 +154,7 @@ class SparseDecodeProducer:
             # The raw slot just read takes tile + RAW_STAGES (its ids landed with this tile's
             # rows); the id slot just read takes tile + 2 RAW_STAGES.
             key_new = key + RAW_STAGES * BLOCK_N
-            packed_new = self.read_packed(
-                self.id_slot(id0, tile + RAW_STAGES), key_new, n_window, key_end
-            )
+            packed_new = self.read_packed(self.id_slot(id0, tile + RAW_STAGES), key_new, *limits)
             self.copy_key(packed_new, part, parity, unit, *bases)
             # (tile + 2 RAW_STAGES shares tile's id slot.)
             self.copy_id(*scope, key + 2 * RAW_STAGES * BLOCK_N, self.id_slot(id0, tile))
@@ -188,20 +189,36 @@ class SparseDecodeProducer:
         ptx_ops.cp_async_4(dst, Int64(cutlass.select_(key < key_end, addr, window_ids)), present)
 
     @cute.jit
-    def read_packed(self, src, key, n_window, key_end) -> Int32:
-        """``slot * 2 + is_extra`` of key ``key`` from the id :meth:`copy_id` put at ``src``,
-        or -1 if it has none (a -1 id, or past ``key_end``)."""
-        raw = ptx_ops.ld_shared_b32(src)
-        raw = Int32(cutlass.select_(key < key_end, raw, Int32(-1)))
-        return self.pack_slot(raw, key, n_window)
+    def slot_limits(self, mCache, mECache):
+        """Slots of the window and extra caches (pages x rows per page; < 2^30, checked on the
+        host), the bound of a slot id that is a row of its cache."""
+        window_slots = Int32(mCache.shape[0]) * self.cfg.block_size
+        extra_slots = window_slots
+        if const_expr(self.cfg.has_extra):
+            extra_slots = Int32(mECache.shape[0]) * self.cfg.extra_block_size
+        return window_slots, extra_slots
 
     @cute.jit
-    def pack_slot(self, raw, key, n_window) -> Int32:
-        """``slot * 2 + is_extra`` of key ``key`` from its loaded slot id, or -1 if it has none."""
+    def read_packed(self, src, key, n_window, key_end, window_slots, extra_slots) -> Int32:
+        """``slot * 2 + is_extra`` of key ``key`` from the id :meth:`copy_id` put at ``src``,
+        or -1 if it has none (past ``key_end``, or an id outside ``0 .. slots`` of its cache:
+        -1 and every other)."""
+        raw = ptx_ops.ld_shared_b32(src)
+        raw = Int32(cutlass.select_(key < key_end, raw, Int32(-1)))
+        return self.pack_slot(raw, key, n_window, window_slots, extra_slots)
+
+    @cute.jit
+    def pack_slot(self, raw, key, n_window, window_slots, extra_slots) -> Int32:
+        """``slot * 2 + is_extra`` of key ``key`` from its loaded slot id, or -1 if the id is
+        not a slot of its scope's cache (one unsigned compare covers negative ids too)."""
         is_extra = Int32(cutlass.select_(key >= n_window, Int32(1), Int32(0)))
+        limit = window_slots
         if const_expr(not self.cfg.has_extra):
             is_extra = Int32(0)
-        return Int32(cutlass.select_(raw >= 0, raw * 2 + is_extra, Int32(-1)))
+        else:
+            limit = Int32(cutlass.select_(key >= n_window, extra_slots, window_slots))
+        inside = Uint32(raw) < Uint32(limit)
+        return Int32(cutlass.select_(inside, raw * 2 + is_extra, Int32(-1)))
 
     @cute.jit
     def row_addresses(self, packed, cache_base, page_stride, ecache_base, epage_stride):

@@ -339,7 +339,8 @@ class SparseDecodeSm90(SparseDecodeProducer):
         # part with it) and counts the same tiles, so K/V stage and mbarrier phase follow one
         # running tile count ``g0`` across items.
         outputs = (mO, mLse, mOpart, mLsePart)
-        items = (mLens, mELens, mPartPlan, mTokenPlan, split, token, tiles_per_split)
+        lists = (mLens, mELens, mIdx, mEIdx)  # lengths, and the index rows bounding them
+        items = (lists, mPartPlan, mTokenPlan, split, token, tiles_per_split)
         if wg == 2:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
 
@@ -389,8 +390,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
             self.for_each_item(*items, right)
 
     @cute.jit
-    def for_each_item(self, mLens, mELens, mPartPlan, mTokenPlan, split, token, tiles_per_split,
-                      body):  # fmt: skip
+    def for_each_item(self, lists, mPartPlan, mTokenPlan, split, token, tiles_per_split, body):
         """``body(token, n_window, key_begin, key_end, n_tiles, slot, g0, done)`` for each item
         of this CTA: its (token, split) without the balanced schedule; with it, each token of its
         part it holds tiles of. ``g0``: tiles of the earlier items (K/V stage and mbarrier phase
@@ -398,7 +398,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         slot, -1 for a final output."""
         if const_expr(not self.cfg.balanced):
             n_window, key_begin, key_end, n_tiles = self.key_range(
-                mLens, mELens, token, split, tiles_per_split
+                lists, token, split, tiles_per_split
             )
             body(token, n_window, key_begin, key_end, n_tiles, Int32(-1), Int32(0), Int32(0))
         else:
@@ -408,7 +408,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
             done = Int32(0)
             for t in cutlass.range(first, last + 1, unroll=1):
                 present, n_window, key_begin, key_end, n_tiles, slot = self.item(
-                    mLens, mELens, mPartPlan, mTokenPlan, t, split
+                    lists, mPartPlan, mTokenPlan, t, split
                 )
                 if present:
                     body(t, n_window, key_begin, key_end, n_tiles, slot, g0, done)
@@ -416,7 +416,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
                     done = done + 1
 
     @cute.jit
-    def item(self, mLens, mELens, mPartPlan, mTokenPlan, token, part):
+    def item(self, lists, mPartPlan, mTokenPlan, token, part):
         """Part ``part``'s work on token ``token`` (balanced schedule): (present, n_window,
         key_begin, key_end, tiles, slot). ``present`` is False when the part holds none of the
         token's tiles; ``slot`` is the partial slot of a cut token's piece, -1 for a final
@@ -429,7 +429,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         j_begin = cutlass.min(cutlass.max(lo - at, Int32(0)), tiles)
         j_end = cutlass.min(cutlass.max(hi - at, Int32(0)), tiles)
         n_window, key_begin, key_end, n_tiles = self.keys_between(
-            mLens, mELens, token, j_begin * BLOCK_N, j_end * BLOCK_N
+            lists, token, j_begin * BLOCK_N, j_end * BLOCK_N
         )
         slot = Int32(-1)
         if pieces > 1:
@@ -437,17 +437,17 @@ class SparseDecodeSm90(SparseDecodeProducer):
         return j_end > j_begin, n_window, key_begin, key_end, n_tiles, slot
 
     @cute.jit
-    def key_range(self, mLens, mELens, token, split, tiles_per_split):
+    def key_range(self, lists, token, split, tiles_per_split):
         """This CTA's share of the token's key list: (n_window, begin, end, number of tiles).
 
         The token's own tiles (not the launch's capacity, which sized the grid) spread over the
         grid's splits, at least MIN_SPLIT_TILES and at most ``tiles_per_split`` per split: a
         list much shorter than the capacity still keeps every split of its token busy."""
-        _, n_total = self.token_keys(mLens, mELens, token)
+        _, n_total = self.token_keys(lists, token)
         share = self.split_share(n_total, tiles_per_split)
         share = cute.arch.make_warp_uniform(share)  # keeps the tile loop's values uniform
         key_begin = split * share * BLOCK_N
-        return self.keys_between(mLens, mELens, token, key_begin, key_begin + share * BLOCK_N)
+        return self.keys_between(lists, token, key_begin, key_begin + share * BLOCK_N)
 
     @cute.jit
     def split_share(self, n_keys, tiles_per_split):
@@ -490,19 +490,30 @@ class SparseDecodeSm90(SparseDecodeProducer):
             ptx_ops.prefetch_bulk_l2(start, Int32(end - start))
 
     @cute.jit
-    def token_keys(self, mLens, mELens, token):
-        """(window keys, all keys) of the token's list."""
-        n_window = Int32(mLens[token])
+    def token_keys(self, lists, token):
+        """(window keys, all keys) of the token's list. Each length is clamped into ``0 ..`` its
+        list's width, so no length makes the kernel read past an index row."""
+        mLens, mELens, mIdx, mEIdx = lists
+        n_window = self.clamped_len(mLens, mIdx, token)
         n_total = n_window
         if const_expr(self.cfg.has_extra):
-            n_total = n_window + Int32(mELens[token])
+            n_total = n_window + self.clamped_len(mELens, mEIdx, token)
         return n_window, n_total
 
+    @staticmethod
     @cute.jit
-    def keys_between(self, mLens, mELens, token, key_begin, key_limit):
+    def clamped_len(mLens, mIdx, token) -> Int32:
+        """``lens[token]`` clamped into ``0 .. K`` (``K``: the index rows' width), compared in
+        the lengths' own type before it narrows to 32 bits."""
+        width = mIdx.shape[1]
+        length = cutlass.min(cutlass.max(mLens[token], 0), width)
+        return Int32(length)
+
+    @cute.jit
+    def keys_between(self, lists, token, key_begin, key_limit):
         """Keys ``key_begin .. key_limit`` of the token's list, cut at its length: (n_window,
         begin, end, number of tiles)."""
-        n_window, n_total = self.token_keys(mLens, mELens, token)
+        n_window, n_total = self.token_keys(lists, token)
         key_end = cutlass.min(n_total, key_limit)
         n_tiles = Int32(0)
         if key_end > key_begin:

@@ -9,7 +9,10 @@
 #
 #   bash scripts/gpu_serve.sh prepare   # this checkout over the packed project; the checkpoint
 #   bash scripts/gpu_serve.sh tests     # pytest -m gpu: fused kernels, the layer on CUDA (sync
-#                                       #   debug mode, CUDA-graph replay), the decode kernel
+#                                       #   debug mode, CUDA-graph replay), the decode kernel,
+#                                       #   the gathered prefill kernel
+#   bash scripts/gpu_serve.sh sanitize  # the poisoned-metadata kernel tests under
+#                                       #   compute-sanitizer (memcheck): no access outside
 #   bash scripts/gpu_serve.sh bench     # python -m dsv4_attn.bench step (one layer step, b = 64)
 #                                       #   and prefill-layer (one prompt's prefill, new vs old)
 #   bash scripts/gpu_serve.sh vllm      # serve + query: vLLM's backend (the reference)
@@ -32,7 +35,7 @@ export PYTHONUNBUFFERED=1
 . /tmp/dsv4_env.sh
 SITE=/tmp/site
 CKPT=/tmp/dsv4_tiny_ckpt
-PART=${1:?usage: gpu_serve.sh prepare|tests|bench|vllm|fp8|nvfp4|compare}
+PART=${1:?usage: gpu_serve.sh prepare|tests|sanitize|bench|vllm|fp8|nvfp4|compare}
 
 stop_server() {  # name port: every process of the server's session (its engine included)
   # The session id is read from the process serving the port: setsid may fork, so the pid the
@@ -85,9 +88,16 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
   tests)
     VLLM_TARGET_DEVICE=cuda timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
       tests/test_fused.py tests/test_vllm_glue_gpu.py tests/test_sparse_decode.py \
-      tests/test_fmha_ops.py::test_gpu_sparse_prefill_auto_uses_kernel \
-      -k "not test_kernel_matches_reference or H-64" 2>&1 | tee "$OUT/pytest_gpu_serve_env.log"
+      tests/test_fmha_ops.py::test_gpu_sparse_prefill_auto_uses_kernel tests/test_fmha.py \
+      -k "(not test_kernel_matches_reference or H-64) and (not dense or d512)" 2>&1 \
+      | tee "$OUT/pytest_gpu_serve_env.log"
     echo "pytest exit: ${PIPESTATUS[0]}"
+    ;;
+  sanitize)
+    timeout 560 compute-sanitizer --tool memcheck --print-limit 10 --error-exitcode 99 \
+      python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_sparse_decode.py \
+      tests/test_fmha.py -k poisoned 2>&1 | tee "$OUT/sanitizer_poisoned.log"
+    echo "compute-sanitizer exit: ${PIPESTATUS[0]}"
     ;;
   bench)
     timeout 300 python3 -m dsv4_attn.bench step --json "$OUT/bench_step.json" 2>&1 \

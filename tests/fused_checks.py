@@ -130,6 +130,35 @@ def check_gather(fused, device, kind: str, seed: int) -> None:
         got = out.cpu()
         assert torch.equal(got.isnan(), expected.isnan()), (window, ratio)
         assert torch.equal(got.nan_to_num(), expected.nan_to_num()), (window, ratio)
+    # Poisoned metadata: runs past the block table (seq 90 > 4 pages of 16), pages outside the
+    # cache (-5, 999), a window longer than its sequence (rows before position 0). Those rows
+    # come back as zeros, nothing is read for them; the rest as read from the cache.
+    bad_table = table.clone()
+    bad_table[0, 1], bad_table[2, 0] = -5, 999
+    bad_seq = torch.tensor([90, 5, 40], dtype=torch.int32)
+    bad_gather = torch.tensor([30, 9, 40], dtype=torch.int32)
+    for window in (False, True):
+        out = torch.full((C, 2 + 64, 512), float("nan"), dtype=torch.bfloat16)
+        expected = out.clone()
+        for c in range(C):
+            seq = int(bad_seq[c])
+            first, count = (seq - int(bad_gather[c]), int(bad_gather[c])) if window else (0, seq)
+            for i, r in enumerate(range(first, first + min(count, 64))):  # max_rows: 64
+                block = int(bad_table[c, r // block_size]) if 0 <= r < 4 * block_size else -1
+                if 0 <= block < num_blocks:
+                    slot = torch.tensor([block * block_size + r % block_size], device=device)
+                    expected[c, 2 + i] = kv_cache.read(cache, slot, KVFormat.NVFP4,
+                                                       block_size).cpu()[0]  # fmt: skip
+                else:
+                    expected[c, 2 + i] = 0
+        out = out.to(device)
+        fused.kv_gather.gather_nvfp4_rows(
+            out, cache, block_size, bad_seq.to(device), bad_table.to(device), 2, 64,
+            gather_lens=bad_gather.to(device) if window else None,
+        )  # fmt: skip
+        got = out.cpu()
+        assert torch.equal(got.isnan(), expected.isnan()), window
+        assert torch.equal(got.nan_to_num(), expected.nan_to_num()), window
 
 
 def check_prefill_index(fused, device, seed: int) -> None:
@@ -198,7 +227,7 @@ def check_metadata(fused, device, seed: int) -> None:
         rows_per_block = vt.CACHE_BLOCK // ratio
         write, staging = out(T, dtype=torch.int64), out(T, dtype=torch.int64)
         visible = out(T, width) if ratio == 128 else None
-        visible_lens = out(T) if ratio == 128 else None
+        visible_lens = out(T)  # HCA: with the slots; CSA: the counts alone
         window_lens = out(T) if ratio == 128 else None  # the balanced decode plan's counts
         sm.fill_compressed_metadata(
             on(cm.query_start_loc), on(cm.seq_lens), on(cm.slot_mapping),
@@ -216,13 +245,26 @@ def check_metadata(fused, device, seed: int) -> None:
             assert torch.equal(visible.cpu(), want_slots)
             assert torch.equal(visible_lens.cpu(), want_count)
             assert torch.equal(window_lens.cpu().long(), md.window_lengths(tokens, vt.WINDOW))
+        else:
+            csa_visible = visible_lens
+            assert torch.equal(visible_lens.cpu().long(), md.visible_entry_counts(tokens, ratio))
 
     local = vt.random_local_topk(gen, batch, vt.INDEX_TOPK)
+    # Poisoned picks the indexer should never make: entries the token does not see yet, and
+    # far past the block table (neither may become a slot).
+    poison = torch.rand(local.shape, generator=gen) < 0.1
+    local = torch.where(poison, torch.randint(0, 1 << 20, local.shape, generator=gen,
+                                              dtype=torch.int32), local)  # fmt: skip
     slots, entry_lens = out(T, vt.INDEX_TOPK), out(T)
-    sm.fill_entry_slots(on(local), on(tokens.req.int()), on(tokens.valid),
+    sm.fill_entry_slots(on(local), on(tokens.req.int()), on(tokens.valid), csa_visible,
                         on(cm.block_table_tensor), 64, slots=slots, lens=entry_lens)  # fmt: skip
-    want_slots, want_lens = md.local_entry_slots(local, tokens, cm.block_table_tensor, 64)
+    want_slots, want_lens = md.local_entry_slots(
+        local, tokens, cm.block_table_tensor, 64, md.visible_entry_counts(tokens, 4)
+    )
     assert torch.equal(slots.cpu(), want_slots) and torch.equal(entry_lens.cpu(), want_lens)
+    visible = md.visible_entry_counts(tokens, 4)[:, None]
+    dropped = (local >= visible) | ~tokens.valid[:, None] | (local < 0)
+    assert bool((want_slots[dropped] == -1).all()) and bool((want_slots[~dropped] >= 0).all())
 
 
 def check_decode_schedule(fused, device, seed: int) -> None:
@@ -248,7 +290,7 @@ def check_decode_schedule(fused, device, seed: int) -> None:
         want = schedule.build_schedule(counts.to(dtype), parts, min_share)
         got = fused.decode_schedule.build_schedule(
             window.to(dtype).to(device), extra.to(dtype).to(device) if with_extra else None,
-            parts, min_share,
+            (128, 9000), parts, min_share,
         )  # fmt: skip
         assert torch.equal(got.part_plan.cpu(), want.part_plan), (T, parts, with_extra)
         assert torch.equal(got.token_plan.cpu(), want.token_plan), (T, parts, with_extra)
@@ -258,7 +300,7 @@ def check_decode_schedule(fused, device, seed: int) -> None:
         torch.full((T, 5), -9, dtype=torch.int32, device=device),
     )
     got = fused.decode_schedule.build_schedule(
-        window.to(device), extra.to(device), parts, min_share, out=buffers
+        window.to(device), extra.to(device), (128, 9000), parts, min_share, out=buffers
     )
     assert got.part_plan is buffers.part_plan and got.token_plan is buffers.token_plan
     want = schedule.build_schedule(window + extra, parts, min_share)
@@ -266,9 +308,23 @@ def check_decode_schedule(fused, device, seed: int) -> None:
     assert torch.equal(got.token_plan.cpu(), want.token_plan)
     with pytest.raises(ValueError, match="token_plan must be contiguous int32"):
         fused.decode_schedule.build_schedule(
-            window.to(device), extra.to(device), parts, min_share,
+            window.to(device), extra.to(device), (128, 9000), parts, min_share,
             out=schedule.DecodeSchedule(buffers.part_plan, buffers.token_plan[:, :4]),
         )  # fmt: skip
+    # Lengths outside their widths (poisoned metadata) plan as the clamped lengths.
+    wild_window = window.clone()
+    wild_extra = extra.clone()
+    wild_window[::3] = -7
+    wild_window[1::3] = 1 << 30
+    wild_extra[::2] = (1 << 31) - 1
+    wild_extra[1::5] = -(1 << 20)
+    got = fused.decode_schedule.build_schedule(
+        wild_window.to(device), wild_extra.to(device), (128, 1000), parts, min_share
+    )
+    want = schedule.build_schedule(wild_window.clamp(0, 128) + wild_extra.clamp(0, 1000), parts,
+                                   min_share)  # fmt: skip
+    assert torch.equal(got.part_plan.cpu(), want.part_plan)
+    assert torch.equal(got.token_plan.cpu(), want.token_plan)
 
 
 def _fused():

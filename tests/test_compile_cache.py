@@ -1,10 +1,20 @@
-"""CI tests of the kernel compile cache: one build per key, and the disk cache round trip."""
+"""CI tests of the kernel compile cache: one build per key, the disk cache round trip, and a disk
+cache that never loads a damaged file, refuses a directory others can write, and survives two
+processes writing the same key at once."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from dsv4_attn.kernels.compile_cache import CACHE_DIR_ENV, CompileCache
+from dsv4_attn.kernels import compile_cache
+from dsv4_attn.kernels.compile_cache import CACHE_DIR_ENV, CompileCache, DiskCache
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_builds_once_per_key(monkeypatch):
@@ -24,22 +34,167 @@ def test_builds_once_per_key(monkeypatch):
     assert ("a", 1) not in cache
 
 
-def test_disk_cache_round_trip(tmp_path, monkeypatch):
+# ---- the file format, without compiling anything ----------------------------------------------
+
+
+def _private_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "cache"
+    directory.mkdir(mode=0o700)
+    return directory
+
+
+def test_disk_cache_returns_exactly_what_was_written(tmp_path):
+    disk = DiskCache(_private_dir(tmp_path))
+    payload = os.urandom(5000)
+    assert disk.read("k") is None
+    disk.write("k", payload)
+    assert disk.read("k") == payload
+    assert [p.name for p in disk.directory.iterdir()] == ["k.kc"]  # no temporary file left
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda data: data[: len(data) // 2], "its header says"),  # truncated object
+        (lambda data: data[:20], "without a valid header"),  # truncated header
+        (lambda data: data[:-256] + bytes(b ^ 0xFF for b in data[-256:]), "SHA-256"),  # flipped
+        (lambda data: b"\x7fELF" + data[4:], "without a valid header"),  # a bare object file
+        (lambda data: data + b"\x00", "its header says"),  # appended bytes
+    ],
+)
+def test_disk_cache_refuses_damaged_files(tmp_path, damage, message):
+    disk = DiskCache(_private_dir(tmp_path))
+    disk.write("k", os.urandom(4096))
+    path = disk.path("k")
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(ValueError, match=message):
+        disk.read("k")
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o722])
+def test_a_directory_others_can_write_is_not_used(tmp_path, mode, dsv4_logs, monkeypatch):
+    monkeypatch.setattr(compile_cache, "_REFUSED_DIRS", set())
+    directory = tmp_path / "shared"
+    directory.mkdir()
+    directory.chmod(mode)
+    assert not DiskCache(directory).usable()
+    assert not DiskCache(directory).usable()
+    warnings = [r.getMessage() for r in dsv4_logs.records if "is not used" in r.getMessage()]
+    assert len(warnings) == 1 and "writable by group or others" in warnings[0]
+
+
+def test_a_directory_of_another_user_is_not_used(tmp_path, monkeypatch):
+    directory = _private_dir(tmp_path)
+    monkeypatch.setattr(os, "geteuid", lambda: directory.stat().st_uid + 1)
+    assert "not by this user" in DiskCache(directory)._unsafe_reason()
+
+
+def test_a_missing_directory_is_created_private(tmp_path):
+    directory = tmp_path / "a" / "b"
+    assert DiskCache(directory).usable()
+    assert directory.stat().st_mode & 0o077 == 0
+
+
+# ---- through real compiled kernels ------------------------------------------------------------
+
+
+def _combine_key():
     pytest.importorskip("cutlass")
     pytest.importorskip("tvm_ffi")
     from dsv4_attn.kernels import sparse_decode
     from dsv4_attn.kernels.combine import CombineConfig
 
-    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     key = CombineConfig(has_sink=True)
+    return key, lambda: sparse_decode.build_combine_kernel(key)
+
+
+def test_disk_cache_round_trip(tmp_path, monkeypatch):
+    key, build = _combine_key()
+    directory = _private_dir(tmp_path)
+    monkeypatch.setenv(CACHE_DIR_ENV, str(directory))
     writer = CompileCache("combine_test")
-    writer.get(key, lambda: sparse_decode.build_combine_kernel(key))
-    path = writer.object_path(key, tmp_path)
-    assert path.exists() and path.stat().st_size > 0
+    writer.get(key, build)
+    path = writer.object_path(key, directory)
+    assert path.exists() and DiskCache(directory).read(path.stem) is not None
 
     # A fresh cache (as in a new process) loads the object instead of compiling.
     reader = CompileCache("combine_test")
     loaded = reader.get(key, lambda: pytest.fail("compiled although the object was on disk"))
     assert callable(loaded)
     # Another key (or changed kernel sources) maps to another file.
-    assert writer.object_path(CombineConfig(has_sink=False), tmp_path) != path
+    from dsv4_attn.kernels.combine import CombineConfig
+
+    assert writer.object_path(CombineConfig(has_sink=False), directory) != path
+
+
+def test_a_flipped_object_is_rebuilt_not_loaded(tmp_path, monkeypatch, dsv4_logs):
+    """256 flipped bytes inside the object: the cache must not link it, but compile again and
+    replace the file with a good one."""
+    key, build = _combine_key()
+    directory = _private_dir(tmp_path)
+    monkeypatch.setenv(CACHE_DIR_ENV, str(directory))
+    CompileCache("combine_test").get(key, build)
+    path = CompileCache("combine_test").object_path(key, directory)
+    good = path.read_bytes()
+    middle = len(good) // 2
+    path.write_bytes(good[:middle] + bytes(b ^ 0xA5 for b in good[middle : middle + 256])
+                     + good[middle + 256 :])  # fmt: skip
+    loads = []
+    monkeypatch.setattr(compile_cache, "_load_object", lambda payload: loads.append(payload))
+    builds = []
+    CompileCache("combine_test").get(key, lambda: builds.append(1) or build())
+    assert builds == [1] and loads == []
+    assert any("does not match its SHA-256" in r.getMessage() for r in dsv4_logs.records)
+    assert DiskCache(directory).read(path.stem) is not None  # rewritten intact
+
+
+def test_the_key_names_the_runtime_variant(monkeypatch):
+    """Objects built against another CuTeDSL runtime library (cu12 vs cu13) get other names."""
+    pytest.importorskip("cutlass")
+    import cutlass.cute as cute
+
+    libraries = cute.runtime.find_runtime_libraries(enable_tvm_ffi=True)
+    stems = []
+    for variant in ("cu12", "cu13"):
+        compile_cache._source_fingerprint.cache_clear()
+        swapped = [lib.replace("/cu13/", f"/{variant}/").replace("/cu12/", f"/{variant}/")
+                   for lib in libraries]  # fmt: skip
+        monkeypatch.setattr(
+            cute.runtime, "find_runtime_libraries", lambda swapped=swapped, **_: swapped
+        )
+        stems.append(CompileCache("k").file_stem(("same", "key")))
+    compile_cache._source_fingerprint.cache_clear()
+    assert stems[0] != stems[1]
+
+
+_WRITER = """
+import os, sys
+os.getpid = lambda: 1  # as in two containers, each its own PID namespace
+from dsv4_attn.kernels.compile_cache import DiskCache
+disk = DiskCache(sys.argv[1])
+payload = bytes.fromhex(sys.argv[2]) * 40000
+for _ in range(int(sys.argv[3])):
+    disk.write("shared", payload)
+    got = disk.read("shared")
+    assert got is not None and len(got) == len(payload), "read a half-written file"
+print("OK")
+"""
+
+
+def test_two_processes_writing_one_key_never_leave_a_broken_file(tmp_path):
+    """Two writers (same pid, as across containers) storing different objects under one name
+    at once: every read in either sees a whole object, the final file is one of the two, and no
+    temporary file is left behind."""
+    directory = _private_dir(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    writers = [
+        subprocess.Popen([sys.executable, "-c", _WRITER, str(directory), tag, "150"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for tag in ("a5", "5a")
+    ]  # fmt: skip
+    for writer in writers:
+        out, err = writer.communicate(timeout=300)
+        assert writer.returncode == 0 and "OK" in out, err[-2000:]
+    final = DiskCache(directory).read("shared")
+    assert final in (bytes.fromhex("a5") * 40000, bytes.fromhex("5a") * 40000)
+    assert [p.name for p in directory.iterdir()] == ["shared.kc"]

@@ -91,3 +91,33 @@ def test_fallback_matches_reference_cuda(params):
         pytest.skip("needs CUDA")
     for seed in range(3):
         run_case(params, "cuda", seed)
+
+
+@pytest.mark.parametrize("params", CASES, ids=str)
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+def test_unchecked_poisoned_lists_read_nothing_outside_and_mean_the_sanitized_lists(
+    params, backend
+):
+    """``check_values=False`` (what serving passes) with lengths outside ``[0, K]`` and slot ids
+    outside the cache: no error and no read outside the cache; the result is the reference's on
+    the same lists with those lengths clamped and those ids as holes."""
+    from dsv4_attn import ops
+    from dsv4_attn.testing import poisoned_scope
+
+    T, H, fmt, window, extra, lens, sink, holes = params
+    case = make_decode_case(T, H, fmt, window, extra, seed=7, lens=lens, sink=sink,
+                            hole_rate=holes, distinct=False)  # fmt: skip
+    gen = torch.Generator().manual_seed(11)
+    poisoned_window, clean_window = poisoned_scope(case.window, gen)
+    poisoned_extra = clean_extra = None
+    if case.extra is not None:
+        poisoned_extra, clean_extra = poisoned_scope(case.extra, gen)
+    assert not torch.equal(poisoned_window.indices, clean_window.indices)  # something poisoned
+    with pytest.raises(ValueError, match="must lie in"):
+        ops.sparse_attention(case.q, poisoned_window, case.sink, case.scale, poisoned_extra)
+    out, lse = ops.sparse_attention(
+        case.q, poisoned_window, case.sink, case.scale, poisoned_extra, backend=backend,
+        check_values=False,
+    )  # fmt: skip
+    clean = DecodeCase(case.q, clean_window, case.sink, case.scale, clean_extra)
+    assert_matches_reference(out, lse, *reference_on_rows(clean))

@@ -244,6 +244,27 @@ def test_gpu_sparse_kernel_matches_reference(heads, shape):
 
 @gpu
 @needs_hopper
+@pytest.mark.parametrize("heads", [8, 64, 128])
+def test_gpu_sparse_kernel_with_poisoned_lists(heads):
+    """Lengths outside ``[0, K]`` and row ids outside ``kv`` (as serving passes them,
+    unchecked): nothing read outside ``kv`` (``compute-sanitizer`` runs this test), and the
+    reference's result with those lengths clamped and those ids as holes."""
+    from dsv4_attn.testing import poison_lists, sanitized_lists
+
+    case = make_random_sparse_case(90, heads, 3000, 600, device="cuda", seed=heads)
+    poisoned = poison_lists(case.indices, case.lens, case.kv.shape[0],
+                            torch.Generator().manual_seed(heads))  # fmt: skip
+    clean = sanitized_lists(*poisoned, case.kv.shape[0])
+    out = torch.full_like(case.q, float("nan"))
+    lse = torch.full(case.q.shape[:2], float("nan"), device="cuda")
+    fmha.run_sparse(case.q, case.kv, *poisoned, case.sink, case.scale, out=out, lse=lse)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.sparse_attention(case.q, case.kv, *clean, case.sink, case.scale)
+    _check(f"sparse-poisoned-h{heads}", out, lse, ref_out, ref_lse, 0.0)
+
+
+@gpu
+@needs_hopper
 @pytest.mark.parametrize("heads, topk", [(64, 512), (128, 1024)])
 def test_gpu_sparse_kernel_v4_layout(heads, topk):
     case = make_v4_sparse_case(300, heads, topk, device="cuda", seed=topk)

@@ -7,7 +7,6 @@ Hopper) check that ``auto`` runs the CuTeDSL kernel and that its results match t
 
 from __future__ import annotations
 
-import logging
 import math
 
 import pytest
@@ -109,14 +108,13 @@ def test_reference_backends_return_reference_values():
     assert torch.equal(out, ref_out.to(out.dtype)) and torch.equal(lse, ref_lse.float())
 
 
-def test_auto_on_cpu_falls_back_and_logs_each_reason_once(caplog):
+def test_auto_on_cpu_falls_back_and_logs_each_reason_once(dsv4_logs):
     dispatch_log.logged_reasons.clear()
     case = make_dense_case([(3, 3)], 2, 2, 64, seed=1)
-    with caplog.at_level(logging.INFO, logger="dsv4_attn.fmha_ops"):
-        for _ in range(3):
-            fmha_ops.fmha(case.q, case.k, case.v, **case.kwargs())
+    for _ in range(3):
+        fmha_ops.fmha(case.q, case.k, case.v, **case.kwargs())
     messages = [
-        r.getMessage() for r in caplog.records if "fmha uses the SDPA fallback" in r.message
+        r.getMessage() for r in dsv4_logs.records if "fmha uses the SDPA fallback" in r.message
     ]
     assert len(messages) == 1 and "cpu" in messages[0]
 
@@ -279,3 +277,27 @@ def test_gpu_sparse_prefill_auto_uses_kernel(heads):
     into = torch.full_like(out, float("nan"))
     got, _ = fmha_ops.sparse_prefill(*case.args(), backend="cutedsl", out=into)
     assert got is into and torch.equal(into, out)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_unchecked_poisoned_sparse_lists_mean_the_sanitized_lists(backend, index_dtype):
+    """``sparse_prefill(check_values=False)`` with lengths outside ``[0, K]`` and row ids
+    outside ``kv``: no error, no read outside ``kv``, the reference's result on the sanitized
+    lists (lengths clamped, those ids as holes)."""
+    from dsv4_attn.testing import poison_lists, sanitized_lists
+
+    case = make_random_sparse_case(9, 4, 300, 40, head_dim=64, seed=5)
+    gen = torch.Generator().manual_seed(3)
+    indices, lens = case.indices.to(index_dtype), case.lens.to(index_dtype)
+    poisoned = poison_lists(indices, lens, case.kv.shape[0], gen)
+    clean = sanitized_lists(*poisoned, case.kv.shape[0])
+    with pytest.raises(ValueError):
+        fmha_ops.sparse_prefill(case.q, case.kv, *poisoned, case.sink, case.scale)
+    out, lse = fmha_ops.sparse_prefill(case.q, case.kv, *poisoned, case.sink, case.scale,
+                                       backend=backend, check_values=False)  # fmt: skip
+    ref_out, ref_lse = reference.sparse_attention(case.q, case.kv, *clean, case.sink, case.scale)
+    torch.testing.assert_close(out.double(), ref_out.to(out.dtype).double(), rtol=2e-2, atol=2e-2)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=1e-4, atol=1e-4)

@@ -109,7 +109,7 @@ def _kernels():
     p = _PTR
     meta_head = {"query_start_ptr": p["i32"], "seq_lens_ptr": p["i32"],
                  "slot_mapping_ptr": p["i64"], "num_reqs": "i32", "block_table_ptr": p["i32"],
-                 "bt_stride": "i32"}  # fmt: skip
+                 "bt_stride": "i32", "bt_width": "i32"}  # fmt: skip
     yield kw._store_staged_rows_kernel, {
         "rows_ptr": p["bf16"], "rows_stride": "i32", "write_slots_ptr": p["i64"],
         "cache_ptr": p["u8"], "page_stride": "i32", "block_size": "i32",
@@ -120,7 +120,8 @@ def _kernels():
 
     for has_extra in (True, False):
         yield ds._decode_schedule_kernel, {
-            "lens_ptr": p["i32"], "extra_lens_ptr": p["i32"], "T": "i32", "parts": "i32",
+            "lens_ptr": p["i32"], "extra_lens_ptr": p["i32"], "window_capacity": "i32",
+            "extra_capacity": "i32", "T": "i32", "parts": "i32",
             "min_share": "i32", "part_plan_ptr": p["i32"], "token_plan_ptr": p["i32"],
             "HAS_EXTRA": "constexpr", "KEYS_PER_TILE": "constexpr", "OVERHEAD": "constexpr",
             "SNAP_DIV": "constexpr", "BLOCK_P": "constexpr", "CHUNK": "constexpr",
@@ -141,8 +142,9 @@ def _kernels():
         yield kg._gather_nvfp4_kernel, {
             "out_ptr": p["bf16"], "out_stride_req": "i32", "out_stride_row": "i32",
             "offset": "i32", "cache_ptr": p["u8"], "page_stride": "i32", "block_size": "i32",
-            "seq_lens_ptr": p["i32"], "gather_lens_ptr": p["i32"], "ratio": "i32",
-            "block_table_ptr": p["i32"], "bt_stride": "i32", "WINDOW": "constexpr",
+            "num_pages": "i32", "seq_lens_ptr": p["i32"], "gather_lens_ptr": p["i32"],
+            "ratio": "i32", "block_table_ptr": p["i32"], "bt_stride": "i32", "bt_width": "i32",
+            "WINDOW": "constexpr",
         }, {"WINDOW": window}  # fmt: skip
     yield kw._qnorm_rope_nvfp4_insert_kernel, {
         "q_ptr": p["bf16"], "q_stride_t": "i32", "q_stride_h": "i32", "kv_ptr": p["bf16"],
@@ -156,20 +158,22 @@ def _kernels():
         "indices_out": p["i32"], "indices_stride": "i32", "lens_out": p["i32"],
         "WINDOW": "constexpr", "WINDOW_P2": "constexpr", "BLOCK_REQS": "constexpr",
     }, {"WINDOW": 128, "WINDOW_P2": 128, "BLOCK_REQS": 128}  # fmt: skip
-    for has_visible in (True, False):
+    for has_visible, has_counts in ((True, True), (False, True), (False, False)):
         yield sm._compressed_kernel, {
             **meta_head, "rows_per_block": "i32", "ratio": "i32", "req_out": p["i32"],
             "valid_out": p["i8"], "write_slots_out": p["i64"], "staging_rows_out": p["i64"],
             "visible_out": p["i32"], "visible_stride": "i32", "visible_width": "i32",
             "visible_lens_out": p["i32"], "window_lens_out": p["i32"],
-            "HAS_VISIBLE": "constexpr", "WINDOW": "constexpr",
+            "HAS_VISIBLE": "constexpr", "HAS_COUNTS": "constexpr", "WINDOW": "constexpr",
             "BLOCK_REQS": "constexpr", "BLOCK_ENTRIES": "constexpr",
-        }, {"HAS_VISIBLE": has_visible, "WINDOW": 128 if has_visible else 0, "BLOCK_REQS": 128,
+        }, {"HAS_VISIBLE": has_visible, "HAS_COUNTS": has_counts,
+            "WINDOW": 128 if has_visible else 0, "BLOCK_REQS": 128,
             "BLOCK_ENTRIES": 256}  # fmt: skip
     yield sm._entry_slots_kernel, {
         "entries_ptr": p["i32"], "entries_stride": "i32", "token_req_ptr": p["i32"],
-        "valid_ptr": p["i8"], "block_table_ptr": p["i32"], "bt_stride": "i32",
-        "rows_per_block": "i32", "slots_out": p["i32"], "slots_stride": "i32",
+        "valid_ptr": p["i8"], "visible_ptr": p["i32"], "block_table_ptr": p["i32"],
+        "bt_stride": "i32", "bt_width": "i32", "rows_per_block": "i32", "slots_out": p["i32"],
+        "slots_stride": "i32",
         "lens_out": p["i32"], "width": "i32", "BLOCK_ENTRIES": "constexpr",
     }, {"BLOCK_ENTRIES": 256}  # fmt: skip
 
@@ -188,4 +192,4 @@ def test_every_kernel_compiles_for_sm90():
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
         assert len(compiled.asm["cubin"]) > 1000
         names.append(kernel.fn.__name__)
-    assert len(names) == 13, names
+    assert len(names) == 14, names

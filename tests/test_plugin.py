@@ -83,14 +83,65 @@ def test_register_is_light_and_hooks_on_first_import():
     assert "DECODER True" in result.stdout
 
 
-def test_register_refuses_an_incompatible_vllm(monkeypatch):
+def test_an_incompatible_vllm_leaves_the_backend_unregistered_with_a_warning(
+    monkeypatch, dsv4_logs
+):
     changed = compat.HookTarget(
         "vllm.models.deepseek_v4.nvidia.model", "_select_dsv4_attn_cls", ("cfg",), True
     )
     monkeypatch.setattr(compat, "HOOK_TARGETS", (changed,))
     monkeypatch.setattr(plugin, "_registered", False)
-    with pytest.raises(compat.IncompatibleVLLMError, match=r"supports vLLM 0\.33\.0 only"):
-        plugin.register()
+    monkeypatch.setattr(plugin, "_unregistered_reason", None)
+    plugin.register()  # no exception
+    plugin.register()  # and one warning per process
+    reason = plugin.unregistered_reason()
+    assert reason is not None and "supports vLLM 0.33.0 only" in reason
+    assert "takes (vllm_config), expected (cfg)" in reason
+    warnings = [r.getMessage() for r in dsv4_logs.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and f"{BACKEND_NAME} left unregistered" in warnings[0]
+    assert f"found vLLM {compat.installed_vllm_version()}" in warnings[0]
+
+
+def test_vllm_plugin_loading_survives_a_removed_hook_target():
+    """vLLM's own plugin loading, in a fresh interpreter whose DeepSeek-V4 model source lacks
+    the hooked selector: plugins load, a WARNING names both vLLM versions, vLLM's own backends
+    still configure the model, and only DSV4_NVFP4 is refused."""
+    code = (
+        "import re, tempfile, pathlib\n"
+        "from dsv4_attn.vllm_glue import compat\n"
+        "name = 'vllm.models.deepseek_v4.nvidia.model'\n"
+        "real = compat._source_path(name)\n"
+        "source = real.read_text()\n"
+        "removed = re.sub(r'\\ndef _select_dsv4_attn_cls\\(', '\\ndef _renamed(', source)\n"
+        "assert removed != source\n"
+        "copy = pathlib.Path(tempfile.mkdtemp()) / 'model.py'\n"
+        "copy.write_text(removed)\n"
+        "original = compat._source_path\n"
+        "compat._source_path = lambda m: copy if m == name else original(m)\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E\n"
+        f"print('REGISTERED', {BACKEND_NAME!r} in E.__members__)\n"
+        "from tests import vllm_glue_testing as vt\n"
+        "config = vt.engine_args().create_engine_config()\n"
+        "print('DEFAULT', config.attention_config.backend)\n"
+        "try:\n"
+        f"    vt.engine_args(attention_backend={BACKEND_NAME!r}).create_engine_config()\n"
+        "except Exception as exc:\n"
+        "    print('REFUSED', str(exc).splitlines()[0][:200])\n"
+    )
+    result = fresh_python(code)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "REGISTERED False" in result.stdout
+    assert "DEFAULT None" in result.stdout
+    assert f"Unknown attention backend: '{BACKEND_NAME}'" in output
+    # vLLM configures its logging after plugins load here: the warning comes through Python's
+    # last-resort handler (WARNING and above, to stderr), once.
+    (warning,) = [line for line in result.stderr.splitlines() if "left unregistered" in line]
+    assert "supports vLLM 0.33.0 only" in warning
+    assert f"found vLLM {compat.installed_vllm_version()}" in warning
+    assert "has no module-level function _select_dsv4_attn_cls" in warning
 
 
 def test_vllm_serve_help_runs_with_the_plugin():

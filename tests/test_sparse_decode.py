@@ -347,6 +347,46 @@ def test_balanced_schedule_with_ragged_lists(fmt, H, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
+@pytest.mark.parametrize(
+    ("H", "T", "extra_width", "schedule"),
+    [(64, 3, None, "split"), (128, 40, 512, "split"), (64, 150, 8192, "balanced"),
+     (16, 9, 2048, "balanced")],
+)  # fmt: skip
+def test_poisoned_metadata_stays_inside_the_caches(fmt, H, T, extra_width, schedule):
+    """Lengths outside ``[0, K]`` and slot ids outside the caches (below -1, at and past the
+    last slot, int32's extremes), as serving passes them (unchecked): the kernel reads nothing
+    outside the caches (``compute-sanitizer`` runs this test) and computes exactly what the
+    reference computes with those lengths clamped and those ids as holes; the balanced plan
+    is built from the poisoned lengths as they are."""
+    from dsv4_attn.testing import poisoned_scope
+
+    _needs_hopper()
+    device = torch.device("cuda")
+    seed = zlib.crc32(repr((fmt.value, H, T, extra_width, schedule)).encode())
+    gen = torch.Generator(device=device).manual_seed(seed)
+    poison_gen = torch.Generator().manual_seed(seed)
+    window = KVScope(_random_cache(fmt, 64, 4096, device, gen), fmt, 64,
+                     *_random_lists(T, 128, 4096, device, gen))  # fmt: skip
+    window, clean_window = poisoned_scope(window, poison_gen)
+    extra = clean_extra = None
+    if extra_width is not None:
+        slots = 2 * extra_width
+        extra = KVScope(_random_cache(fmt, 16, slots, device, gen), fmt, 16,
+                        *_random_lists(T, extra_width, slots, device, gen))  # fmt: skip
+        extra, clean_extra = poisoned_scope(extra, poison_gen)
+    q = (torch.randn(T, H, HEAD_DIM, generator=gen, device=device) * 2).to(torch.bfloat16)
+    sink = _sink("finite", H, device, gen)
+    args = (q, window, sink, HEAD_DIM**-0.5, extra)
+    plan = sparse_decode.balanced_plan(window, extra, H) if schedule == "balanced" else None
+    out = torch.full((T, H, HEAD_DIM), float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=device)
+    sparse_decode.sparse_attention(*args, out=out, lse=lse, plan=plan)
+    torch.cuda.synchronize()
+    _check(out, lse, *_reference(q, clean_window, sink, HEAD_DIM**-0.5, clean_extra))
+
+
+@pytest.mark.gpu
 def test_balanced_schedule_under_cuda_graph_replay():
     """The plan is built on the device from the key counts: a captured plan and call replay
     with other counts (and so another plan) correctly."""

@@ -61,27 +61,30 @@ def test_the_policy_needs_long_lists_and_enough_work_per_part():
 def test_which_steps_the_planner_takes(choice, monkeypatch):
     monkeypatch.setenv(balanced.SCHEDULE_ENV, choice)
     long, short = sparse_decode.BALANCED_MIN_CAPACITY, sparse_decode.BALANCED_MIN_CAPACITY - 1
-    planner = BalancedDecodePlanner(64, long, 128, torch.device("cpu"), num_parts=132)
+    planner = BalancedDecodePlanner(64, (128, long - 128), 128, torch.device("cpu"), num_parts=132)
     many = -(-sparse_decode.BALANCED_MIN_KEYS_PER_PART * 132 // long)
     assert planner.wants(many)
     assert planner.wants(many - 1) == (choice == "balanced")
     assert not planner.wants(0) and not planner.wants(129)  # nothing to plan; beyond the buffers
-    planner = BalancedDecodePlanner(64, short, 128, torch.device("cpu"), num_parts=132)
+    planner = BalancedDecodePlanner(64, (128, short - 128), 128, torch.device("cpu"), num_parts=132)
     assert planner.wants(many) == (choice == "balanced")
 
 
 def test_the_planner_writes_the_plan_of_its_counts_into_its_buffers():
     gen = torch.Generator().manual_seed(11)
-    planner = BalancedDecodePlanner(128, 128 + 4096, 40, torch.device("cpu"), num_parts=12)
+    planner = BalancedDecodePlanner(128, (128, 4096), 40, torch.device("cpu"), num_parts=12)
     addresses = (planner.part_plan.data_ptr(), planner.token_plan.data_ptr())
     for T in (1, 17, 40):
-        window = torch.randint(0, 129, (T,), generator=gen, dtype=torch.int32)
-        extra = torch.randint(0, 4097, (T,), generator=gen, dtype=torch.int32)
+        # Lengths past their lists' widths (and negative ones) count as the widths (as 0).
+        window = torch.randint(-5, 140, (T,), generator=gen, dtype=torch.int32)
+        extra = torch.randint(-5, 5000, (T,), generator=gen, dtype=torch.int32)
         planner.part_plan.fill_(-7)
         planner.token_plan.fill_(-7)
         plan = planner.build(window, extra)
         want = schedule.build_schedule(
-            window + extra, 12, schedule.min_share_tiles(-(-(128 + 4096) // BLOCK_N))
+            window.clamp(0, 128) + extra.clamp(0, 4096),
+            12,
+            schedule.min_share_tiles(-(-(128 + 4096) // BLOCK_N)),
         )
         assert (plan.part_plan.data_ptr(), plan.token_plan.data_ptr()) == addresses
         assert plan.token_plan.shape == (T, 5)

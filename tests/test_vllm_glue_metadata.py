@@ -225,6 +225,46 @@ def test_scopes_match_brute_force(config, batch):
     assert extra.indices.tolist() == rows and extra.lens.tolist() == lens
 
 
+@pytest.mark.parametrize("batch", BATCHES[:8])
+def test_csa_picks_the_token_does_not_see_are_never_read(config, batch):
+    """Indexer picks at or past the token's visible entries ``(pos + 1) // 4`` (a future entry,
+    or garbage past the block table) are dropped as -1 holes, as the prefill path drops them:
+    the scope equals the one of the picks without them."""
+    gen = torch.Generator().manual_seed(5 + len(batch.positions()))
+    swa = swa_builder(config).build(0, batch.swa_cm)
+    csa = compressed_builder(config, 4).build(0, batch.cache_cm)
+    local = vt.random_local_topk(gen, batch, vt.INDEX_TOPK)
+    visible = torch.zeros(batch.num_tokens, 1, dtype=torch.int32)
+    for t, (_, pos) in enumerate(batch.positions()):
+        visible[t] = (pos + 1) // 4
+    bad = torch.randint(0, 3, local.shape, generator=gen, dtype=torch.int32)
+    bad = torch.where(bad == 2, torch.full_like(bad, 1 << 24), visible + bad)  # at/after it
+    poisoned = torch.where(torch.rand(local.shape, generator=gen) < 0.2, bad, local)
+    assert bool((poisoned != local).any())
+    pages = torch.zeros(1, 1, dtype=torch.uint8)
+    T = batch.num_tokens
+    _, extra = layer_scopes(swa, csa, KVFormat.NVFP4, pages, pages, T, local_topk=poisoned)
+    rows, lens = vt.brute_local(batch, torch.where(poisoned >= visible, -1, poisoned))
+    assert extra.indices.tolist() == rows and extra.lens.tolist() == lens
+
+
+def test_rows_past_the_block_table_get_no_slot(config):
+    """A request whose positions run past its block table row (metadata vLLM should never
+    send): those window rows are holes, never a slot of another block table entry."""
+    batch = vt.make_batch(torch.Generator().manual_seed(3), [300], [1])
+    pages_needed = -(-300 // vt.SWA_BLOCK)
+    cm = batch.swa_cm
+    narrow = cm.block_table_tensor[:, : pages_needed - 1].clone()  # the last page missing
+    cm = type(cm)(**{**cm.__dict__, "block_table_tensor": narrow})
+    swa = swa_builder(config).build(0, cm)
+    window_rows, window_lens = vt.brute_window(batch)
+    got = swa.swa_indices[0].tolist()
+    cut = (pages_needed - 1) * vt.SWA_BLOCK  # first position without a page
+    first = 300 - window_lens[0]
+    want = [row if first + i < cut else -1 for i, row in enumerate(window_rows[0])]
+    assert got == want and -1 in got and swa.swa_lens[0] == window_lens[0]
+
+
 def test_csa_scope_needs_the_indexer_picks(config):
     batch = vt.make_batch(torch.Generator().manual_seed(1), [10], [1])
     swa = swa_builder(config).build(0, batch.swa_cm)

@@ -116,6 +116,18 @@ def test_changed_hook_targets_are_refused_naming_the_version(monkeypatch, target
     assert "vLLM 0.33.0 only" in str(info.value) and "VLLM_PLUGINS" in str(info.value)
 
 
+def test_a_target_without_source_is_left_to_the_import_check(tmp_path, monkeypatch):
+    """A vLLM installed as compiled modules only: nothing to parse, so the source check passes
+    it on to the check of the function object on import; a module that is absent in every form
+    is still refused."""
+    target = compat.HookTarget("vllm.models.fake.model", "_select", ("vllm_config",), True)
+    monkeypatch.setattr(compat, "HOOK_TARGETS", (target,))
+    monkeypatch.setattr(compat, "_module_base", lambda module: tmp_path / "model")
+    assert "module vllm.models.fake.model is missing" in compat.incompatibility()
+    (tmp_path / "model.pyc").write_bytes(b"compiled")
+    assert compat.incompatibility() is None
+
+
 def test_missing_optional_target_is_fine(monkeypatch):
     absent = compat.HookTarget("vllm.models.deepseek_v9.model", "f", ("vllm_config",), False)
     monkeypatch.setattr(compat, "HOOK_TARGETS", (absent,))
@@ -141,9 +153,10 @@ def test_runtime_signature_check():
 
 
 @pytest.mark.parametrize("signature, ok", [("vllm_config", True), ("vllm_config, extra", False)])
-def test_import_hook_patches_or_refuses_on_first_import(tmp_path, monkeypatch, signature, ok):
-    """The post-import path, on a stand-in module: patched when its signature matches, and the
-    import itself fails when it does not."""
+def test_import_hook_patches_or_guards_on_first_import(tmp_path, monkeypatch, signature, ok):
+    """The post-import path, on a stand-in module: patched when its signature matches; when it
+    does not, the import still succeeds and a guard passes every call through except those
+    selecting DSV4_NVFP4, which are refused naming the supported vLLM (never FlashMLA silently)."""
     name = f"dsv4_fake_model_{int(ok)}"
     (tmp_path / f"{name}.py").write_text(
         textwrap.dedent(f"""
@@ -155,13 +168,20 @@ def test_import_hook_patches_or_refuses_on_first_import(tmp_path, monkeypatch, s
     target = compat.HookTarget(name, "_select_dsv4_attn_cls", ("vllm_config",), True)
     monkeypatch.setitem(model_hook._WRAPPERS, name, model_hook._dsv4_selector)
     monkeypatch.setitem(model_hook._finder.targets, name, target)
+    monkeypatch.setattr(sys, "meta_path", [model_hook._finder, *sys.meta_path])
     monkeypatch.delitem(sys.modules, name, raising=False)
-    if ok:
-        module = importlib.import_module(name)
-        assert model_hook.is_patched(module, target)
-        assert module._select_dsv4_attn_cls(fake_config("TRITON_ATTN")) == "upstream"
+    module = importlib.import_module(name)
+    try:
+        assert model_hook.is_patched(module, target) is ok
+        if ok:
+            assert module._select_dsv4_attn_cls(fake_config("TRITON_ATTN")) == "upstream"
+            assert module._select_dsv4_attn_cls(fake_config(BACKEND_NAME)).__name__ == (
+                "DSV4NVFP4Attention"
+            )
+        else:
+            assert module._select_dsv4_attn_cls(fake_config("TRITON_ATTN"), 1) == "upstream"
+            assert module._select_dsv4_attn_cls(fake_config(None), extra=2) == "upstream"
+            with pytest.raises(compat.IncompatibleVLLMError, match=r"vLLM 0\.33\.0 only"):
+                module._select_dsv4_attn_cls(fake_config(BACKEND_NAME), 1)
+    finally:
         sys.modules.pop(name)
-    else:
-        with pytest.raises(compat.IncompatibleVLLMError, match=r"0\.33\.0"):
-            importlib.import_module(name)
-        assert name not in sys.modules

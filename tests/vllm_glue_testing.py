@@ -348,9 +348,9 @@ def attach_planner(builder, num_heads: int, num_parts: int):
     from dsv4_attn.vllm_glue.balanced import BalancedDecodePlanner
 
     assert builder.planner is None
-    capacity, max_tokens = WINDOW + builder.max_entries, builder.hca_lens.shape[0]
+    capacities, max_tokens = (WINDOW, builder.max_entries), builder.hca_lens.shape[0]
     builder.planner = BalancedDecodePlanner(
-        num_heads, capacity, max_tokens, torch.device("cpu"), num_parts=num_parts
+        num_heads, capacities, max_tokens, torch.device("cpu"), num_parts=num_parts
     )
     return builder.planner
 

@@ -101,6 +101,7 @@ class _Step:
         self.hca_width = -(-context // 128)
         self.hca_indices = torch.empty(T, self.hca_width, **i32)
         self.hca_lens = torch.empty(T, **i32)
+        self.csa_visible = torch.empty(T, **i32)
         self.entry_slots = torch.empty(T, topk, **i32)
         self.entry_lens = torch.empty(T, **i32)
         self.out = torch.empty(T, heads, HEAD_DIM, dtype=torch.bfloat16, device=dev)
@@ -124,7 +125,7 @@ class _Step:
                 CACHE_BLOCK // ratio, ratio, token_req=self.token_req, valid=self.valid,
                 write_slots=self.write_slots[ratio], staging_rows=self.staging_rows[ratio],
                 visible_slots=self.hca_indices if hca else None,
-                visible_lens=self.hca_lens if hca else None,
+                visible_lens=self.hca_lens if hca else self.csa_visible,
             )  # fmt: skip
 
     def insert(self) -> None:
@@ -149,8 +150,8 @@ class _Step:
 
     def slots(self) -> None:
         self.step_metadata.fill_entry_slots(
-            self.local_topk, self.token_req, self.valid, self.cache_table, CACHE_BLOCK // 4,
-            slots=self.entry_slots, lens=self.entry_lens,
+            self.local_topk, self.token_req, self.valid, self.csa_visible, self.cache_table,
+            CACHE_BLOCK // 4, slots=self.entry_slots, lens=self.entry_lens,
         )  # fmt: skip
 
     def attention(self, ratio: int) -> None:

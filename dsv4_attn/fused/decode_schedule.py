@@ -44,7 +44,7 @@ def _token_ends(token_plan_ptr, t0, T, CHUNK: tl.constexpr):
 
 @triton.jit
 def _decode_schedule_kernel(
-    lens_ptr, extra_lens_ptr, T, parts, min_share,
+    lens_ptr, extra_lens_ptr, window_capacity, extra_capacity, T, parts, min_share,
     part_plan_ptr, token_plan_ptr,
     HAS_EXTRA: tl.constexpr, KEYS_PER_TILE: tl.constexpr, OVERHEAD: tl.constexpr,
     SNAP_DIV: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr,
@@ -54,10 +54,13 @@ def _decode_schedule_kernel(
     for t0 in range(0, T, CHUNK):
         t = t0 + tl.arange(0, CHUNK)
         live = t < T
+        # Each length clamped into its scope's width, as the decode kernel clamps it.
         count = tl.load(lens_ptr + t, mask=live, other=0).to(tl.int64)
+        count = tl.minimum(tl.maximum(count, 0), window_capacity)
         if HAS_EXTRA:
-            count += tl.load(extra_lens_ptr + t, mask=live, other=0).to(tl.int64)
-        tiles = tl.maximum((tl.maximum(count, 0) + KEYS_PER_TILE - 1) // KEYS_PER_TILE, 1)
+            extra = tl.load(extra_lens_ptr + t, mask=live, other=0).to(tl.int64)
+            count += tl.minimum(tl.maximum(extra, 0), extra_capacity)
+        tiles = tl.maximum((count + KEYS_PER_TILE - 1) // KEYS_PER_TILE, 1)
         cost = tl.where(live, tiles + OVERHEAD, 0)
         end = tl.cumsum(cost, axis=0) + total
         tl.store(token_plan_ptr + t * 5, (end - cost + OVERHEAD).to(tl.int32), mask=live)
@@ -127,14 +130,17 @@ def _decode_schedule_kernel(
 def build_schedule(
     lens: torch.Tensor,
     extra_lens: torch.Tensor | None,
+    capacities: tuple[int, int],
     parts: int,
     min_share: int,
     out: DecodeSchedule | None = None,
 ) -> DecodeSchedule:
     """The balanced plan for tokens with ``lens + extra_lens`` keys (int32/int64 ``[T]``,
-    T >= 1; ``extra_lens`` may be None), ``parts`` parts and shares of at least ``min_share``
-    tiles: the same tensors as the torch construction. ``out``: contiguous int32 tensors of
-    exactly the plan's shapes to write it into (a caller's persistent buffers), else new ones."""
+    T >= 1; ``extra_lens`` may be None), each length clamped into ``0 ..`` its scope's width
+    (``capacities``: window, extra), ``parts`` parts and shares of at least ``min_share``
+    tiles: the same tensors as the torch construction on the clamped counts. ``out``: contiguous
+    int32 tensors of exactly the plan's shapes to write it into (a caller's persistent buffers),
+    else new ones."""
     T = lens.shape[0]
     if T == 0 or parts < 1:
         raise ValueError(f"need at least one token and one part, got T = {T}, parts = {parts}")
@@ -149,7 +155,7 @@ def build_schedule(
                 raise ValueError(f"out.{name} must be contiguous int32 {want}, got "
                                  f"{got.dtype} {tuple(got.shape)}")  # fmt: skip
     _decode_schedule_kernel[(1,)](
-        lens, extra_lens if extra_lens is not None else lens, T, parts, min_share,
+        lens, extra_lens if extra_lens is not None else lens, *capacities, T, parts, min_share,
         part_plan, token_plan,
         HAS_EXTRA=extra_lens is not None, KEYS_PER_TILE=BLOCK_N, OVERHEAD=TOKEN_OVERHEAD_TILES,
         SNAP_DIV=SNAP_DIV, BLOCK_P=triton.next_power_of_2(parts + 1), CHUNK=_CHUNK,

@@ -5,7 +5,9 @@ fp8_ds_mla: for each request ``c`` of a prefill chunk it decodes a contiguous ru
 request's rows (compressed entries ``0 .. seq_len // ratio``, or the window positions
 ``seq_len - gather_len .. seq_len``) from the paged cache and writes them, in order, to
 ``out[c, offset + i]``. The values are those of :func:`dsv4_attn.kv_cache.read` bit for bit
-(float32 products as torch forms them, then round-to-nearest-even to bf16).
+(float32 products as torch forms them, then round-to-nearest-even to bf16). A row whose block
+lies outside the block table, or whose page lies outside the cache, is written as zeros and
+nothing is read for it: no metadata makes the kernel read outside its buffers.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ def _e2m1_value(nibble):
 @triton.jit
 def _gather_nvfp4_kernel(
     out_ptr, out_stride_req, out_stride_row, offset,
-    cache_ptr, page_stride, block_size,
+    cache_ptr, page_stride, block_size, num_pages,
     seq_lens_ptr, gather_lens_ptr, ratio,
-    block_table_ptr, bt_stride,
+    block_table_ptr, bt_stride, bt_width,
     WINDOW: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0)  # rows on the first grid axis: up to 2^31 - 1 (the others stop at 65535)
@@ -56,16 +58,21 @@ def _gather_nvfp4_kernel(
         start = 0
     if i < count:
         row_id = (start + i).to(tl.int64)
-        block = tl.load(block_table_ptr + c.to(tl.int64) * bt_stride + row_id // block_size)
-        page = cache_ptr + block.to(tl.int64) * page_stride
+        in_table = (row_id >= 0) & (row_id // block_size < bt_width)
+        block = tl.load(block_table_ptr + c.to(tl.int64) * bt_stride + row_id // block_size,
+                        mask=in_table, other=-1).to(tl.int64)  # fmt: skip
+        live = in_table & (block >= 0) & (block < num_pages)
+        block = tl.where(live, block, 0)
+        row_id = tl.where(live, row_id, 0)
+        page = cache_ptr + block * page_stride
         row = row_id % block_size
         data = page + row * DATA_ROW_BYTES
         scales = page + block_size * DATA_ROW_BYTES + row * SCALE_ROW_BYTES
         byte = tl.arange(0, 256)
         real = byte < NOPE_BYTES
-        packed = tl.load(data + byte, mask=real, other=0).to(tl.int32)
-        block_code = tl.load(scales + byte // 8, mask=real, other=0).to(tl.int32)
-        exponent = tl.load(scales + 28).to(tl.int32) - 127
+        packed = tl.load(data + byte, mask=real & live, other=0).to(tl.int32)
+        block_code = tl.load(scales + byte // 8, mask=real & live, other=0).to(tl.int32)
+        exponent = tl.load(scales + 28, mask=live, other=0).to(tl.int32) - 127
         token_scale = tl.where(exponent >= -126, (exponent + 127) << 23, 1 << 22)
         step = e4m3_value(block_code) * token_scale.to(tl.float32, bitcast=True)
         low = bf16_rne(_e2m1_value(packed & 15) * step)
@@ -76,7 +83,7 @@ def _gather_nvfp4_kernel(
         tl.store(dst + column, values, mask=column < 448)
         rope = (data + NOPE_BYTES).to(tl.pointer_type(tl.bfloat16))
         rope_column = tl.arange(0, 64)
-        tl.store(dst + 448 + rope_column, tl.load(rope + rope_column))
+        tl.store(dst + 448 + rope_column, tl.load(rope + rope_column, mask=live, other=0.0))
 
 
 def gather_nvfp4_rows(
@@ -112,9 +119,9 @@ def gather_nvfp4_rows(
     window = gather_lens is not None
     _gather_nvfp4_kernel[(max_rows, C)](
         out, out.stride(0), out.stride(1), offset,
-        cache, cache.stride(0), block_size,
+        cache, cache.stride(0), block_size, cache.shape[0],
         seq_lens, gather_lens if window else seq_lens, ratio,
-        block_table, block_table.stride(0),
+        block_table, block_table.stride(0), block_table.shape[1],
         WINDOW=window,
     )  # fmt: skip
 

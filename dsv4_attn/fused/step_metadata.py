@@ -6,9 +6,12 @@ They compute exactly what the torch constructions of :mod:`dsv4_attn.vllm_glue.m
 * :func:`fill_window_metadata` — the SWA group: each token's request, validity, window slots and
   window length;
 * :func:`fill_compressed_metadata` — a compressed group: each token's request, validity, the slot
-  of the compressed entry it completes (and the staging row of that entry), for HCA the slots
-  of all entries it sees (and, for the balanced decode plan, the token's window length);
+  of the compressed entry it completes (and the staging row of that entry), how many entries
+  it sees, for HCA their slots (and, for the balanced decode plan, the token's window length);
 * :func:`fill_entry_slots` — a CSA layer: the indexer's request-local top-k entries as slots.
+
+Whatever the metadata holds, they stay inside their buffers: a row whose block lies past the
+block table's width gets no slot (-1), as in the torch constructions.
 
 Conventions as in :mod:`dsv4_attn.vllm_glue.metadata`: token ``t`` of request ``r`` sits at
 ``pos = seq_len[r] - query_len[r] + (t - query_start[r])``; it is valid when ``t`` is a real token
@@ -48,11 +51,13 @@ def _token_map(t, query_start_ptr, seq_lens_ptr, slot_mapping_ptr, num_reqs,
 
 
 @triton.jit
-def _row_slots(block_table_ptr, bt_stride, req, rows, rows_per_block, use):
-    """int64 slots of request-local rows (-1 where ``use`` is False)."""
+def _row_slots(block_table_ptr, bt_stride, bt_width, req, rows, rows_per_block, use):
+    """int64 slots of request-local rows (-1 where ``use`` is False or the row's block lies
+    outside the request's ``bt_width`` table entries)."""
+    inside = use & (rows >= 0) & (rows // rows_per_block < bt_width)
     block = tl.load(block_table_ptr + req.to(tl.int64) * bt_stride + rows // rows_per_block,
-                    mask=use, other=0).to(tl.int64)  # fmt: skip
-    return tl.where(use, block * rows_per_block + rows % rows_per_block, -1)
+                    mask=inside, other=0).to(tl.int64)  # fmt: skip
+    return tl.where(inside, block * rows_per_block + rows % rows_per_block, -1)
 
 
 @triton.jit
@@ -66,7 +71,7 @@ def _window_span(pos, valid, WINDOW: tl.constexpr):
 @triton.jit
 def _window_kernel(
     query_start_ptr, seq_lens_ptr, slot_mapping_ptr, num_reqs,
-    block_table_ptr, bt_stride, block_size,
+    block_table_ptr, bt_stride, bt_width, block_size,
     req_out, valid_out, indices_out, indices_stride, lens_out,
     WINDOW: tl.constexpr, WINDOW_P2: tl.constexpr, BLOCK_REQS: tl.constexpr,
 ):  # fmt: skip
@@ -76,7 +81,8 @@ def _window_kernel(
     first, length = _window_span(pos, valid, WINDOW)
     offset = tl.arange(0, WINDOW_P2)
     use = offset < length
-    slots = _row_slots(block_table_ptr, bt_stride, req, first + offset, block_size, use)
+    slots = _row_slots(block_table_ptr, bt_stride, bt_width, req, first + offset, block_size,
+                       use)  # fmt: skip
     row_out = indices_out + t.to(tl.int64) * indices_stride
     tl.store(row_out + offset, slots.to(tl.int32), mask=offset < WINDOW)
     tl.store(lens_out + t, length.to(tl.int32))
@@ -109,7 +115,7 @@ def fill_window_metadata(
         return
     _window_kernel[(T,)](
         query_start_loc, seq_lens, slot_mapping, seq_lens.shape[0],
-        block_table, block_table.stride(0), block_size,
+        block_table, block_table.stride(0), block_table.shape[1], block_size,
         token_req, valid.view(torch.int8), swa_indices, swa_indices.stride(0), swa_lens,
         WINDOW=window, WINDOW_P2=triton.next_power_of_2(window), BLOCK_REQS=_BLOCK_REQS,
     )  # fmt: skip
@@ -118,18 +124,18 @@ def fill_window_metadata(
 @triton.jit
 def _compressed_kernel(
     query_start_ptr, seq_lens_ptr, slot_mapping_ptr, num_reqs,
-    block_table_ptr, bt_stride, rows_per_block, ratio,
+    block_table_ptr, bt_stride, bt_width, rows_per_block, ratio,
     req_out, valid_out, write_slots_out, staging_rows_out,
     visible_out, visible_stride, visible_width, visible_lens_out, window_lens_out,
-    HAS_VISIBLE: tl.constexpr, WINDOW: tl.constexpr, BLOCK_REQS: tl.constexpr,
-    BLOCK_ENTRIES: tl.constexpr,
+    HAS_VISIBLE: tl.constexpr, HAS_COUNTS: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_REQS: tl.constexpr, BLOCK_ENTRIES: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     req, pos, valid = _token_map(t, query_start_ptr, seq_lens_ptr, slot_mapping_ptr, num_reqs,
                                  BLOCK_REQS)  # fmt: skip
     completes = valid & ((pos + 1) % ratio == 0)
-    write_slot = _row_slots(block_table_ptr, bt_stride, req, pos // ratio, rows_per_block,
-                            completes)  # fmt: skip
+    write_slot = _row_slots(block_table_ptr, bt_stride, bt_width, req, pos // ratio,
+                            rows_per_block, completes)  # fmt: skip
     tl.store(write_slots_out + t, write_slot)
     tl.store(staging_rows_out + t, tl.where(completes, t.to(tl.int64), -1))
     tl.store(req_out + t, req.to(tl.int32))
@@ -139,10 +145,12 @@ def _compressed_kernel(
         row_out = visible_out + t.to(tl.int64) * visible_stride
         for start in range(0, visible_width, BLOCK_ENTRIES):
             entry = start + tl.arange(0, BLOCK_ENTRIES)
-            slots = _row_slots(block_table_ptr, bt_stride, req, entry, rows_per_block,
-                               entry < count)  # fmt: skip
+            slots = _row_slots(block_table_ptr, bt_stride, bt_width, req, entry,
+                               rows_per_block, entry < count)  # fmt: skip
             tl.store(row_out + entry, slots.to(tl.int32), mask=entry < visible_width)
         tl.store(visible_lens_out + t, count.to(tl.int32))
+    elif HAS_COUNTS:  # the count alone (CSA: bounds the indexer's picks)
+        tl.store(visible_lens_out + t, tl.where(valid, (pos + 1) // ratio, 0).to(tl.int32))
     if WINDOW > 0:  # the token's window length, as the SWA group's kernel counts it
         _, length = _window_span(pos, valid, WINDOW)
         tl.store(window_lens_out + t, length.to(tl.int32))
@@ -171,7 +179,9 @@ def fill_compressed_metadata(
         block_table: ``int32 [R, blocks]``, blocks of ``rows_per_block`` compressed entries.
         token_req: ``int32 [T]``; valid: ``bool [T]``; write_slots, staging_rows: ``int64 [T]``.
         visible_slots, visible_lens: ``int32 [T, W]`` and ``[T]`` (HCA): the slots of the entries
-            ``i < min((pos + 1) // ratio, W)``, -1 padded, and their count; None for CSA.
+            ``i < min((pos + 1) // ratio, W)``, -1 padded, and their count. With
+            ``visible_lens`` alone (CSA), the count ``(pos + 1) // ratio`` of the entries each
+            token sees, which bounds the indexer's picks (:func:`fill_entry_slots`).
         window, window_lens: with ``window_lens`` (``int32 [T]``), each token's sliding-window
             length for a ``window``-token window, as :func:`fill_window_metadata` writes it.
     """
@@ -179,40 +189,45 @@ def fill_compressed_metadata(
     if T == 0:
         return
     has_visible = visible_slots is not None
+    if has_visible and visible_lens is None:
+        raise ValueError("visible_slots need visible_lens for their counts")
+    has_counts = visible_lens is not None
     visible = visible_slots if has_visible else write_slots  # placeholder pointer
-    visible_lens = visible_lens if has_visible else write_slots
+    visible_lens = visible_lens if has_counts else write_slots
     if window_lens is not None and window < 1:
         raise ValueError(f"window_lens needs the window size (>= 1), got {window}")
     _compressed_kernel[(T,)](
         query_start_loc, seq_lens, slot_mapping, seq_lens.shape[0],
-        block_table, block_table.stride(0), rows_per_block, compress_ratio,
+        block_table, block_table.stride(0), block_table.shape[1], rows_per_block, compress_ratio,
         token_req, valid.view(torch.int8), write_slots, staging_rows,
         visible, visible.stride(0) if has_visible else 0,
         visible.shape[1] if has_visible else 0, visible_lens,
         window_lens if window_lens is not None else write_slots,
-        HAS_VISIBLE=has_visible, WINDOW=window if window_lens is not None else 0,
+        HAS_VISIBLE=has_visible, HAS_COUNTS=has_counts,
+        WINDOW=window if window_lens is not None else 0,
         BLOCK_REQS=_BLOCK_REQS, BLOCK_ENTRIES=_BLOCK_ENTRIES,
     )  # fmt: skip
 
 
 @triton.jit
 def _entry_slots_kernel(
-    entries_ptr, entries_stride, token_req_ptr, valid_ptr,
-    block_table_ptr, bt_stride, rows_per_block,
+    entries_ptr, entries_stride, token_req_ptr, valid_ptr, visible_ptr,
+    block_table_ptr, bt_stride, bt_width, rows_per_block,
     slots_out, slots_stride, lens_out, width,
     BLOCK_ENTRIES: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     req = tl.load(token_req_ptr + t)
     valid = tl.load(valid_ptr + t) != 0
+    visible = tl.load(visible_ptr + t)
     length = tl.zeros([BLOCK_ENTRIES], dtype=tl.int32)
     for start in range(0, width, BLOCK_ENTRIES):
         k = start + tl.arange(0, BLOCK_ENTRIES)
         inside = k < width
         entry = tl.load(entries_ptr + t.to(tl.int64) * entries_stride + k, mask=inside, other=-1)
-        use = (entry >= 0) & valid
-        slots = _row_slots(block_table_ptr, bt_stride, req, entry.to(tl.int64), rows_per_block,
-                           use)  # fmt: skip
+        use = (entry >= 0) & (entry < visible) & valid
+        slots = _row_slots(block_table_ptr, bt_stride, bt_width, req, entry.to(tl.int64),
+                           rows_per_block, use)  # fmt: skip
         tl.store(slots_out + t.to(tl.int64) * slots_stride + k, slots.to(tl.int32), mask=inside)
         length = tl.maximum(length, tl.where(use, k + 1, 0))
     tl.store(lens_out + t, tl.max(length, axis=0))
@@ -222,26 +237,30 @@ def fill_entry_slots(
     local_entries: torch.Tensor,
     token_req: torch.Tensor,
     valid: torch.Tensor,
+    visible_counts: torch.Tensor,
     block_table: torch.Tensor,
     rows_per_block: int,
     *,
     slots: torch.Tensor,
     lens: torch.Tensor,
 ) -> None:
-    """Slots of request-local compressed entries (CUDA): ``slots[t, k]`` for ``local_entries[t,
-    k] >= 0`` of a valid token, else -1; ``lens[t]`` one past the last such ``k``.
+    """Slots of request-local compressed entries (CUDA): ``slots[t, k]`` for ``0 <=
+    local_entries[t, k] < visible_counts[t]`` of a valid token, else -1 (an entry the token
+    does not see is never read, whatever the indexer wrote); ``lens[t]`` one past the last
+    such ``k``.
 
     Args:
         local_entries: ``int32 [T, K]`` the indexer's top-k (-1 = none); token_req: ``int32
-            [T]``; valid: ``bool [T]``; block_table: ``int32 [R, blocks]``.
+            [T]``; valid: ``bool [T]``; visible_counts: ``int32 [T]`` entries each token sees
+            (:func:`fill_compressed_metadata`); block_table: ``int32 [R, blocks]``.
         slots: ``int32 [T, K]``; lens: ``int32 [T]``.
     """
     T, K = local_entries.shape
     if T == 0:
         return
     _entry_slots_kernel[(T,)](
-        local_entries, local_entries.stride(0), token_req, valid.view(torch.int8),
-        block_table, block_table.stride(0), rows_per_block,
+        local_entries, local_entries.stride(0), token_req, valid.view(torch.int8), visible_counts,
+        block_table, block_table.stride(0), block_table.shape[1], rows_per_block,
         slots, slots.stride(0), lens, K,
         BLOCK_ENTRIES=_BLOCK_ENTRIES,
     )  # fmt: skip

@@ -37,6 +37,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 from dsv4_attn import ops
 from dsv4_attn.kernels.sparse_decode_schedule import DecodeSchedule
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+from dsv4_attn.log import LOGGER_PREFIX
 from dsv4_attn.vllm_glue import BACKEND_NAME, kv_spec, prefill
 from dsv4_attn.vllm_glue.backend import DSV4NVFP4Backend, DSV4NVFP4SWABackend
 from dsv4_attn.vllm_glue.balanced import balanced_capable, decode_schedule_choice
@@ -51,7 +52,7 @@ from dsv4_attn.vllm_glue.writers import DSV4NVFP4Compressor, insert_swa_rows, st
 
 __all__ = ["DSV4NVFP4Attention", "check_supported"]
 
-logger = init_logger(__name__)
+logger = init_logger(LOGGER_PREFIX + __name__)  # vLLM's, with its *_once methods
 
 Shapes = list[tuple[tuple[int, ...], torch.dtype]]
 

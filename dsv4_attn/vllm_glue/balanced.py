@@ -29,6 +29,7 @@ from vllm.logger import init_logger
 
 from dsv4_attn.kernels import sparse_decode
 from dsv4_attn.kernels.sparse_decode_schedule import DecodeSchedule
+from dsv4_attn.log import LOGGER_PREFIX
 from dsv4_attn.vllm_glue.support import unsupported_device_reason
 
 __all__ = [
@@ -39,7 +40,7 @@ __all__ = [
     "decode_schedule_choice",
 ]
 
-logger = init_logger(__name__)
+logger = init_logger(LOGGER_PREFIX + __name__)  # vLLM's, with its *_once methods
 
 SCHEDULE_ENV = "DSV4_ATTN_DECODE_SCHEDULE"
 SCHEDULES = ("auto", "balanced", "split")
@@ -72,7 +73,8 @@ class BalancedDecodePlanner:
 
     Args:
         num_heads: the layers' query heads as the kernel sees them (padded).
-        key_capacity: the widest key list (window + visible compressed entries).
+        capacities: the widest window list and the widest compressed list (the window size and
+            the most visible compressed entries); the plan clamps each length to its width.
         max_tokens: most decode tokens of a step.
         device: where the buffers live.
         num_parts: persistent CTAs per 64-head block (default: one CTA per SM of ``device``).
@@ -81,13 +83,14 @@ class BalancedDecodePlanner:
     def __init__(
         self,
         num_heads: int,
-        key_capacity: int,
+        capacities: tuple[int, int],
         max_tokens: int,
         device: torch.device,
         num_parts: int | None = None,
     ) -> None:
         self.num_heads = num_heads
-        self.key_capacity = key_capacity
+        self.capacities = capacities
+        self.key_capacity = sum(capacities)  # the widest key list
         self.num_parts = num_parts or sparse_decode.balanced_parts(num_heads, device)
         self.always = decode_schedule_choice() == "balanced"
         self.part_plan = torch.zeros(self.num_parts, 4, dtype=torch.int32, device=device)
@@ -99,7 +102,7 @@ class BalancedDecodePlanner:
             "%d parts per 64 heads).",
             "always" if self.always else "where it pays",
             f"{SCHEDULE_ENV}={'balanced' if self.always else 'auto'}",
-            key_capacity,
+            self.key_capacity,
             self.num_parts,
         )
 
@@ -121,7 +124,7 @@ class BalancedDecodePlanner:
         return sparse_decode.plan_for_counts(
             window_lens,
             extra_lens,
-            self.key_capacity,
+            self.capacities,
             self.num_heads,
             method=method,
             num_parts=self.num_parts,

@@ -2,24 +2,28 @@
 
 The glue hooks private vLLM functions (:data:`HOOK_TARGETS`), so another vLLM version can break it
 silently: a renamed or re-signatured selector would let DeepSeek-V4 fall back to FlashMLA
-without a word. :func:`check_installed_vllm` runs when the plugin registers, in every vLLM
-process, and raises :class:`IncompatibleVLLMError` naming the supported version instead.
+without a word. :func:`incompatibility` runs when the plugin registers, in every vLLM process,
+and says why the installed vLLM does not fit; the plugin then leaves ``DSV4_NVFP4``
+unregistered with a warning (vLLM itself, and every other backend, stay untouched), and only
+``--attention-backend DSV4_NVFP4`` fails.
 
 It is cheap: the version comes from the package metadata and the hook targets are checked by
-parsing their source files (``ast``), without importing vLLM's model code.
-:func:`check_hook_callable` re-checks the real function object when the hook is applied.
+parsing their source files (``ast``), without importing vLLM's model code. A vLLM installed
+without ``.py`` sources (compiled modules only) cannot be checked this way; the hook checks the
+real function object when the module is imported (:func:`check_hook_callable`).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm.logger import init_logger
+from dsv4_attn.log import get_logger
 
 __all__ = [
     "HOOK_TARGETS",
@@ -28,10 +32,11 @@ __all__ = [
     "IncompatibleVLLMError",
     "check_hook_callable",
     "check_installed_vllm",
+    "incompatibility",
     "installed_vllm_version",
 ]
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 SUPPORTED_VLLM_VERSION = "0.33.0"
 
@@ -77,14 +82,30 @@ def _message(reason: str) -> str:
     )
 
 
-def _source_path(module: str) -> Path | None:
-    """Path of ``module``'s source file inside the installed vLLM, found without importing it."""
+def _module_base(module: str) -> Path | None:
+    """``<vllm root>/a/b/c`` for ``vllm.a.b.c`` (no suffix), found without importing vLLM."""
     spec = importlib.util.find_spec("vllm")  # top-level only: does not import vllm
     if spec is None or not spec.submodule_search_locations:
         return None
     root = Path(next(iter(spec.submodule_search_locations)))
-    path = root.joinpath(*module.split(".")[1:]).with_suffix(".py")
-    return path if path.is_file() else None
+    return root.joinpath(*module.split(".")[1:])
+
+
+def _source_path(module: str) -> Path | None:
+    """Path of ``module``'s source file inside the installed vLLM, found without importing it."""
+    base = _module_base(module)
+    path = base.with_suffix(".py") if base is not None else None
+    return path if path is not None and path.is_file() else None
+
+
+def _compiled_only(module: str) -> bool:
+    """Whether ``module`` exists in the installed vLLM only as compiled code (``.pyc``, an
+    extension module), which :func:`_check_source` cannot read."""
+    base = _module_base(module)
+    if base is None:
+        return False
+    suffixes = importlib.machinery.BYTECODE_SUFFIXES + importlib.machinery.EXTENSION_SUFFIXES
+    return any(base.with_name(base.name + suffix).is_file() for suffix in suffixes)
 
 
 def _describe_ast_args(args: ast.arguments) -> str:
@@ -101,7 +122,9 @@ def _check_source(target: HookTarget) -> str | None:
     """Why ``target`` does not match in the installed source, or None when it does."""
     path = _source_path(target.module)
     if path is None:
-        return None if not target.required else f"module {target.module} is missing"
+        if not target.required or _compiled_only(target.module):
+            return None  # absent and optional, or checked on import (check_hook_callable)
+        return f"module {target.module} is missing"
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name == target.function:
@@ -115,15 +138,16 @@ def _check_source(target: HookTarget) -> str | None:
     return f"{target.module} has no module-level function {target.function}"
 
 
-def check_installed_vllm() -> None:
-    """Raise :class:`IncompatibleVLLMError` if a hook target is missing or has another signature.
+def incompatibility() -> str | None:
+    """Why the installed vLLM does not fit the glue (the full message, naming the installed and
+    the supported version), or None when every hook target matches.
 
     A different version string alone only logs a warning: the hooks are what the glue depends on.
     """
     for target in HOOK_TARGETS:
         reason = _check_source(target)
         if reason is not None:
-            raise IncompatibleVLLMError(_message(reason))
+            return _message(reason)
     version = installed_vllm_version()
     if version is not None and version != SUPPORTED_VLLM_VERSION:
         logger.warning(
@@ -131,6 +155,14 @@ def check_installed_vllm() -> None:
             SUPPORTED_VLLM_VERSION,
             version,
         )
+    return None
+
+
+def check_installed_vllm() -> None:
+    """Raise :class:`IncompatibleVLLMError` with :func:`incompatibility`'s message, if any."""
+    message = incompatibility()
+    if message is not None:
+        raise IncompatibleVLLMError(message)
 
 
 def check_hook_callable(func: object, target: HookTarget) -> None:

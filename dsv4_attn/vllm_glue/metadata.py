@@ -66,6 +66,7 @@ __all__ = [
     "layer_scopes",
     "local_entry_slots",
     "map_tokens",
+    "visible_entry_counts",
     "visible_entry_slots",
     "window_lengths",
     "window_slots",
@@ -124,11 +125,12 @@ def _slots(
     rows_per_block: int,
     use: torch.Tensor,
 ) -> torch.Tensor:
-    """int64 slots of request-local row ids ``rows [T, K]`` (-1 where ``use`` is False)."""
-    rows = torch.where(use, rows, 0)
-    block = (rows // rows_per_block).clamp(max=block_table.shape[1] - 1)
-    number = block_table[req[:, None], block].long()
-    return torch.where(use, number * rows_per_block + rows % rows_per_block, -1)
+    """int64 slots of request-local row ids ``rows [T, K]`` (-1 where ``use`` is False or the
+    row's block lies outside the block table: no metadata makes a slot of another table row)."""
+    inside = use & (rows >= 0) & (rows // rows_per_block < block_table.shape[1])
+    rows = torch.where(inside, rows, 0)
+    number = block_table[req[:, None], rows // rows_per_block].long()
+    return torch.where(inside, number * rows_per_block + rows % rows_per_block, -1)
 
 
 def _window_span(tokens: TokenMap, window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +158,12 @@ def window_slots(
     return slots.int(), lens.int()
 
 
+def visible_entry_counts(tokens: TokenMap, compress_ratio: int) -> torch.Tensor:
+    """int64 ``[T]``: how many compressed entries a token sees, ``(pos + 1) // compress_ratio``
+    (the entries complete at its position; 0 for invalid tokens)."""
+    return torch.where(tokens.valid, (tokens.pos + 1) // compress_ratio, 0)
+
+
 def visible_entry_slots(
     tokens: TokenMap,
     block_table: torch.Tensor,
@@ -166,7 +174,7 @@ def visible_entry_slots(
     """Slots ``int32 [T, width]`` of all compressed entries a token sees, ``i < (pos + 1) //
     compress_ratio`` in order, -1 padded, and their count ``int32 [T]`` (HCA)."""
     offsets = torch.arange(width, device=tokens.pos.device)
-    count = torch.where(tokens.valid, (tokens.pos + 1) // compress_ratio, 0).clamp(max=width)
+    count = visible_entry_counts(tokens, compress_ratio).clamp(max=width)
     use = offsets[None, :] < count[:, None]
     rows = offsets[None, :].expand(tokens.pos.shape[0], width)
     return _slots(block_table, tokens.req, rows, rows_per_block, use).int(), count.int()
@@ -177,12 +185,15 @@ def local_entry_slots(
     tokens: TokenMap,
     block_table: torch.Tensor,
     rows_per_block: int,
+    visible_counts: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Slots ``int32 [T, K]`` of request-local compressed entries ``local_entries [T, K]`` (the
-    indexer's top-k, -1 = none), and lengths ``int32 [T]``: one past the last valid entry, so every
-    valid entry is counted wherever the -1 holes are (CSA)."""
+    indexer's top-k, -1 = none; an entry ``>= visible_counts[t]``, one the token does not see,
+    counts as none), and lengths ``int32 [T]``: one past the last valid entry, so every valid
+    entry is counted wherever the -1 holes are (CSA)."""
     K = local_entries.shape[1]
-    use = (local_entries >= 0) & tokens.valid[:, None]
+    visible = visible_counts.to(local_entries.device)[:, None]
+    use = (local_entries >= 0) & (local_entries < visible) & tokens.valid[:, None]
     slots = _slots(block_table, tokens.req, local_entries.long(), rows_per_block, use)
     order = torch.arange(1, K + 1, device=local_entries.device)
     lens = (use * order).amax(dim=1) if K else torch.zeros_like(tokens.pos)
@@ -247,8 +258,9 @@ def fill_compressed(
 ) -> None:
     """Write a compressed group's lists of ``T = write_slots.shape[0]`` tokens into the views:
     request, validity, compressed write slot, staging row (the token's own index where it
-    completes an entry, else -1), for HCA the visible entries' slots, and with ``window_lens``
-    each token's length of a ``window``-token sliding window (:func:`window_lengths`)."""
+    completes an entry, else -1), for HCA the visible entries' slots and count (CSA: with
+    ``visible_lens`` alone, the count ``(pos + 1) // ratio``), and with ``window_lens`` each
+    token's length of a ``window``-token sliding window (:func:`window_lengths`)."""
     T = write_slots.shape[0]
     block_table = cm.block_table_tensor
     if block_table.is_cuda:
@@ -274,6 +286,8 @@ def fill_compressed(
         )
         visible_slots.copy_(visible)
         visible_lens.copy_(count)
+    elif visible_lens is not None:
+        visible_lens.copy_(visible_entry_counts(tokens, compress_ratio))
     if window_lens is not None:
         window_lens.copy_(window_lengths(tokens, window))
 
@@ -282,6 +296,7 @@ def fill_entry_slots(
     local_entries: torch.Tensor,
     token_req: torch.Tensor,
     valid: torch.Tensor,
+    visible_counts: torch.Tensor,
     block_table: torch.Tensor,
     rows_per_block: int,
     *,
@@ -293,11 +308,14 @@ def fill_entry_slots(
         from dsv4_attn.fused import step_metadata
 
         step_metadata.fill_entry_slots(
-            local_entries, token_req, valid, block_table, rows_per_block, slots=slots, lens=lens
-        )
+            local_entries, token_req, valid, visible_counts, block_table, rows_per_block,
+            slots=slots, lens=lens,
+        )  # fmt: skip
         return
     tokens = TokenMap(token_req.long(), torch.zeros_like(token_req, dtype=torch.int64), valid)
-    got_slots, got_lens = local_entry_slots(local_entries, tokens, block_table, rows_per_block)
+    got_slots, got_lens = local_entry_slots(
+        local_entries, tokens, block_table, rows_per_block, visible_counts
+    )
     slots.copy_(got_slots)
     lens.copy_(got_lens)
 
@@ -337,6 +355,9 @@ class DSV4CompressedMetadata(DeepseekV4FlashMLAMetadata):
     staging_rows: torch.Tensor | None = None  # int64 [T] token index or -1 (NVFP4 staging)
     hca_indices: torch.Tensor | None = None  # int32 [T, W], HCA only
     hca_lens: torch.Tensor | None = None  # int32 [T], HCA only
+    # int32 [T], CSA only: entries each token sees, (pos + 1) // ratio; the indexer's picks at
+    # or past it are dropped (never read), whatever the indexer wrote.
+    visible_counts: torch.Tensor | None = None
     # The balanced decode schedule (HCA, :mod:`.balanced`): the plan of the step's first
     # decode_plan.token_plan.shape[0] tokens, and the window lengths it counted (the layer's
     # kernel reads these, so plan and kernel count the same keys). None: the split launch.
@@ -461,10 +482,12 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
         self.valid = torch.zeros(max_tokens, dtype=torch.bool, device=device)
         self.write_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.staging_rows = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
-        self.hca_indices = self.hca_lens = None
+        self.hca_indices = self.hca_lens = self.visible_counts = None
         self.window_size = vllm_config.model_config.hf_config.sliding_window
         self.planner: BalancedDecodePlanner | None = None
-        if ratio != CSA_RATIO:
+        if ratio == CSA_RATIO:
+            self.visible_counts = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        else:
             self.max_entries = -(-vllm_config.model_config.max_model_len // ratio)
             self.hca_indices = torch.full(
                 (max_tokens, self.max_entries), -1, dtype=torch.int32, device=device
@@ -476,7 +499,10 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
                     vllm_config.parallel_config
                 )
                 self.planner = BalancedDecodePlanner(
-                    padded_num_heads(heads), capacity, max_tokens, torch.device(device)
+                    padded_num_heads(heads),
+                    (self.window_size, self.max_entries),
+                    max_tokens,
+                    torch.device(device),
                 )
 
     def _hca_width(self, cm: CommonAttentionMetadata) -> int:
@@ -494,10 +520,12 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
         T = cm.num_actual_tokens
         token_req, valid = self.token_req[:T], self.valid[:T]
         write_slots, staging_rows = self.write_slots[:T], self.staging_rows[:T]
-        hca_indices = hca_lens = None
+        hca_indices = hca_lens = visible_counts = None
         if self.hca_indices is not None and self.hca_lens is not None:
             hca_indices = self.hca_indices[:T, : self._hca_width(cm)]
             hca_lens = self.hca_lens[:T]
+        if self.visible_counts is not None:
+            visible_counts = self.visible_counts[:T]
         _, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
             cm, decode_threshold=self.decode_threshold
         )
@@ -510,7 +538,8 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
         fill_compressed(
             cm, self.rows_per_block, self.compress_ratio, token_req=token_req, valid=valid,
             write_slots=write_slots, staging_rows=staging_rows, visible_slots=hca_indices,
-            visible_lens=hca_lens, window=self.window_size, window_lens=window_lens,
+            visible_lens=hca_lens if hca_lens is not None else visible_counts,
+            window=self.window_size, window_lens=window_lens,
         )  # fmt: skip
         decode_plan = None
         if window_lens is not None and hca_lens is not None and self.planner is not None:
@@ -532,6 +561,7 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
             staging_rows=staging_rows,
             hca_indices=hca_indices,
             hca_lens=hca_lens,
+            visible_counts=visible_counts,
             decode_plan=decode_plan,
             window_lens=window_lens,
         )
@@ -580,11 +610,11 @@ def layer_scopes(
                 torch.empty(n, dtype=torch.int32, device=local.device),
             )
         slots, lens = entry_slots
-        valid = compressed.is_valid_token
-        assert valid is not None
+        valid, visible = compressed.is_valid_token, compressed.visible_counts
+        assert valid is not None and visible is not None
         token_req = compressed.req_id_per_token[:n]
-        fill_entry_slots(local, token_req, valid[:n], compressed.block_table, rows_per_block,
-                         slots=slots, lens=lens)  # fmt: skip
+        fill_entry_slots(local, token_req, valid[:n], visible[:n], compressed.block_table,
+                         rows_per_block, slots=slots, lens=lens)  # fmt: skip
         return window, KVScope(compressed_pages, fmt, rows_per_block, slots, lens)
     assert compressed.hca_indices is not None and compressed.hca_lens is not None
     hca = KVScope(compressed_pages, fmt, rows_per_block, compressed.hca_indices[:n],

@@ -13,8 +13,12 @@ construction instead of silently running FlashMLA.
 
 The model modules are heavy (seconds to import), so :func:`install` does not import them: it patches
 a module already imported, and otherwise patches it right after its first import, through a
-``sys.meta_path`` finder. A target whose function is missing or has another signature raises
-:class:`~dsv4_attn.vllm_glue.compat.IncompatibleVLLMError` from that import.
+``sys.meta_path`` finder. A target whose function is missing or has another signature there
+(:func:`~dsv4_attn.vllm_glue.compat.check_hook_callable`; the plugin's source check missed it, as
+for a vLLM installed without sources) is not hooked: the import succeeds, a WARNING says why,
+and the function is wrapped in a guard that passes every call through unchanged except those
+selecting ``DSV4_NVFP4``, which raise
+:class:`~dsv4_attn.vllm_glue.compat.IncompatibleVLLMError` instead of running FlashMLA.
 """
 
 from __future__ import annotations
@@ -27,14 +31,18 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm.logger import init_logger
-
+from dsv4_attn.log import get_logger
 from dsv4_attn.vllm_glue import BACKEND_NAME
-from dsv4_attn.vllm_glue.compat import HOOK_TARGETS, HookTarget, check_hook_callable
+from dsv4_attn.vllm_glue.compat import (
+    HOOK_TARGETS,
+    HookTarget,
+    IncompatibleVLLMError,
+    check_hook_callable,
+)
 
 __all__ = ["install", "is_dsv4_nvfp4", "is_patched"]
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 _PATCHED_MARK = "_dsv4_nvfp4_hook"
 
@@ -77,20 +85,55 @@ _WRAPPERS: dict[str, Callable[[Callable[[Any], type]], Callable[[Any], type]]] =
 }
 
 
+def _selects_dsv4_nvfp4(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call of an unhooked selector carries a config selecting ``DSV4_NVFP4``
+    (any argument with ``attention_config.backend``, else vLLM's current config)."""
+    for value in (*args, *kwargs.values()):
+        attention_config = getattr(value, "attention_config", None)
+        if attention_config is not None:
+            return is_dsv4_nvfp4(getattr(attention_config, "backend", None))
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return is_dsv4_nvfp4(get_current_vllm_config().attention_config.backend)
+    except Exception:
+        return False
+
+
+def _guard(original: Any, error: IncompatibleVLLMError) -> Callable[..., Any]:
+    """``original`` unchanged for every call but those selecting ``DSV4_NVFP4``: ``error``."""
+
+    @functools.wraps(original)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if _selects_dsv4_nvfp4(args, kwargs):
+            raise error
+        return original(*args, **kwargs)
+
+    return guarded
+
+
 def _patch(module: ModuleType, target: HookTarget) -> None:
     original = getattr(module, target.function, None)
     if getattr(original, _PATCHED_MARK, False):
         return
-    check_hook_callable(original, target)
+    try:
+        check_hook_callable(original, target)
+    except IncompatibleVLLMError as error:
+        logger.warning("dsv4-attn: %s.%s not hooked: %s", target.module, target.function, error)
+        if callable(original):
+            wrapper = _guard(original, error)
+            setattr(wrapper, _PATCHED_MARK, "guard")
+            setattr(module, target.function, wrapper)
+        return
     wrapper = _WRAPPERS[target.module](original)
-    setattr(wrapper, _PATCHED_MARK, True)
+    setattr(wrapper, _PATCHED_MARK, "hook")
     setattr(module, target.function, wrapper)
     logger.debug("dsv4-attn: hooked %s.%s", target.module, target.function)
 
 
 def is_patched(module: ModuleType, target: HookTarget) -> bool:
-    """Whether ``module``'s hook target is this package's wrapper."""
-    return getattr(getattr(module, target.function, None), _PATCHED_MARK, False)
+    """Whether ``module``'s hook target is this package's selector (not the guard)."""
+    return getattr(getattr(module, target.function, None), _PATCHED_MARK, None) == "hook"
 
 
 class _PatchingLoader(importlib.abc.Loader):

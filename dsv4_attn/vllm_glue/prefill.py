@@ -139,15 +139,19 @@ def _read_run(
     count: torch.Tensor,
 ) -> None:
     """Torch path: ``out[c, i] = row first[c] + i`` of request ``c`` for ``i < count[c]``
-    (zeros past it)."""
+    (zeros past it, and for a row whose block lies outside the block table or whose page lies
+    outside the cache: the Triton gather's rule)."""
     C, width = out.shape[:2]
     step = max(1, _CPU_ROWS_PER_READ // max(C, 1))
     for i0 in range(0, width, step):
         i = torch.arange(i0, min(width, i0 + step), device=out.device)
-        use = i[None, :] < count[:, None]
-        row = (first[:, None] + i[None, :]).clamp(min=0)
-        page = block_table.gather(1, (row // block_size).clamp(max=block_table.shape[1] - 1))
-        slots = torch.where(use, page.long() * block_size + row % block_size, -1)
+        row = first[:, None] + i[None, :]
+        use = (i[None, :] < count[:, None]) & (row >= 0)
+        use &= row // block_size < block_table.shape[1]
+        row = torch.where(use, row, 0)
+        page = block_table.gather(1, row // block_size).long()
+        use &= (page >= 0) & (page < cache.shape[0])
+        slots = torch.where(use, page * block_size + row % block_size, -1)
         rows = kv_cache.read_unchecked(cache, slots.flatten(), fmt, block_size)
         out[:, i0 : i0 + i.shape[0]] = rows.view(C, i.shape[0], HEAD_DIM)
 

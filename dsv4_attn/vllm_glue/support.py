@@ -17,6 +17,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
+from dsv4_attn.log import LOGGER_PREFIX
 from dsv4_attn.vllm_glue import BACKEND_NAME
 
 __all__ = [
@@ -28,7 +29,7 @@ __all__ = [
     "unsupported_device_reason",
 ]
 
-logger = init_logger(__name__)
+logger = init_logger(LOGGER_PREFIX + __name__)  # vLLM's, with its *_once methods
 
 ALLOW_FALLBACK_ENV = "DSV4_ATTN_ALLOW_FALLBACK"
 """Set to 1 to serve with the torch fallback where the Hopper kernels cannot run."""

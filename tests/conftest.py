@@ -1,0 +1,30 @@
+"""Fixtures shared by the test modules."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from dsv4_attn.log import LOGGER_PREFIX
+
+
+@pytest.fixture
+def dsv4_logs(caplog):
+    """``caplog`` holding this package's log records at every level.
+
+    The package logs under ``vllm.dsv4_attn`` (:mod:`dsv4_attn.log`), and vLLM's logging
+    configuration stops ``vllm`` from propagating to the root logger, where caplog listens: the
+    handler is attached to the package's logger itself (and propagation cut meanwhile, so a
+    record is not caught twice where vLLM has not configured logging)."""
+    package = logging.getLogger(LOGGER_PREFIX + "dsv4_attn")
+    level, propagate = package.level, package.propagate
+    package.addHandler(caplog.handler)
+    package.setLevel(logging.DEBUG)
+    package.propagate = False
+    try:
+        yield caplog
+    finally:
+        package.removeHandler(caplog.handler)
+        package.setLevel(level)
+        package.propagate = propagate
