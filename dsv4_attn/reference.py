@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["dense_attention", "sparse_attention", "visible_mask"]
+__all__ = ["compressed_entries", "dense_attention", "sparse_attention", "visible_mask"]
 
 # Tokens per chunk; bounds the float64 gather to about chunk * K * D * 8 bytes.
 _TOKENS_PER_CHUNK = 16
@@ -262,3 +262,66 @@ def dense_attention(
         out[cq[b] : cq[b + 1]] = o
         lse[cq[b] : cq[b + 1]] = s
     return out, lse
+
+
+def compressed_entries(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    compress_ratio: int,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin: torch.Tensor,
+    rope_dim: int = 64,
+) -> torch.Tensor:
+    """DeepSeek-V4's compressed KV entries of one sequence, in float64.
+
+    Each position carries ``C * D`` kv values and ``C * D`` scores (the compressor's projections,
+    the scores with the positional bias added); ``C = 2`` for the overlapping compressor (ratio 4,
+    CSA), 1 otherwise. Entry ``e`` is complete at position ``p = (e + 1) * ratio - 1`` and
+    covers the ``C * ratio`` positions ``p - C * ratio + 1 .. p`` that exist (``>= 0``): the
+    positions of its own block with their last ``D`` columns, with ``C = 2`` those of the block
+    before with their first ``D``. Per column ``j``:
+
+        x_j = sum_i softmax_i(score[i, j]) kv[i, j]
+
+    then RMSNorm (``x / sqrt(mean(x^2) + eps) * norm_weight``) and GPT-J RoPE of the last
+    ``rope_dim`` values at position ``e * ratio``: pair ``(2k, 2k + 1)`` of that part is rotated
+    by ``cos = cos_sin[e * ratio, k]``, ``sin = cos_sin[e * ratio, rope_dim / 2 + k]``.
+
+    Args:
+        kv, score: ``[L, C * D]`` per position of the sequence.
+        compress_ratio: positions per entry.
+        norm_weight: ``[D]``; cos_sin: ``[>= L, rope_dim]`` (cos | sin).
+
+    Returns:
+        ``[L // compress_ratio, D]`` float64.
+    """
+    L, width = kv.shape
+    overlap = compress_ratio == 4
+    C = 2 if overlap else 1
+    D = width // C
+    if score.shape != kv.shape or width != C * D or norm_weight.shape != (D,):
+        raise ValueError(
+            f"kv and score must be [L, {C} * D] and norm_weight [D], got {tuple(kv.shape)}, "
+            f"{tuple(score.shape)}, {tuple(norm_weight.shape)}"
+        )
+    kv64, score64 = kv.to(torch.float64), score.to(torch.float64)
+    entries = torch.empty(L // compress_ratio, D, dtype=torch.float64, device=kv.device)
+    half = rope_dim // 2
+    for e in range(L // compress_ratio):
+        own = slice(e * compress_ratio, (e + 1) * compress_ratio)
+        kv_rows, score_rows = [kv64[own, (C - 1) * D :]], [score64[own, (C - 1) * D :]]
+        if overlap and e > 0:
+            before = slice((e - 1) * compress_ratio, e * compress_ratio)
+            kv_rows.insert(0, kv64[before, :D])
+            score_rows.insert(0, score64[before, :D])
+        weights = torch.softmax(torch.cat(score_rows), dim=0)
+        x = (weights * torch.cat(kv_rows)).sum(dim=0)
+        x = x / torch.sqrt(x.square().mean() + eps) * norm_weight.to(torch.float64)
+        cs = cos_sin[e * compress_ratio].to(torch.float64)
+        cos, sin = cs[:half], cs[half:rope_dim]
+        even, odd = x[D - rope_dim :: 2].clone(), x[D - rope_dim + 1 :: 2].clone()
+        x[D - rope_dim :: 2] = even * cos - odd * sin
+        x[D - rope_dim + 1 :: 2] = even * sin + odd * cos
+        entries[e] = x
+    return entries

@@ -365,6 +365,23 @@ def st_shared_b32(addr: Int32, v: Uint32, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def packed_slot_or_hole(slot: Int32, limit: Int32, is_extra: Int32, *, loc=None, ip=None) -> Int32:
+    """``slot * 2 + is_extra`` if ``0 <= slot < limit``, else -1: one unsigned compare and a
+    select, in PTX so that no compiler reasoning about the doubled id (a signed multiply it may
+    assume does not overflow) can turn an id outside the range into a slot."""
+    return _scalar(
+        Int32,
+        T.i32(),
+        [_i32(slot, loc, ip), _i32(limit, loc, ip), _i32(is_extra, loc, ip)],
+        "{\n\t.reg .pred p;\n\t.reg .b32 t;\n\tsetp.lt.u32 p, $1, $2;\n\t"
+        "mad.lo.s32 t, $1, 2, $3;\n\tselp.b32 $0, t, -1, p;\n\t}",
+        "=r,r,r,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
 def prmt(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
     """Byte permute: result byte i = byte ``selector`` nibble i of {b, a} (a = bytes 0..3)."""
     return _scalar(

@@ -96,7 +96,10 @@ class SparseDecodeProducer:
         values into the key's row of the K/V stage, stores the RoPE values beside them, and
         refills the slot with tile t + ``RAW_STAGES``. The slot ids ride in the same groups one
         ring further ahead (``ID_STAGES``): tile t + 2 ``RAW_STAGES``'s ids land with tile t's
-        rows. A lane only reads bytes it copied, so its own cp.async groups order both rings.
+        rows. The copy of a tile's row turns its id into the packed slot (-1 for a hole: past
+        the list, or an id outside its cache) and stores that over the id, so the staging of
+        the tile reads it back instead of deciding twice. A lane only reads bytes it copied or
+        stored, so its own cp.async groups and program order order both rings.
         """
         pwarp = cute.arch.make_warp_uniform(ptid // 32)
         lane = ptid & 31
@@ -126,6 +129,7 @@ class SparseDecodeProducer:
         ptx_ops.cp_async_wait_group(0)
         for s in cutlass.range_constexpr(RAW_STAGES):
             packed = self.read_packed(self.id_slot(id0, s), key0 + s * BLOCK_N, *limits)
+            ptx_ops.st_shared_b32(self.id_slot(id0, s), Uint32(packed))  # staging reads it back
             self.copy_key(packed, part, parity, unit0 + s * RAW_SLOT_BYTES, *bases)
             self.copy_id(
                 *scope, key0 + (s + RAW_STAGES) * BLOCK_N, self.id_slot(id0, s + RAW_STAGES)
@@ -143,7 +147,8 @@ class SparseDecodeProducer:
             if g >= NUM_STAGES:
                 cute.arch.mbarrier_wait(empty_bar + stage, ((g // NUM_STAGES) + 1) % 2)
             stage_base = sK_base + stage * (BLOCK_N * HEAD_DIM * 2)
-            packed = self.read_packed(self.id_slot(id0, tile), key, *limits)
+            # This tile's packed slot, which the refill that copied its row stored over its id.
+            packed = ptx_ops.ld_shared_b32(self.id_slot(id0, tile))
             self.store_key(unit, packed >= 0, row, lane, parity, stage_base)
             if part == 0:
                 key_bias[row, stage] = Float32(
@@ -155,6 +160,7 @@ class SparseDecodeProducer:
             # rows); the id slot just read takes tile + 2 RAW_STAGES.
             key_new = key + RAW_STAGES * BLOCK_N
             packed_new = self.read_packed(self.id_slot(id0, tile + RAW_STAGES), key_new, *limits)
+            ptx_ops.st_shared_b32(self.id_slot(id0, tile + RAW_STAGES), Uint32(packed_new))
             self.copy_key(packed_new, part, parity, unit, *bases)
             # (tile + 2 RAW_STAGES shares tile's id slot.)
             self.copy_id(*scope, key + 2 * RAW_STAGES * BLOCK_N, self.id_slot(id0, tile))
@@ -210,15 +216,14 @@ class SparseDecodeProducer:
     @cute.jit
     def pack_slot(self, raw, key, n_window, window_slots, extra_slots) -> Int32:
         """``slot * 2 + is_extra`` of key ``key`` from its loaded slot id, or -1 if the id is
-        not a slot of its scope's cache (one unsigned compare covers negative ids too)."""
+        not a slot of its scope's cache."""
         is_extra = Int32(cutlass.select_(key >= n_window, Int32(1), Int32(0)))
         limit = window_slots
         if const_expr(not self.cfg.has_extra):
             is_extra = Int32(0)
         else:
             limit = Int32(cutlass.select_(key >= n_window, extra_slots, window_slots))
-        inside = Uint32(raw) < Uint32(limit)
-        return Int32(cutlass.select_(inside, raw * 2 + is_extra, Int32(-1)))
+        return ptx_ops.packed_slot_or_hole(raw, limit, is_extra)
 
     @cute.jit
     def row_addresses(self, packed, cache_base, page_stride, ecache_base, epage_stride):

@@ -19,7 +19,12 @@
 #   bash scripts/gpu_serve.sh fp8       # ... --attention-backend DSV4_NVFP4 --kv-cache-dtype fp8
 #   bash scripts/gpu_serve.sh nvfp4     # ... --attention-backend DSV4_NVFP4 (NVFP4: auto)
 #   bash scripts/gpu_serve.sh compare   # agreement table, tokens/s, preemptions, prefix hits
+#   bash scripts/gpu_serve.sh capacity  # the KV capacity each server reports at equal memory
+#                                       #   (vLLM's backend, fp8, NVFP4; default flags, one server
+#                                       #   at a time, stopped once it has reported)
 #
+# SERVE_MEM (default 0.5) is each round's --gpu-memory-utilization: rounds may run side by side
+# at 0.25 (their KV blocks are fixed by the override; three servers of the tiny model fit).
 # SKIP_PHASES=preemption (comma-separated phase names) leaves phases out of a round; PLAN_SEED
 # draws other prompts (a server that already served the default ones would hit its prefix cache).
 # Results (JSON, logs) go to $OUT (default ./bench_out). Servers use --num-gpu-blocks-override
@@ -35,7 +40,7 @@ export PYTHONUNBUFFERED=1
 . /tmp/dsv4_env.sh
 SITE=/tmp/site
 CKPT=/tmp/dsv4_tiny_ckpt
-PART=${1:?usage: gpu_serve.sh prepare|tests|sanitize|bench|vllm|fp8|nvfp4|compare}
+PART=${1:?usage: gpu_serve.sh prepare|tests|sanitize|bench|vllm|fp8|nvfp4|compare|capacity}
 
 stop_server() {  # name port: every process of the server's session (its engine included)
   # The session id is read from the process serving the port: setsid may fork, so the pid the
@@ -57,7 +62,8 @@ stop_server() {  # name port: every process of the server's session (its engine 
 serve_round() {  # name port [vllm serve args...]
   local name=$1 port=$2; shift 2
   local args=("$CKPT" --port "$port" --skip-tokenizer-init --max-model-len 4096 --dtype bfloat16
-              --gpu-memory-utilization 0.5 --num-gpu-blocks-override 2400 --seed 0 "$@")
+              --gpu-memory-utilization "${SERVE_MEM:-0.5}" --num-gpu-blocks-override 2400 --seed 0
+              "$@")
   echo "vllm serve ${args[*]}" | tee "$OUT/serve_$name.cmd"
   # flashinfer is not in the serve environment; vLLM's sampler imports it unless told not to
   (cd /tmp && VLLM_USE_FLASHINFER_SAMPLER=0 setsid vllm serve "${args[@]}" \
@@ -115,6 +121,26 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
   compare)
     python3 -m dsv4_attn.e2e.serve_check compare "$OUT/serve_vllm.json" "$OUT/serve_fp8.json" \
       "$OUT/serve_nvfp4.json" --json "$OUT/serve_compare.json"
+    ;;
+  capacity)
+    # vLLM's "GPU KV cache size" of each server, at the same --gpu-memory-utilization and no
+    # block override: what a user sees. A server is stopped once it has said it.
+    port=8110
+    for spec in "vllm:" "fp8:--attention-backend DSV4_NVFP4 --kv-cache-dtype fp8" \
+                "nvfp4:--attention-backend DSV4_NVFP4"; do
+      name=cap_${spec%%:*}; read -r -a extra <<< "${spec#*:}"
+      port=$((port + 1))
+      (cd /tmp && VLLM_USE_FLASHINFER_SAMPLER=0 setsid vllm serve "$CKPT" --port "$port" \
+        --skip-tokenizer-init --max-model-len 4096 --dtype bfloat16 --seed 0 \
+        --gpu-memory-utilization "${CAPACITY_MEM:-0.3}" "${extra[@]}" > "$OUT/$name.log" 2>&1 \
+        < /dev/null &)
+      for _ in $(seq 300); do
+        grep -q -E "KV cache size|Traceback" "$OUT/$name.log" 2>/dev/null && break; sleep 1
+      done
+      echo "$name: $(grep -E -o "KV cache size: [0-9,]+ tokens" "$OUT/$name.log" | tail -1)"
+      grep -E "Traceback|Error" "$OUT/$name.log" | head -3
+      stop_server "$name" "$port"
+    done
     ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac

@@ -161,6 +161,42 @@ def check_gather(fused, device, kind: str, seed: int) -> None:
         assert torch.equal(got.nan_to_num(), expected.nan_to_num()), window
 
 
+def check_compress_rows(fused, device, ratio: int, dtype: torch.dtype, seed: int) -> None:
+    """Compressed rows from a paged state (any float dtype) = the torch construction, bit for
+    bit up to float32 summation order (a bf16 ulp); tokens that complete no entry, padding
+    (no state slot) and rows other tokens own keep their poison."""
+    from dsv4_attn.vllm_glue import compressor_state
+
+    gen = torch.Generator().manual_seed(seed)
+    C, D, bs = (2 if ratio == 4 else 1), 512, 4
+    seq_lens = [int(x) for x in torch.randint(1, 90, (3,), generator=gen)] + [ratio * 5]
+    width = -(-max(seq_lens) // bs)
+    pages = torch.randperm(len(seq_lens) * width + 3, generator=gen)
+    table = pages[: len(seq_lens) * width].view(len(seq_lens), width).int()
+    state = (torch.randn(len(pages), bs, 2 * C * D, generator=gen) * 2).to(dtype)
+    tokens = [(r, p) for r, n in enumerate(seq_lens) for p in range(max(0, n - 12), n)]
+    T = len(tokens) + 2  # two padding tokens
+    token_req = torch.tensor([r for r, _ in tokens] + [0, 0], dtype=torch.int32)
+    positions = torch.tensor([p for _, p in tokens] + [ratio - 1, 2 * ratio - 1])
+    state_slots = torch.tensor([0] * len(tokens) + [-1, -1])
+    out_rows = torch.where((positions + 1) % ratio == 0, torch.arange(T), -1)
+    norm_weight = torch.rand(D, generator=gen) + 0.5
+    cos_sin = torch.randn(max(seq_lens) + ratio, 64, generator=gen)
+    args = (token_req, positions, state_slots, out_rows)
+    want = torch.full((T, D), float("nan"), dtype=torch.bfloat16)
+    compressor_state.compress_rows(state, table, *args, want, ratio, norm_weight, 1e-6, cos_sin)
+    got = torch.full((T, D), float("nan"), dtype=torch.bfloat16, device=device)
+    fused.compressor.compress_rows(
+        state.to(device), table.to(device), *(a.to(device) for a in args), got, ratio,
+        norm_weight.to(device), 1e-6, cos_sin.to(device),
+    )  # fmt: skip
+    got = got.cpu()
+    assert torch.equal(got.isnan(), want.isnan()), (ratio, dtype)
+    assert int((~want.isnan().all(dim=1)).sum()) >= 3  # rows were written
+    torch.testing.assert_close(got.nan_to_num().float(), want.nan_to_num().float(),
+                               rtol=2**-7, atol=1e-3)  # fmt: skip
+
+
 def check_prefill_index(fused, device, seed: int) -> None:
     """Prefill index lists = the torch construction, entry for entry, for every layer kind."""
     from dsv4_attn.vllm_glue import prefill
@@ -330,10 +366,17 @@ def check_decode_schedule(fused, device, seed: int) -> None:
 def _fused():
     from types import SimpleNamespace
 
-    from dsv4_attn.fused import decode_schedule, kv_gather, kv_writers, prefill_index, step_metadata
+    from dsv4_attn.fused import (
+        compressor,
+        decode_schedule,
+        kv_gather,
+        kv_writers,
+        prefill_index,
+        step_metadata,
+    )
 
     return SimpleNamespace(kv_writers=kv_writers, step_metadata=step_metadata,
-                           kv_gather=kv_gather, prefill_index=prefill_index,
+                           kv_gather=kv_gather, prefill_index=prefill_index, compressor=compressor,
                            decode_schedule=decode_schedule)  # fmt: skip
 
 
@@ -363,6 +406,12 @@ def test_insert_interpreted(heads, padded):
 @pytest.mark.parametrize("kind", KINDS)
 def test_gather_interpreted(kind):
     check_gather(_fused(), "cpu", kind, seed=KINDS.index(kind))
+
+
+@pytest.mark.parametrize(("ratio", "dtype"), [(4, torch.bfloat16), (4, torch.float32),
+                                             (16, torch.bfloat16)])  # fmt: skip
+def test_compress_rows_interpreted(ratio, dtype):
+    check_compress_rows(_fused(), "cpu", ratio, dtype, seed=ratio)
 
 
 @pytest.mark.parametrize("seed", range(3))

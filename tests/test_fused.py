@@ -17,6 +17,7 @@ import torch
 
 from tests.fused_checks import (
     KINDS,
+    check_compress_rows,
     check_decode_schedule,
     check_gather,
     check_insert,
@@ -43,10 +44,17 @@ def test_kernels_match_torch_in_the_triton_interpreter():
 def _compiled():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from dsv4_attn.fused import decode_schedule, kv_gather, kv_writers, prefill_index, step_metadata
+    from dsv4_attn.fused import (
+        compressor,
+        decode_schedule,
+        kv_gather,
+        kv_writers,
+        prefill_index,
+        step_metadata,
+    )
 
     return SimpleNamespace(kv_writers=kv_writers, step_metadata=step_metadata,
-                           kv_gather=kv_gather, prefill_index=prefill_index,
+                           kv_gather=kv_gather, prefill_index=prefill_index, compressor=compressor,
                            decode_schedule=decode_schedule)  # fmt: skip
 
 
@@ -86,6 +94,14 @@ def test_prefill_index_cuda():
 def test_metadata_cuda():
     for seed in range(12):
         check_metadata(_compiled(), "cuda", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("ratio", "dtype"), [(4, torch.bfloat16), (4, torch.float32),
+                                             (16, torch.bfloat16)])  # fmt: skip
+def test_compress_rows_cuda(ratio, dtype):
+    for seed in range(3):
+        check_compress_rows(_compiled(), "cuda", ratio, dtype, seed)
 
 
 @pytest.mark.gpu
@@ -169,6 +185,18 @@ def _kernels():
         }, {"HAS_VISIBLE": has_visible, "HAS_COUNTS": has_counts,
             "WINDOW": 128 if has_visible else 0, "BLOCK_REQS": 128,
             "BLOCK_ENTRIES": 256}  # fmt: skip
+    from dsv4_attn.fused import compressor as cp
+
+    for state in ("bf16", "f32"):
+        yield cp._compress_rows_kernel, {
+            "state_ptr": p[state], "state_stride_block": "i32", "state_stride_row": "i32",
+            "block_table_ptr": p["i32"], "bt_stride": "i32", "bt_width": "i32",
+            "state_block_size": "i32", "token_req_ptr": p["i32"], "positions_ptr": p["i64"],
+            "state_slots_ptr": p["i64"], "out_rows_ptr": p["i64"], "norm_weight_ptr": p["bf16"],
+            "eps": "fp32", "cos_sin_ptr": p["f32"], "cos_sin_stride": "i32", "out_ptr": p["bf16"],
+            "out_stride": "i32", "D": "constexpr", "C": "constexpr", "RATIO": "constexpr",
+            "WINDOW_P2": "constexpr", "ROPE_DIM": "constexpr",
+        }, {"D": 512, "C": 2, "RATIO": 4, "WINDOW_P2": 8, "ROPE_DIM": 64}  # fmt: skip
     yield sm._entry_slots_kernel, {
         "entries_ptr": p["i32"], "entries_stride": "i32", "token_req_ptr": p["i32"],
         "valid_ptr": p["i8"], "visible_ptr": p["i32"], "block_table_ptr": p["i32"],
@@ -192,4 +220,4 @@ def test_every_kernel_compiles_for_sm90():
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
         assert len(compiled.asm["cubin"]) > 1000
         names.append(kernel.fn.__name__)
-    assert len(names) == 14, names
+    assert len(names) == 16, names

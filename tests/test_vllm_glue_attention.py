@@ -305,14 +305,15 @@ def test_nvfp4_swa_insert_writes_kv_cache_bytes(ratio):
     assert torch.equal(layer.swa_pages(), expected)
 
 
-@pytest.mark.parametrize("ratio", [4, 128])
-def test_nvfp4_compressor_stores_kernel_rows_in_nvfp4(ratio, monkeypatch):
-    """vLLM's compressor kernel (CUDA-only, replaced by a stand-in that writes known rows where it
-    is told to) feeds the staging rows; the layer's compressed cache gets them in NVFP4 at the
-    compressed write slots, and nothing else changes."""
+def test_nvfp4_hca_compressor_stores_kernel_rows_in_nvfp4(monkeypatch):
+    """HCA (fp32 state): vLLM's compressor kernel (CUDA-only, replaced by a stand-in that writes
+    known rows where it is told to) feeds the staging rows; the layer's compressed cache gets
+    them in NVFP4 at the compressed write slots, and nothing else changes."""
+    ratio = 128
     model = vt.tiny_model("auto")
     layer = model.layers[ratio]
     assert isinstance(layer.compressor, DSV4NVFP4Compressor)
+    assert layer.compressor.state_cache.dtype == torch.float32
     gen = torch.Generator().manual_seed(ratio)
     batch = vt.make_batch(gen, [400, 130, 9], [260, 2, 9], padding=3, num_blocks=300)
     poison(model, gen)
@@ -336,15 +337,77 @@ def test_nvfp4_compressor_stores_kernel_rows_in_nvfp4(ratio, monkeypatch):
         slot_mapping=torch.zeros(T, dtype=torch.long),
         token_to_req_indices=None,
         block_table=None,
-        block_size=4,
+        block_size=8,
     )
+    fp32_state = torch.zeros(1, 8, 1024)
     layer.compressor._compress_norm_rope_store(
-        state, None, 0, batch.cache_cm.positions, layer.rotary_emb, metadata, {}
+        state, fp32_state, 512, batch.cache_cm.positions, layer.rotary_emb, metadata, {}
     )
     assert seen["store_full_kv"] is True and seen["store_full_fp8"] is False
     assert seen["compress_ratio"] == ratio and seen["head_dim"] == 512
     assert torch.equal(layer.compressed_pages(), expected)
     assert int((write_slots >= 0).sum()) > 0
+
+
+def test_nvfp4_csa_compressor_rows_from_its_bf16_state():
+    """CSA with an NVFP4 cache: the compressor's state is bf16 (its spec half the fp32 page),
+    and each completed entry is the reference's row of that state (float64, one bf16 rounding
+    apart), stored in NVFP4 at the compressed write slot; tokens that complete nothing and
+    padding write nothing."""
+    ratio, C, D = 4, 2, 512
+    model = vt.tiny_model("auto")
+    layer = model.layers[ratio]
+    compressor = layer.compressor
+    assert compressor.state_cache.dtype == torch.bfloat16
+    spec = compressor.state_cache.get_kv_cache_spec(vt.engine_config())
+    assert spec.dtype == torch.bfloat16 and spec.page_size_bytes == 4 * 2 * C * D * 2
+    gen = torch.Generator().manual_seed(44)
+    seq_lens, query_lens = [401, 130, 9], [261, 2, 9]
+    batch = vt.make_batch(gen, seq_lens, query_lens, padding=3, num_blocks=300)
+    poison(model, gen)
+    T = batch.num_tokens
+    # Each request's positions in a paged bf16 state of 4-position blocks (pages shuffled).
+    width = -(-max(seq_lens) // 4)
+    pages = torch.randperm(len(seq_lens) * width + 5, generator=gen)
+    table = pages[: len(seq_lens) * width].view(len(seq_lens), width).int()
+    state = torch.full((len(pages), 4, 2 * C * D), float("nan"), dtype=torch.bfloat16)
+    per_request = []
+    for r, n in enumerate(seq_lens):
+        kv = torch.randn(n, C * D, generator=gen) * torch.exp(torch.randn(C * D, generator=gen))
+        score = torch.randn(n, C * D, generator=gen) * 3
+        for pos in range(n):
+            state[table[r, pos // 4], pos % 4] = torch.cat([kv[pos], score[pos]]).bfloat16()
+        per_request.append(state[table[r].long()].view(-1, 2 * C * D)[:n].float())
+    positions = batch.cache_cm.positions
+    token_req = torch.tensor([r for r, _ in batch.positions()] + [0] * 3, dtype=torch.int32)
+    state_slots = torch.tensor([0] * (T - 3) + [-1] * 3)
+    metadata = build_metadata(layer, batch)
+    staging = metadata[layer.prefix].staging_rows
+    write_slots = metadata[layer.prefix].slot_mapping
+    layer.staging_rows.fill_(float("nan"))
+    state_meta = SimpleNamespace(slot_mapping=state_slots, token_to_req_indices=token_req,
+                                 block_table=table, block_size=4)  # fmt: skip
+    compressor._compress_norm_rope_store(
+        state_meta, state, C * D, positions, layer.rotary_emb, metadata, {}
+    )
+    cos_sin = layer.rotary_emb.cos_sin_cache
+    done = 0
+    expected = layer.compressed_pages().clone()
+    for t, (r, pos) in enumerate(batch.positions()):
+        if (pos + 1) % ratio:
+            assert int(staging[t]) == -1
+            continue
+        rows = per_request[r]
+        want = reference.compressed_entries(rows[: pos + 1, : C * D], rows[: pos + 1, C * D :],
+                                            ratio, compressor.norm.weight, compressor.rms_norm_eps,
+                                            cos_sin)[pos // ratio]  # fmt: skip
+        got = layer.staging_rows[t, 0].double()
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-5)
+        kv_cache.write(expected, write_slots[t : t + 1], layer.staging_rows[t], KVFormat.NVFP4,
+                       layer.compressed_rows_per_block)  # fmt: skip
+        done += 1
+    assert done > 50
+    assert torch.equal(layer.compressed_pages(), expected)
 
 
 @pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))

@@ -302,3 +302,78 @@ class _RunnerBuffers:
             swa_cm=over(batch.swa_cm, self.swa_slots, self.swa_table),
             cache_cm=over(batch.cache_cm, self.cache_slots, self.cache_table),
         )
+
+
+def _random_state(gen, requests, C, D, bs, dtype):
+    """A paged compressor state (kv then scores per position) for ``requests`` sequence lengths,
+    pages shuffled; returns (state, block table, [(request, position)])."""
+    width = -(-max(requests) // bs)
+    pages = torch.randperm(len(requests) * width + 3, generator=gen)
+    table = pages[: len(requests) * width].view(len(requests), width).int()
+    state = torch.randn(len(pages), bs, 2 * C * D, generator=gen) * 2
+    state[..., : C * D] *= torch.exp(torch.randn(C * D, generator=gen))
+    return state.to(dtype), table
+
+
+def test_csa_rows_match_vllms_compressor_kernel(profiled):
+    """Our compressed rows against vLLM's CuTeDSL compressor kernel (store_full_kv, bf16 rows)
+    on the same fp32 state: within a bf16 rounding; and vLLM's own save kernel writes a bf16
+    state as the rounded fp32 values, so the served path (vLLM's save into bf16, our rows) is
+    the fp32 path up to the state's rounding."""
+    from vllm.models.deepseek_v4.common.ops.save_partial_states import (
+        _SAVE_PARTIAL_STATES_KERNEL,
+    )
+
+    from dsv4_attn.vllm_glue.compressor_state import compress_rows
+    from dsv4_attn.vllm_glue.writers import DSV4NVFP4Compressor, _StagingSlots
+
+    _needs_cuda_vllm()
+    model = vt.tiny_model("auto")
+    compressor = model.layers[4].compressor
+    assert isinstance(compressor, DSV4NVFP4Compressor)
+    assert compressor.state_cache.dtype == torch.bfloat16
+    gen = torch.Generator().manual_seed(4)
+    C, D, bs, ratio = 2, 512, 4, 4
+    requests = [333, 41, 7]
+    state, table = _random_state(gen, requests, C, D, bs, torch.float32)
+    tokens = [(r, p) for r, n in enumerate(requests) for p in range(n)]
+    T = len(tokens)
+    token_req = torch.tensor([r for r, _ in tokens], dtype=torch.int32, device="cuda")
+    positions = torch.tensor([p for _, p in tokens], device="cuda")
+    state_slots = torch.tensor([int(table[r, p // bs]) * bs + p % bs for r, p in tokens],
+                               device="cuda")  # fmt: skip
+    out_rows = torch.where((positions + 1) % ratio == 0, torch.arange(T, device="cuda"), -1)
+    state, table = state.cuda(), table.cuda()
+    cos_sin = model.layers[4].rotary_emb.cos_sin_cache
+    vllm_rows = torch.full((T, 1, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    DSV4NVFP4Compressor._store_rows_kernel()(
+        state_cache=state, num_actual=T, token_to_req_indices=token_req, positions=positions,
+        slot_mapping=state_slots, block_table=table, block_size=bs, state_width=C * D,
+        cos_sin_cache=cos_sin, kv_cache=vllm_rows, k_cache_metadata=_StagingSlots(out_rows),
+        pdl_kwargs={"launch_pdl": False}, head_dim=D, rope_head_dim=64, compress_ratio=ratio,
+        overlap=True, use_fp4_cache=False, rms_norm_weight=compressor.norm.weight,
+        rms_norm_eps=compressor.rms_norm_eps, quant_block=compressor._quant_block,
+        token_stride=compressor._token_stride, scale_dim=compressor._scale_dim,
+        store_full_kv=True, store_full_fp8=False, fp8_scale=None,
+    )  # fmt: skip
+    ours = torch.full((T, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    compress_rows(state, table, token_req, positions, state_slots, out_rows, ours, ratio,
+                  compressor.norm.weight, compressor.rms_norm_eps, cos_sin)  # fmt: skip
+    done = out_rows >= 0
+    assert torch.equal(ours.isnan().any(-1), ~done)
+    torch.testing.assert_close(ours[done].float(), vllm_rows[done, 0].float(), rtol=2**-7,
+                               atol=1e-3)  # fmt: skip
+    # vLLM's save kernel into a bf16 state: the fp32 values, rounded once.
+    kv = torch.randn(T, C * D, generator=gen).cuda()
+    score = torch.randn(T, C * D, generator=gen).cuda()
+    ape = torch.randn(ratio, C * D, generator=gen).cuda()
+    bf16_state = torch.full_like(state, float("nan"), dtype=torch.bfloat16)
+    _SAVE_PARTIAL_STATES_KERNEL(
+        kv=kv, score=score, ape=ape, positions=positions, state_cache=bf16_state,
+        slot_mapping=state_slots, block_size=bs, state_width=C * D, compress_ratio=ratio,
+        pdl_kwargs={"launch_pdl": False},
+    )  # fmt: skip
+    saved = bf16_state.view(-1, 2 * C * D)[state_slots]
+    assert torch.equal(saved[:, : C * D], kv.bfloat16())
+    want = (score + ape[positions % ratio]).bfloat16()
+    assert torch.equal(saved[:, C * D :], want)

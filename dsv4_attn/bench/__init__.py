@@ -1,5 +1,5 @@
 """Benchmarks: ``python -m dsv4_attn.bench SUBCOMMAND [options]``, one of :data:`SUBCOMMANDS`
-(decode, decode-splits, prefill, prefill-layer, fallback, step, wgmma-rate).
+(decode, decode-splits, prefill, prefill-layer, fallback, step, wgmma-rate, compressor-state).
 
 One module per benchmark, each with a ``main(argv)`` that prints a table and writes JSON; the
 shared timing, ceilings and report helpers are in :mod:`dsv4_attn.bench.timing`, the anchor's
@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "fallback": "dsv4_attn.bench.fallback",
     "step": "dsv4_attn.bench.step",
     "wgmma-rate": "dsv4_attn.bench.wgmma_rate",
+    "compressor-state": "dsv4_attn.bench.compressor_state",
 }
 
 

@@ -41,6 +41,7 @@ from dsv4_attn.log import LOGGER_PREFIX
 from dsv4_attn.vllm_glue import BACKEND_NAME, kv_spec, prefill
 from dsv4_attn.vllm_glue.backend import DSV4NVFP4Backend, DSV4NVFP4SWABackend
 from dsv4_attn.vllm_glue.balanced import balanced_capable, decode_schedule_choice
+from dsv4_attn.vllm_glue.compressor_state import state_dtype
 from dsv4_attn.vllm_glue.metadata import (
     CSA_RATIO,
     DSV4CompressedMetadata,
@@ -149,6 +150,11 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         if self.compressor is not None:
             self.compressor.__class__ = DSV4NVFP4Compressor
             self.staging_rows = staging_rows(self.max_num_batched_tokens, self.compressor.device)
+            # The CSA compressor's state in bf16 (compressor_state: else its fp32 group is the
+            # widest in vLLM's accounting and caps NVFP4's capacity at 1.165x fp8's). Set
+            # before vLLM asks the state cache for its spec, which reads this dtype.
+            state = self.compressor.state_cache
+            state.dtype = state_dtype(self.kv_format, self.compress_ratio, self.compressor.head_dim)
 
     def _uses_fp8_ds_mla_layout(self) -> bool:
         return self.kv_format is KVFormat.FP8_DS_MLA

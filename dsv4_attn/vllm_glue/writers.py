@@ -28,6 +28,7 @@ from vllm.models.deepseek_v4.compressor import CompressorMetadata, DeepseekCompr
 
 from dsv4_attn import kv_cache
 from dsv4_attn.kv_cache import HEAD_DIM, NOPE_DIM, ROPE_DIM, KVFormat
+from dsv4_attn.vllm_glue.compressor_state import compress_rows
 
 __all__ = [
     "DSV4NVFP4Compressor",
@@ -156,10 +157,13 @@ class _StagingSlots:
 class DSV4NVFP4Compressor(DeepseekCompressor):
     """The main (head_dim 512) compressor of a DSV4_NVFP4 layer whose cache is NVFP4.
 
-    Everything but the store is vLLM's: ``DeepseekCompressor.forward`` saves the partial states
-    and calls :meth:`_compress_norm_rope_store`, where vLLM's kernel now writes plain bf16 rows
-    into the staging buffer (row = token, where the step's metadata says the token completes an
-    entry) and :func:`store_staged_rows` then writes them to the cache in NVFP4.
+    ``DeepseekCompressor.forward`` saves the partial states (vLLM's kernel, into a state of
+    either dtype) and calls :meth:`_compress_norm_rope_store`, where the compressed rows go as
+    plain bf16 into the staging buffer (row = token, where the step's metadata says the token
+    completes an entry) and :func:`store_staged_rows` then writes them to the cache in NVFP4.
+    The rows come from vLLM's kernel for an fp32 state (HCA) and from
+    :func:`~dsv4_attn.vllm_glue.compressor_state.compress_rows` for the bf16 state of the CSA
+    compressor (:mod:`~dsv4_attn.vllm_glue.compressor_state`).
     A :class:`DSV4NVFP4Attention` layer turns its compressor into this class after building it.
     """
 
@@ -176,6 +180,16 @@ class DSV4NVFP4Compressor(DeepseekCompressor):
         layer = self._static_forward_context[self.k_cache_prefix]
         metadata = attn_metadata[self.k_cache_prefix]
         rows = layer.staging_rows
+        if state_cache.dtype != torch.float32:  # a narrow state (CSA): ours, vLLM's reads fp32
+            compress_rows(
+                state_cache, state_metadata.block_table, state_metadata.token_to_req_indices,
+                positions, state_metadata.slot_mapping, metadata.staging_rows,
+                rows.view(-1, HEAD_DIM), self.compress_ratio, self.norm.weight,
+                self.rms_norm_eps, rotary_emb.cos_sin_cache, self.rope_head_dim,
+            )  # fmt: skip
+            store_staged_rows(rows, metadata.slot_mapping, layer.compressed_pages(),
+                              layer.compressed_rows_per_block)  # fmt: skip
+            return
         self._store_rows_kernel()(
             state_cache=state_cache,
             num_actual=state_metadata.slot_mapping.shape[0],

@@ -1,0 +1,181 @@
+"""KV-cache capacity of DeepSeek-V4 layer schedules in vLLM's own accounting, per backend.
+
+vLLM 0.33 packs DeepSeek-V4's caches into groups (SWA caches, compressed caches with the CSA
+indexer's keys, and the compressors' states), and one block id costs the bytes of the *widest*
+group whichever group holds it; a request reserves a number of block ids per group (a whole
+context's worth for the compressed caches, a window's worth for the SWA caches and states).
+So the capacity follows the widest group, not the rows alone. :func:`capacity` builds every
+layer's KV spec as a server of each backend would (vLLM's own FlashMLA path, ``DSV4_NVFP4`` with
+fp8_ds_mla rows, ``DSV4_NVFP4`` with NVFP4 rows and its compressor-state rule of
+:mod:`.compressor_state`) and runs vLLM's planning functions on them.
+
+``python -m dsv4_attn.vllm_glue.capacity`` prints the V4-Flash and V4-Pro figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from vllm.models.deepseek_v4.attention import DeepseekV4Attention, DeepseekV4IndexerCache
+from vllm.models.deepseek_v4.compressor import CompressorStateCache
+from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
+from vllm.v1.core import kv_cache_planning, kv_cache_utils
+from vllm.v1.kv_cache_interface import KVCacheSpec
+
+from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+from dsv4_attn.vllm_glue import kv_spec
+from dsv4_attn.vllm_glue.compressor_state import state_dtype
+
+__all__ = ["BACKENDS", "SCHEDULES", "Capacity", "capacity", "layer_specs"]
+
+# compress_ratios of the main layers (1: sliding window only; 4: CSA; 128: HCA).
+SCHEDULES: dict[str, list[int]] = {
+    # 43 layers: two sliding-only, then CSA and HCA alternating (21 CSA, 20 HCA).
+    "V4-Flash": [1, 1] + [4 if i % 2 == 0 else 128 for i in range(2, 43)],
+    # 61 layers: HCA, HCA, then CSA and HCA alternating (30 CSA, 31 HCA).
+    "V4-Pro": [128, 128] + [4 if i % 2 == 0 else 128 for i in range(2, 61)],
+}
+BACKENDS = ("vllm", "dsv4_nvfp4-fp8", "dsv4_nvfp4-nvfp4")
+"""vLLM's own backend (fp8_ds_mla), DSV4_NVFP4 with ``--kv-cache-dtype fp8``, and with NVFP4."""
+
+_WINDOW = 128
+_SWA_BLOCK = 64
+_CACHE_BLOCK = 256
+_INDEXER_HEAD = 128 + 4  # fp8 keys and their scale
+_INDEXER_DIM = 128
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """One backend's KV capacity for one schedule and configuration."""
+
+    bytes_per_block: int  # what one block id costs (the widest group)
+    num_blocks: int
+    tokens: int  # vLLM's "KV cache size" at this memory (max_model_len x concurrency)
+    blocks_per_request: int  # block ids a max_model_len request reserves, all groups
+    bytes_per_request: int
+
+
+def _planner_config(cache_dtype: str, max_model_len: int, max_num_batched_tokens: int):
+    """The fields of a VllmConfig that vLLM's KV planning reads (single GPU, no context
+    parallelism, async scheduling: two batches of tokens in flight)."""
+    from vllm.config.cache import _layout_from_name
+
+    cache = SimpleNamespace(
+        cache_dtype=cache_dtype, block_size=_CACHE_BLOCK, num_gpu_blocks_override=None,
+        prefix_cache_retention_interval=None,
+        get_resolved_kv_cache_layout=lambda: _layout_from_name("BLHNC"),
+    )  # fmt: skip
+    return SimpleNamespace(
+        cache_config=cache,
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False,
+                                         max_num_batched_tokens=max_num_batched_tokens),
+        attention_config=SimpleNamespace(hisparse_config=None),
+        model_config=SimpleNamespace(max_model_len=max_model_len,
+                                     supports_kv_cache_grouping=False),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1, tensor_parallel_size=1),
+        max_in_flight_tokens=2 * max_num_batched_tokens,
+    )  # fmt: skip
+
+
+def _state_spec(compress_ratio: int, head_dim: int, dtype: torch.dtype, config) -> KVCacheSpec:
+    coff = 1 + (compress_ratio == 4)
+    state = SimpleNamespace(block_size=4 if compress_ratio == 4 else 8,
+                            state_dim=2 * coff * head_dim, dtype=dtype,
+                            sliding_window=coff * compress_ratio)  # fmt: skip
+    return CompressorStateCache.get_kv_cache_spec(state, config)
+
+
+def layer_specs(schedule: list[int], backend: str, config) -> dict[str, KVCacheSpec]:
+    """Every cache layer's spec, named as vLLM registers them, for ``backend``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    nvfp4 = backend == "dsv4_nvfp4-nvfp4"
+    fmt = KVFormat.NVFP4 if nvfp4 else KVFormat.FP8_DS_MLA
+    specs: dict[str, KVCacheSpec] = {}
+    for i, ratio in enumerate(schedule):
+        prefix = f"model.layers.{i}.self_attn"
+        if ratio == 4:  # the indexer's keys and its compressor's state (vLLM's, fp32)
+            indexer = SimpleNamespace(cache_config=config.cache_config, head_dim=_INDEXER_HEAD,
+                                      dtype=torch.uint8, compress_ratio=4)  # fmt: skip
+            specs[f"{prefix}.indexer.k_cache"] = DeepseekV4IndexerCache.get_kv_cache_spec(
+                indexer, config
+            )
+            specs[f"{prefix}.indexer.compressor.state_cache"] = _state_spec(
+                4, _INDEXER_DIM, torch.float32, config
+            )
+        if nvfp4:
+            specs[f"{prefix}.swa_cache"] = kv_spec.swa_cache_spec(_SWA_BLOCK, _WINDOW)
+        else:
+            swa = SimpleNamespace(
+                cache_config=config.cache_config, bounded_replay=False, block_size=_SWA_BLOCK,
+                head_dim=HEAD_DIM, dtype=torch.uint8, window_size=_WINDOW,
+                packed_bytes_per_token=584, packed_page_alignment=576,
+                packed_block_stride_alignment=None,
+            )  # fmt: skip
+            specs[f"{prefix}.swa_cache"] = DeepseekV4SWACache.get_kv_cache_spec(swa, config)
+        if ratio > 1:
+            if nvfp4:
+                specs[prefix] = kv_spec.compressed_cache_spec(_CACHE_BLOCK, ratio)
+            else:
+                attention = SimpleNamespace(
+                    compress_ratio=ratio,
+                    kv_cache_dtype="fp8_ds_mla",
+                    head_dim=HEAD_DIM,
+                    kv_cache_torch_dtype=torch.uint8,
+                )
+                specs[prefix] = DeepseekV4Attention.get_kv_cache_spec(attention, config)
+            dtype = state_dtype(fmt, ratio, HEAD_DIM) if backend != "vllm" else torch.float32
+            specs[f"{prefix}.compressor.state_cache"] = _state_spec(ratio, HEAD_DIM, dtype, config)
+    return specs
+
+
+def capacity(
+    schedule: list[int],
+    backend: str,
+    memory_bytes: int,
+    max_model_len: int,
+    max_num_batched_tokens: int = 8192,
+) -> Capacity:
+    """vLLM's KV capacity of ``schedule`` for ``backend`` with ``memory_bytes`` of KV cache."""
+    cache_dtype = "auto" if backend == "dsv4_nvfp4-nvfp4" else "fp8_ds_mla"
+    config = _planner_config(cache_dtype, max_model_len, max_num_batched_tokens)
+    groups = kv_cache_planning.get_kv_cache_groups(config, layer_specs(schedule, backend, config))
+    kv_config = kv_cache_planning.get_kv_cache_config_from_groups(config, groups, memory_bytes)
+    tokens, _ = kv_cache_utils.get_kv_cache_capacity(config, kv_config)
+    bytes_per_block = kv_cache_planning._get_kv_cache_bytes_per_block(
+        groups, config.cache_config.get_resolved_kv_cache_layout()
+    )
+    per_request = sum(
+        math.ceil(g.kv_cache_spec.max_memory_usage_bytes(config) / g.kv_cache_spec.page_size_bytes)
+        for g in groups
+    )
+    return Capacity(bytes_per_block, kv_config.num_blocks, tokens, per_request,
+                    per_request * bytes_per_block)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dsv4_attn.vllm_glue.capacity")
+    parser.add_argument("--memory-gib", type=float, default=60.0, help="KV cache memory")
+    parser.add_argument("--max-model-len", type=int, nargs="+", default=[131072, 1048576])
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    args = parser.parse_args(argv)
+    memory = int(args.memory_gib * 2**30)
+    print(f"{'schedule':9} {'max len':>9} {'backend':17} {'B/block':>9} {'tokens':>13} "
+          f"{'GB/request':>10} {'vs vllm':>7}")  # fmt: skip
+    for name, schedule in SCHEDULES.items():
+        for length in args.max_model_len:
+            base = capacity(schedule, "vllm", memory, length, args.max_num_batched_tokens)
+            for backend in BACKENDS:
+                c = capacity(schedule, backend, memory, length, args.max_num_batched_tokens)
+                print(f"{name:9} {length:>9} {backend:17} {c.bytes_per_block:>9} "
+                      f"{c.tokens:>13,} {c.bytes_per_request / 1e9:>10.2f} "
+                      f"{c.tokens / base.tokens:>7.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

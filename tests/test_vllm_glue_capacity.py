@@ -1,0 +1,58 @@
+"""NVFP4's capacity in vLLM's own KV accounting: the V4-Flash and V4-Pro layer schedules' specs as
+each backend's server builds them, planned by vLLM 0.33's functions (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+from dsv4_attn.vllm_glue import capacity as cap
+from dsv4_attn.vllm_glue.compressor_state import state_dtype
+
+MEMORY = 60 * 2**30
+
+
+@pytest.mark.parametrize("schedule", list(cap.SCHEDULES))
+@pytest.mark.parametrize("max_model_len", [131072, 1048576])
+def test_nvfp4_holds_at_least_1_35x_the_tokens_of_fp8(schedule, max_model_len):
+    layers = cap.SCHEDULES[schedule]
+    vllm = cap.capacity(layers, "vllm", MEMORY, max_model_len)
+    fp8 = cap.capacity(layers, "dsv4_nvfp4-fp8", MEMORY, max_model_len)
+    nvfp4 = cap.capacity(layers, "dsv4_nvfp4-nvfp4", MEMORY, max_model_len)
+    assert fp8 == vllm  # --kv-cache-dtype fp8: vLLM's own layout, to the byte
+    assert nvfp4.tokens / fp8.tokens >= 1.35, (nvfp4, fp8)
+    assert nvfp4.tokens / vllm.tokens >= 1.35
+    # A block id costs the widest group's bytes: with NVFP4 that is a KV group (the compressed
+    # caches), no longer the CSA compressor's state.
+    assert nvfp4.bytes_per_block < fp8.bytes_per_block
+    assert nvfp4.blocks_per_request == fp8.blocks_per_request
+
+
+def test_the_widest_nvfp4_group_is_a_kv_group():
+    """Which group sets the block cost: with NVFP4 the compressed caches (a KV group), with an
+    fp32 CSA state instead (what vLLM's compressor keeps) the state group would, at 1.165x."""
+    from vllm.v1.core import kv_cache_planning
+
+    config = cap._planner_config("auto", 131072, 8192)
+    layers = cap.SCHEDULES["V4-Flash"]
+    groups = kv_cache_planning.get_kv_cache_groups(
+        config, cap.layer_specs(layers, "dsv4_nvfp4-nvfp4", config)
+    )
+    widest = max(groups, key=lambda g: g.kv_cache_spec.page_size_bytes)
+    assert all(".compressor." not in name for name in widest.layer_names)
+    assert any(name.endswith("self_attn") for name in widest.layer_names)
+
+
+def test_the_state_rule():
+    assert state_dtype(KVFormat.NVFP4, 4, HEAD_DIM) == torch.bfloat16
+    assert state_dtype(KVFormat.NVFP4, 128, HEAD_DIM) == torch.float32
+    assert state_dtype(KVFormat.NVFP4, 4, 128) == torch.float32  # the indexer's compressor
+    assert state_dtype(KVFormat.FP8_DS_MLA, 4, HEAD_DIM) == torch.float32
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        cap.layer_specs([4], "flashinfer", cap._planner_config("auto", 4096, 8192))
