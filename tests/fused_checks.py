@@ -363,7 +363,9 @@ def check_decode_schedule(fused, device, seed: int) -> None:
     assert torch.equal(got.token_plan.cpu(), want.token_plan)
 
 
-def _fused():
+def fused_modules():
+    """The modules of :mod:`dsv4_attn.fused`, imported when first asked for (Triton reads
+    ``TRITON_INTERPRET`` at import)."""
     from types import SimpleNamespace
 
     from dsv4_attn.fused import (
@@ -395,35 +397,35 @@ def _interpreter_on():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_staged_rows_interpreted(kind):
-    check_staged_rows(_fused(), "cpu", kind, seed=KINDS.index(kind))
+    check_staged_rows(fused_modules(), "cpu", kind, seed=KINDS.index(kind))
 
 
 @pytest.mark.parametrize(("heads", "padded"), [(6, 8), (8, 8)])
 def test_insert_interpreted(heads, padded):
-    check_insert(_fused(), "cpu", heads, padded, seed=heads)
+    check_insert(fused_modules(), "cpu", heads, padded, seed=heads)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_gather_interpreted(kind):
-    check_gather(_fused(), "cpu", kind, seed=KINDS.index(kind))
+    check_gather(fused_modules(), "cpu", kind, seed=KINDS.index(kind))
 
 
 @pytest.mark.parametrize(("ratio", "dtype"), [(4, torch.bfloat16), (4, torch.float32),
                                              (16, torch.bfloat16)])  # fmt: skip
 def test_compress_rows_interpreted(ratio, dtype):
-    check_compress_rows(_fused(), "cpu", ratio, dtype, seed=ratio)
+    check_compress_rows(fused_modules(), "cpu", ratio, dtype, seed=ratio)
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_prefill_index_interpreted(seed):
-    check_prefill_index(_fused(), "cpu", seed)
+    check_prefill_index(fused_modules(), "cpu", seed)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_metadata_interpreted(seed):
-    check_metadata(_fused(), "cpu", seed)
+    check_metadata(fused_modules(), "cpu", seed)
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_decode_schedule_interpreted(seed):
-    check_decode_schedule(_fused(), "cpu", seed)
+    check_decode_schedule(fused_modules(), "cpu", seed)

@@ -26,13 +26,17 @@ def test_every_subcommand_is_a_module_with_main():
         "fallback",
         "step",
         "wgmma-rate",
+        "compressor-state",
     }
     for name, module in bench.SUBCOMMANDS.items():
         assert callable(importlib.import_module(module).main), name
 
 
 def test_unknown_subcommand_names_the_accepted_ones():
-    names = r"\{decode,decode-splits,prefill,prefill-layer,fallback,step,wgmma-rate\}"
+    names = (
+        r"\{decode,decode-splits,prefill,prefill-layer,fallback,step,wgmma-rate,"
+        r"compressor-state\}"
+    )
     with pytest.raises(SystemExit, match=names):
         bench.main(["nope"])
     result = subprocess.run([sys.executable, "-m", "dsv4_attn.bench"], capture_output=True,
@@ -128,3 +132,17 @@ def test_gather_copy_cuda(heads):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     check_gather_copy("cuda", heads)
+
+
+def test_compressor_state_bench_measures_each_state_dtype():
+    """The CPU measurement behind the bf16 CSA state: per score spread, one row per state
+    dtype; fp32 state rows are only the bf16 output's rounding away from the reference, the
+    bf16 state adds its own, and the cache's NVFP4 encoding dwarfs both."""
+    from dsv4_attn.bench import compressor_state
+
+    rows = compressor_state.measure(length=256, sigmas=[4.0], seed=1)
+    by_state = {row["state"]: row for row in rows}
+    assert set(by_state) == {"fp32", "bf16", "fp16"} and by_state["fp32"]["entries"] == 64
+    assert by_state["fp32"]["row_median"] < 2**-8  # one bf16 rounding of the row
+    assert by_state["bf16"]["row_median"] > by_state["fp32"]["row_median"]
+    assert by_state["bf16"]["nvfp4_median"] > 10 * by_state["bf16"]["row_median"]

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from tests.fused_checks import (
     check_metadata,
     check_prefill_index,
     check_staged_rows,
+    fused_modules,
 )
 
 pytest.importorskip("triton")
@@ -44,18 +44,7 @@ def test_kernels_match_torch_in_the_triton_interpreter():
 def _compiled():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from dsv4_attn.fused import (
-        compressor,
-        decode_schedule,
-        kv_gather,
-        kv_writers,
-        prefill_index,
-        step_metadata,
-    )
-
-    return SimpleNamespace(kv_writers=kv_writers, step_metadata=step_metadata,
-                           kv_gather=kv_gather, prefill_index=prefill_index, compressor=compressor,
-                           decode_schedule=decode_schedule)  # fmt: skip
+    return fused_modules()
 
 
 # ----------------------------------------------------------------------------------------------
