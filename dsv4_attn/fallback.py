@@ -74,7 +74,9 @@ def sparse_attention(
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         weights = torch.exp(logits - row_max)
         denom = weights.sum(dim=-1, keepdim=True)
-        probs = weights[..., : scores.shape[-1]] / torch.where(denom > 0, denom, 1.0)
-        out[sl] = torch.bmm(probs, rows).to(torch.bfloat16)
+        # A NaN sink keeps its NaN (as the reference's), only an empty row's zero is guarded.
+        probs = weights[..., : scores.shape[-1]] / torch.where(denom == 0, 1.0, denom)
+        chunk_out = torch.bmm(probs, rows).masked_fill(~valid.any(dim=-1)[:, None, None], 0.0)
+        out[sl] = chunk_out.to(torch.bfloat16)
         lse[sl] = torch.logsumexp(scores, dim=-1)
     return out, lse

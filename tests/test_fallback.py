@@ -121,3 +121,25 @@ def test_unchecked_poisoned_lists_read_nothing_outside_and_mean_the_sanitized_li
     )  # fmt: skip
     clean = DecodeCase(case.q, clean_window, case.sink, case.scale, clean_extra)
     assert_matches_reference(out, lse, *reference_on_rows(clean))
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+def test_a_nan_sink_propagates_as_in_the_reference(backend):
+    """A NaN sink logit makes its head's output NaN wherever the token has keys (the reference's
+    ``sigmoid(lse - sink)``), 0 where it has none; lse and the other heads are unaffected."""
+    from dsv4_attn import ops
+
+    case = make_decode_case(6, 8, "nvfp4", 32, 16, seed=5, lens="random", distinct=False)
+    sink = case.sink.clone()
+    sink[3] = float("nan")
+    out, lse = ops.sparse_attention(case.q, case.window, sink, case.scale, case.extra,
+                                    backend=backend)  # fmt: skip
+    ref_out, ref_lse = reference_on_rows(DecodeCase(case.q, case.window, sink, case.scale,
+                                                    case.extra))  # fmt: skip
+    has_keys = torch.isfinite(ref_lse[:, 3])
+    assert bool(has_keys.any()) and bool((~has_keys).any())  # both kinds of token
+    assert torch.isnan(out[has_keys, 3].float()).all()
+    assert (out[~has_keys, 3] == 0).all()
+    others = [h for h in range(8) if h != 3]
+    assert_matches_reference(out[:, others], lse[:, others], ref_out[:, others],
+                             ref_lse[:, others])  # fmt: skip

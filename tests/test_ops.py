@@ -36,8 +36,9 @@ def test_auto_logs_each_fallback_reason_once(dsv4_logs, monkeypatch):
     case = small_case()
     for _ in range(3):
         ops.sparse_attention(*case.args())
-    messages = [r.getMessage() for r in dsv4_logs.records if "SDPA fallback" in r.getMessage()]
-    assert len(messages) == 1, messages
+    records = [r for r in dsv4_logs.records if "SDPA fallback" in r.getMessage()]
+    assert len(records) == 1, records
+    assert records[0].levelname == "WARNING" and records[0].name.startswith("vllm.dsv4_attn")
 
 
 def _call_with(case, **fields):

@@ -387,6 +387,32 @@ def test_poisoned_metadata_stays_inside_the_caches(fmt, H, T, extra_width, sched
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
+@pytest.mark.parametrize("schedule", ["split", "balanced"])
+def test_a_nan_sink_propagates_as_in_the_reference(fmt, schedule):
+    """A NaN sink logit: its head's output NaN wherever the token has keys, 0 where it has
+    none, lse and every other head as the reference's (the fallback's contract too)."""
+    _needs_hopper()
+    T, H = 40, 64
+    _, args = _graph_case(fmt, T, H, 2048, seed=9)
+    q, window, sink, _, extra = args
+    window.lens[0] = 0
+    extra.lens[0] = 0  # a token without keys
+    sink[5] = float("nan")
+    plan = sparse_decode.balanced_plan(window, extra, H) if schedule == "balanced" else None
+    out = torch.full((T, H, HEAD_DIM), 7.0, dtype=torch.bfloat16, device=q.device)
+    lse = torch.full((T, H), 7.0, dtype=torch.float32, device=q.device)
+    sparse_decode.sparse_attention(*args, out=out, lse=lse, plan=plan)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = _reference(*args)
+    has_keys = torch.isfinite(ref_lse[:, 5])
+    assert not bool(has_keys[0]) and bool(has_keys[1:].all())
+    assert torch.isnan(out[1:, 5].float()).all() and (out[0, 5] == 0).all()
+    others = [h for h in range(H) if h != 5]
+    _check(out[:, others], lse[:, others], ref_out[:, others], ref_lse[:, others])
+
+
+@pytest.mark.gpu
 def test_balanced_schedule_under_cuda_graph_replay():
     """The plan is built on the device from the key counts: a captured plan and call replay
     with other counts (and so another plan) correctly."""

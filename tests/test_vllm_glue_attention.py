@@ -463,22 +463,27 @@ def test_resolve_kv_format_lists_accepted_values():
         ({"prefill_context_parallel_size": 2}, "context parallelism"),
         ({"vision_n_layers": 2}, "vision"),
         ({"dspark": True}, "DSpark"),
+        ({"heads": 256}, r"at most 128 query heads per rank .* has 256 per rank"),
     ],
 )
 def test_unsupported_configurations_are_refused(change, message):
-    parallel = SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1)
+    parallel = SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1,
+                               tensor_parallel_size=1)  # fmt: skip
     hf = SimpleNamespace(vision_n_layers=0)
     spec = None
+    heads = 64
     for key, value in change.items():
         if key == "vision_n_layers":
             hf.vision_n_layers = value
         elif key == "dspark":
             spec = SimpleNamespace(use_dspark=lambda: True)
+        elif key == "heads":
+            heads = value
         else:
             setattr(parallel, key, value)
     config = SimpleNamespace(
         parallel_config=parallel,
-        model_config=SimpleNamespace(hf_config=hf),
+        model_config=SimpleNamespace(hf_config=hf, get_num_attention_heads=lambda _: heads),
         speculative_config=spec,
     )
     with pytest.raises(ValueError, match=message):

@@ -1,7 +1,8 @@
 """What the DSV4_NVFP4 backend serves, checked when vLLM builds the model.
 
 * :func:`check_supported` — configurations the backend does not implement (context parallelism,
-  the vision variant, DSpark speculation) raise a ValueError saying so.
+  the vision variant, DSpark speculation, more query heads per rank than its kernels take)
+  raise a ValueError saying so.
 * :func:`check_serving_device` — the backend's attention kernels are Hopper (sm_90) CuTeDSL
   kernels. On any other device, or when the kernel stack cannot be imported, serving would run
   the torch fallback, one to two orders of magnitude slower: startup fails with the device or the
@@ -50,6 +51,15 @@ def check_supported(vllm_config: VllmConfig) -> None:
         raise ValueError(
             f"--attention-backend {BACKEND_NAME} serves the text model only; this checkpoint "
             "has vision layers, whose bidirectional image windows it does not implement."
+        )
+    heads = vllm_config.model_config.get_num_attention_heads(parallel)
+    most = max(_kernel_head_counts(), default=128)
+    if heads > most:
+        raise ValueError(
+            f"--attention-backend {BACKEND_NAME} runs at most {most} query heads per rank (its "
+            f"kernels' widest variant); this model has {heads} per rank at "
+            f"--tensor-parallel-size {parallel.tensor_parallel_size}. Raise the tensor-parallel "
+            "size."
         )
     spec = vllm_config.speculative_config
     if spec is not None and spec.use_dspark():
@@ -112,14 +122,19 @@ def check_serving_device(device: torch.device) -> None:
     )
 
 
-def padded_num_heads(num_heads: int) -> int:
-    """Query heads the layer allocates: the smallest head count the CuTeDSL kernel supports
-    (``sparse_decode.SUPPORTED_HEAD_COUNTS``) that holds ``num_heads``, so no padding where the
-    kernel takes the count as it is; ``num_heads`` itself when the kernel takes no count that
-    large, or is absent (the SDPA fallback takes any count)."""
+def _kernel_head_counts() -> tuple[int, ...]:
+    """The head counts the CuTeDSL decode kernel takes (none if it cannot be imported)."""
     try:
         from dsv4_attn.kernels import sparse_decode
     except ImportError:
-        return num_heads
-    counts = sorted(getattr(sparse_decode, "SUPPORTED_HEAD_COUNTS", ()))
-    return next((c for c in counts if c >= num_heads), num_heads)
+        return ()
+    return tuple(sorted(getattr(sparse_decode, "SUPPORTED_HEAD_COUNTS", ())))
+
+
+def padded_num_heads(num_heads: int) -> int:
+    """Query heads the layer allocates: the smallest head count the CuTeDSL kernel supports
+    (``sparse_decode.SUPPORTED_HEAD_COUNTS``) that holds ``num_heads``, so no padding where the
+    kernel takes the count as it is; ``num_heads`` itself when the kernel is absent (the SDPA
+    fallback takes any count). Counts above the widest are refused at model build
+    (:func:`check_supported`)."""
+    return next((c for c in _kernel_head_counts() if c >= num_heads), num_heads)
