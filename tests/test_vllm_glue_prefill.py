@@ -67,3 +67,24 @@ def test_peak_workspace_holds_the_largest_chunk():
         assert chunk.rows <= rows[0][0] and rows[0][1] == 512
         width = prefill.index_width(ratio, topk, chunk.entries, window)
         assert index[0] == (max_tokens, width) and lens[0] == (max_tokens,)
+
+
+def test_csa_picks_the_token_does_not_see_yet_are_holes():
+    """A prefill token's indexer picks at or past its visible entries ``(pos + 1) // 4`` (the
+    indexer never makes them; garbage if it did) are holes, the decode path's rule: a chunk's
+    later positions must not leak into its earlier tokens."""
+    gen = torch.Generator().manual_seed(4)
+    window, query_len, seq_len = 128, 40, 100
+    query_start = torch.tensor([0, query_len], dtype=torch.int32)
+    seq_lens = torch.tensor([seq_len], dtype=torch.int32)
+    (chunk,) = prefill.plan_chunks(query_start, seq_lens, 0, 1, 4, window, 10**6)
+    topk = torch.randint(-1, seq_len // 4, (query_len, 16), generator=gen, dtype=torch.int32)
+    out = (torch.full((query_len, 400), 777, dtype=torch.int32),
+           torch.full((query_len,), 777, dtype=torch.int32))  # fmt: skip
+    indices, _ = prefill.index_lists(chunk, query_start, seq_lens, window, 4, topk, out)
+    pos = torch.arange(seq_len - query_len, seq_len)
+    visible = ((pos + 1) // 4)[:, None]
+    hole = (topk < 0) | (topk >= visible)
+    assert bool(((topk >= visible) & (topk >= 0)).any())  # some picks from the token's future
+    assert torch.equal(indices[:, :16] == -1, hole)
+    assert torch.equal(indices[:, :16][~hole], topk[~hole])  # request 0: row = entry

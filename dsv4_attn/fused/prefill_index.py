@@ -5,8 +5,9 @@
 requests, its rows in the chunk's gather workspace (request ``c`` owns rows ``c * M ..``:
 compressed entries at ``0 .. N``, window positions ``seq_len - gather_len ..`` at ``N ..``).
 
-* CSA (``ratio == 4``): the indexer's request-local entries (-1 or not yet in the cache: -1) in
-  columns ``0 .. K``, the window in ``K .. K + window``; ``lens = K + window length``.
+* CSA (``ratio == 4``): the indexer's request-local entries (-1, or one the token does not see
+  yet, ``>= (pos + 1) // ratio``: -1) in columns ``0 .. K``, the window in ``K .. K + window``;
+  ``lens = K + window length``.
 * HCA (``ratio > 1``): every entry the token sees (``(pos + 1) // ratio``), then its window,
   packed; -1 after.
 * SWA-only: the window.
@@ -64,12 +65,12 @@ def _prefill_index_kernel(
     else:
         offset = 0
         if MODE == 1:  # CSA: the indexer's picks, then the window
-            entries_in_cache = seq // ratio
+            visible = (pos + 1) // ratio  # entries complete at the token's position
             for col0 in range(0, topk, BLOCK_COLUMNS):
                 col = col0 + tl.arange(0, BLOCK_COLUMNS)
                 entry = tl.load(topk_ptr + i.to(tl.int64) * topk_stride + col, mask=col < topk,
                                 other=-1)  # fmt: skip
-                usable = (entry >= 0) & (entry < entries_in_cache)
+                usable = (entry >= 0) & (entry < visible)
                 tl.store(row_out + col, tl.where(usable, base + entry, -1).to(tl.int32),
                          mask=col < topk)  # fmt: skip
             offset = topk

@@ -11,7 +11,8 @@ prefill requests is handled as vLLM's FlashMLA layer does:
    NVFP4 :func:`dsv4_attn.fused.kv_gather.gather_nvfp4_rows`; elsewhere :func:`dsv4_attn.kv_cache.
    read_unchecked`.
 2. **index** — each token's list of workspace rows: its compressed entries (CSA: the indexer's
-   top-k, -1 holes kept; HCA: every entry it sees, ``(pos + 1) // ratio``) then its window
+   top-k, -1 holes kept and picks the token does not see yet, ``>= (pos + 1) // ratio``, made
+   holes, as in decode; HCA: every entry it sees, ``(pos + 1) // ratio``) then its window
    (``max(0, pos - window + 1) .. pos``), the same rows the decode path would read.
 3. **attend** — :func:`dsv4_attn.fmha_ops.sparse_prefill` with the sink, written into vLLM's
    output rows.
@@ -271,7 +272,7 @@ def _index_lists_torch(chunk, query_start, seq_lens, window, compress_ratio, loc
     if compress_ratio == 4:
         assert local_topk is not None
         entries = local_topk[:T].long()
-        usable = (entries >= 0) & (entries < (seq // compress_ratio)[:, None])
+        usable = (entries >= 0) & (entries < ((pos + 1) // compress_ratio)[:, None])
         indices[:, :topk] = torch.where(usable, base[:, None] + entries, -1)
         indices[:, topk:] = window_rows
         lens.copy_(topk + wlen)
