@@ -96,10 +96,8 @@ class SparseDecodeProducer:
         values into the key's row of the K/V stage, stores the RoPE values beside them, and
         refills the slot with tile t + ``RAW_STAGES``. The slot ids ride in the same groups one
         ring further ahead (``ID_STAGES``): tile t + 2 ``RAW_STAGES``'s ids land with tile t's
-        rows. The copy of a tile's row turns its id into the packed slot (-1 for a hole: past
-        the list, or an id outside its cache) and stores that over the id, so the staging of
-        the tile reads it back instead of deciding twice. A lane only reads bytes it copied or
-        stored, so its own cp.async groups and program order order both rings.
+        rows. A slot id past the list or outside its cache is a hole (:meth:`read_packed`).
+        A lane only reads bytes it copied, so its own cp.async groups order both rings.
         """
         pwarp = cute.arch.make_warp_uniform(ptid // 32)
         lane = ptid & 31
@@ -129,7 +127,6 @@ class SparseDecodeProducer:
         ptx_ops.cp_async_wait_group(0)
         for s in cutlass.range_constexpr(RAW_STAGES):
             packed = self.read_packed(self.id_slot(id0, s), key0 + s * BLOCK_N, *limits)
-            ptx_ops.st_shared_b32(self.id_slot(id0, s), Uint32(packed))  # staging reads it back
             self.copy_key(packed, part, parity, unit0 + s * RAW_SLOT_BYTES, *bases)
             self.copy_id(
                 *scope, key0 + (s + RAW_STAGES) * BLOCK_N, self.id_slot(id0, s + RAW_STAGES)
@@ -147,8 +144,7 @@ class SparseDecodeProducer:
             if g >= NUM_STAGES:
                 cute.arch.mbarrier_wait(empty_bar + stage, ((g // NUM_STAGES) + 1) % 2)
             stage_base = sK_base + stage * (BLOCK_N * HEAD_DIM * 2)
-            # This tile's packed slot, which the refill that copied its row stored over its id.
-            packed = ptx_ops.ld_shared_b32(self.id_slot(id0, tile))
+            packed = self.read_packed(self.id_slot(id0, tile), key, *limits)
             self.store_key(unit, packed >= 0, row, lane, parity, stage_base)
             if part == 0:
                 key_bias[row, stage] = Float32(
@@ -160,7 +156,6 @@ class SparseDecodeProducer:
             # rows); the id slot just read takes tile + 2 RAW_STAGES.
             key_new = key + RAW_STAGES * BLOCK_N
             packed_new = self.read_packed(self.id_slot(id0, tile + RAW_STAGES), key_new, *limits)
-            ptx_ops.st_shared_b32(self.id_slot(id0, tile + RAW_STAGES), Uint32(packed_new))
             self.copy_key(packed_new, part, parity, unit, *bases)
             # (tile + 2 RAW_STAGES shares tile's id slot.)
             self.copy_id(*scope, key + 2 * RAW_STAGES * BLOCK_N, self.id_slot(id0, tile))
