@@ -25,7 +25,12 @@ import torch
 
 from dsv4_attn import reference
 from dsv4_attn.dispatch_log import log_fallback_once
-from dsv4_attn.index_checks import check_index_lists, check_index_values, counted_entries
+from dsv4_attn.index_checks import (
+    check_index_lists,
+    check_index_values,
+    counted_entries,
+    sanitized_lists,
+)
 from dsv4_attn.log import get_logger
 
 __all__ = ["BACKENDS", "fmha", "sparse_prefill"]
@@ -397,9 +402,8 @@ def sparse_prefill(
         raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor on "
                          f"{q.device}, got {_shape(out)}")  # fmt: skip
     if backend == "reference":
-        counted = counted_entries(indices, lens, kv.shape[0])
         result, lse = reference.sparse_attention(
-            q, kv, torch.where(counted, indices, -1), lens.clamp(0, indices.shape[1]), sink, scale
+            q, kv, *sanitized_lists(indices, lens, kv.shape[0]), sink, scale
         )
         return _into(out, result.to(q.dtype)), lse.to(torch.float32)
     if backend in ("auto", "cutedsl"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_index_lists", "check_index_values", "counted_entries"]
+__all__ = ["check_index_lists", "check_index_values", "counted_entries", "sanitized_lists"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -73,3 +73,12 @@ def counted_entries(indices: torch.Tensor, lens: torch.Tensor, limit: int) -> to
     width = indices.shape[1]
     within = torch.arange(width, device=indices.device)[None, :] < lens[:, None]
     return within & (indices >= 0) & (indices < limit)
+
+
+def sanitized_lists(
+    indices: torch.Tensor, lens: torch.Tensor, limit: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`counted_entries` as lists that pass :func:`check_index_values` (what the float64
+    reference takes): ids that do not count become -1, lengths are clamped into ``[0, K]``."""
+    counted = counted_entries(indices, lens, limit)
+    return torch.where(counted, indices, -1), lens.clamp(0, indices.shape[1])

@@ -25,7 +25,7 @@ import torch
 from dsv4_attn import fallback, kv_cache, reference
 from dsv4_attn.dispatch_log import log_fallback_once
 from dsv4_attn.fmha_ops import fmha, sparse_prefill
-from dsv4_attn.index_checks import check_index_lists, check_index_values, counted_entries
+from dsv4_attn.index_checks import check_index_lists, check_index_values, sanitized_lists
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.log import get_logger
 from dsv4_attn.scope import KVScope
@@ -144,12 +144,11 @@ def _reference_on_cache(q, window, sink, scale, extra) -> tuple[torch.Tensor, to
 
     def rows_and_local_ids(scope: KVScope):
         num_slots = scope.cache.shape[0] * scope.block_size
-        counted = counted_entries(scope.indices, scope.lens, num_slots)
-        slots = torch.where(counted, scope.indices, torch.full_like(scope.indices, -1))
+        slots, lens = sanitized_lists(scope.indices, scope.lens, num_slots)
         unique, local = torch.unique(slots, return_inverse=True)
         rows = kv_cache.read_unchecked(scope.cache, unique, scope.fmt, scope.block_size)
         local = torch.where(slots >= 0, local, torch.full_like(local, -1))
-        return rows, local, scope.lens.clamp(0, scope.capacity)
+        return rows, local, lens
 
     kv, local, lens = rows_and_local_ids(window)
     extra_args = rows_and_local_ids(extra) if extra is not None else (None, None, None)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from dsv4_attn import kv_cache
-from dsv4_attn.index_checks import counted_entries
+from dsv4_attn.index_checks import sanitized_lists
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.scope import KVScope
 
@@ -25,7 +25,6 @@ __all__ = [
     "poisoned_scope",
     "random_cache",
     "random_rows",
-    "sanitized_lists",
 ]
 
 _FILL_CHUNK = 1 << 16  # rows generated and written at a time
@@ -195,18 +194,10 @@ def poison_lists(
             poisoned_lens.to(lens.dtype).to(lens.device))  # fmt: skip
 
 
-def sanitized_lists(
-    indices: torch.Tensor, lens: torch.Tensor, limit: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What unchecked values mean (:func:`dsv4_attn.index_checks.counted_entries`), as lists the
-    reference accepts: ids that do not count become -1, lengths are clamped into ``[0, K]``."""
-    counted = counted_entries(indices, lens, limit)
-    return torch.where(counted, indices, -1), lens.clamp(0, indices.shape[1])
-
-
 def poisoned_scope(scope: KVScope, gen: torch.Generator) -> tuple[KVScope, KVScope]:
     """``scope`` with poisoned lists (:func:`poison_lists`), and the same scope with those lists
-    sanitized (:func:`sanitized_lists`): what a backend must compute from the first."""
+    sanitized (:func:`~dsv4_attn.index_checks.sanitized_lists`): what a backend must compute
+    from the first."""
     limit = scope.cache.shape[0] * scope.block_size
     indices, lens = poison_lists(scope.indices, scope.lens, limit, gen)
     clean = sanitized_lists(indices, lens, limit)

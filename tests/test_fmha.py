@@ -249,7 +249,8 @@ def test_gpu_sparse_kernel_with_poisoned_lists(heads):
     """Lengths outside ``[0, K]`` and row ids outside ``kv`` (as serving passes them,
     unchecked): nothing read outside ``kv`` (``compute-sanitizer`` runs this test), and the
     reference's result with those lengths clamped and those ids as holes."""
-    from dsv4_attn.testing import poison_lists, sanitized_lists
+    from dsv4_attn.index_checks import sanitized_lists
+    from dsv4_attn.testing import poison_lists
 
     case = make_random_sparse_case(90, heads, 3000, 600, device="cuda", seed=heads)
     poisoned = poison_lists(case.indices, case.lens, case.kv.shape[0],

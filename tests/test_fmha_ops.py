@@ -285,7 +285,8 @@ def test_unchecked_poisoned_sparse_lists_mean_the_sanitized_lists(backend, index
     """``sparse_prefill(check_values=False)`` with lengths outside ``[0, K]`` and row ids
     outside ``kv``: no error, no read outside ``kv``, the reference's result on the sanitized
     lists (lengths clamped, those ids as holes)."""
-    from dsv4_attn.testing import poison_lists, sanitized_lists
+    from dsv4_attn.index_checks import sanitized_lists
+    from dsv4_attn.testing import poison_lists
 
     case = make_random_sparse_case(9, 4, 300, 40, head_dim=64, seed=5)
     gen = torch.Generator().manual_seed(3)

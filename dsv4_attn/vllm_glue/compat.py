@@ -31,7 +31,6 @@ __all__ = [
     "HookTarget",
     "IncompatibleVLLMError",
     "check_hook_callable",
-    "check_installed_vllm",
     "incompatibility",
     "installed_vllm_version",
 ]
@@ -156,13 +155,6 @@ def incompatibility() -> str | None:
             version,
         )
     return None
-
-
-def check_installed_vllm() -> None:
-    """Raise :class:`IncompatibleVLLMError` with :func:`incompatibility`'s message, if any."""
-    message = incompatibility()
-    if message is not None:
-        raise IncompatibleVLLMError(message)
 
 
 def check_hook_callable(func: object, target: HookTarget) -> None:

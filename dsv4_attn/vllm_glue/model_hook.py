@@ -120,15 +120,14 @@ def _patch(module: ModuleType, target: HookTarget) -> None:
         check_hook_callable(original, target)
     except IncompatibleVLLMError as error:
         logger.warning("dsv4-attn: %s.%s not hooked: %s", target.module, target.function, error)
-        if callable(original):
-            wrapper = _guard(original, error)
-            setattr(wrapper, _PATCHED_MARK, "guard")
-            setattr(module, target.function, wrapper)
-        return
-    wrapper = _WRAPPERS[target.module](original)
-    setattr(wrapper, _PATCHED_MARK, "hook")
+        if not callable(original):
+            return
+        wrapper, mark = _guard(original, error), "guard"
+    else:
+        wrapper, mark = _WRAPPERS[target.module](original), "hook"
+        logger.debug("dsv4-attn: hooked %s.%s", target.module, target.function)
+    setattr(wrapper, _PATCHED_MARK, mark)
     setattr(module, target.function, wrapper)
-    logger.debug("dsv4-attn: hooked %s.%s", target.module, target.function)
 
 
 def is_patched(module: ModuleType, target: HookTarget) -> bool:
