@@ -59,7 +59,7 @@ SUPPORTED_HEAD_COUNTS = (8, 16, 32, 64, 128)
 MAX_SPLITS = 32
 MAX_GRID_TOKENS = 65535  # CUDA's limit on a grid's z axis, which carries the tokens
 # The combine merges a (token, head) row with 4 warps below this many rows per SM, else with 1
-# (BENCHMARKS.md, fifteenth session).
+# (BENCHMARKS.md, 2026-11-26: the combine's loads in flight).
 WIDE_COMBINE_ROWS_PER_SM = 4
 _MAX_PACKED_SLOTS = 1 << 30  # the kernel packs (slot, scope) into one int32
 _FORMATS = {KVFormat.FP8_DS_MLA: "fp8_ds_mla", KVFormat.NVFP4: "nvfp4"}
@@ -71,7 +71,7 @@ PARTIAL_DTYPE = torch.float16
 PARTIAL_PAIR_DTYPE = torch.float32
 WORKSPACE_DTYPES = (PARTIAL_DTYPE, PARTIAL_PAIR_DTYPE)
 # When the balanced schedule pays (balanced_pays): from the decode bench against FlashMLA on
-# ragged HCA lists (BENCHMARKS.md, fourteenth to sixteenth sessions): window + 2048 entries
+# ragged HCA lists (BENCHMARKS.md, 2026-11-25 and 2026-11-26): window + 2048 entries
 # (256K context), and capacity for at least 480 keys per part.
 BALANCED_MIN_CAPACITY = 128 + 2048
 BALANCED_MIN_KEYS_PER_PART = 480
@@ -167,7 +167,7 @@ def plan_splits(
     :data:`MAX_SPLITS` splits of at least :data:`MIN_SPLIT_TILES` tiles. The grid is sized
     by the capacity; the kernel spreads each token's own tiles over its splits (at most
     ``tiles_per_split`` each), so a token with a shorter list finishes sooner, not on fewer SMs.
-    (The sweep of forced split counts in BENCHMARKS.md, fifteenth session, finds this choice
+    (The sweep of forced split counts in BENCHMARKS.md, 2026-11-26, finds this choice
     within 0-1.2 us of the best at T = 2-64.)
     """
     tiles = max(1, math.ceil(key_capacity / BLOCK_N))
@@ -498,8 +498,8 @@ def balanced_pays(num_tokens: int, key_capacity: int, num_parts: int) -> bool:
     keys per part.
 
     Measured on ragged HCA lists (each request's count uniform in [0, entries]; H100 and H200,
-    CUDA graphs, BENCHMARKS.md fourteenth to sixteenth sessions; with fp16 partials since the
-    sixteenth): the balanced schedule wins by 5-40% from 8 tokens at 8192 entries (1M context),
+    CUDA graphs, BENCHMARKS.md 2026-11-25 and 2026-11-26; with fp16 split
+    partials): the balanced schedule wins by 5-40% from 8 tokens at 8192 entries (1M context),
     from 16 at 4096 and from 32 at 2048, ties or loses below that, and never wins at 1024
     entries, where a wave of the split launch is short anyway. (Lists all at the capacity lose
     3-12% balanced, e.g. 1M at 8 tokens 1.41x -> 1.32x FlashMLA; the rule cannot see the

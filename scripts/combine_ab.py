@@ -3,7 +3,7 @@ merged by both, their outputs compared, each timed alone and after the decode ke
 CUDA-graph replays, L2 flushed, medians of 30), for the current kernel's 1- and 4-warp widths.
 
 The other version is a copy of ``kernels/combine.py`` from history that reads the same
-partial format (fp16 scaled rows and (lse, k) pairs, since the sixteenth session; the fp32
+partial format (fp16 scaled rows and (lse, k) pairs; the fp32
 versions before it, e.g. ``06df2a6``, ran against the decode kernel of their day):
 
     git show <commit>:kernels/combine.py > /tmp/combine_old.py
