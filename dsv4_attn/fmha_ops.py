@@ -371,6 +371,7 @@ def sparse_prefill(
     backend: str = "auto",
     check_values: bool = True,
     out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MQA prefill: each query token attends to its own list of KV rows.
 
@@ -389,23 +390,21 @@ def sparse_prefill(
             values are safe: a length outside ``[0, K]`` counts as clamped into it and a row id
             outside ``kv`` is a hole (:func:`~dsv4_attn.index_checks.counted_entries`).
         out: ``[T, H, 512]`` in q's dtype, contiguous: written in place and returned.
+        lse: ``[T, H]`` float32, contiguous: written in place and returned (a serving layer
+            passes a view of its workspace, so nothing is allocated per call).
 
     Returns:
         ``(out, lse)``: ``out`` ``[T, H, 512]`` in q's dtype, ``lse`` float32 ``[T, H]``.
     """
     _check_backend(backend)
     scale = _validate_sparse(q, kv, indices, lens, sink, scale, check_values)
-    if out is not None and (
-        not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
-        or out.device != q.device or not out.is_contiguous()
-    ):  # fmt: skip
-        raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor on "
-                         f"{q.device}, got {_shape(out)}")  # fmt: skip
+    _check_into("out", out, tuple(q.shape), q.dtype, q.device)
+    _check_into("lse", lse, tuple(q.shape[:2]), torch.float32, q.device)
     if backend == "reference":
-        result, lse = reference.sparse_attention(
+        result, result_lse = reference.sparse_attention(
             q, kv, *sanitized_lists(indices, lens, kv.shape[0]), sink, scale
         )
-        return _into(out, result.to(q.dtype)), lse.to(torch.float32)
+        return _into(out, result.to(q.dtype)), _into(lse, result_lse.to(torch.float32))
     if backend in ("auto", "cutedsl"):
         reason = _sparse_kernel_reason(q, kv, indices)
         if reason is None:
@@ -419,13 +418,24 @@ def sparse_prefill(
             if lens.dtype != torch.int32:
                 lens32 = lens.clamp(0, indices.shape[1]).to(torch.int32)
             return kernel.run_sparse(
-                q, kv, idx32.contiguous(), lens32.contiguous(), sink, scale, out=out
+                q, kv, idx32.contiguous(), lens32.contiguous(), sink, scale, out=out, lse=lse
             )
         if backend == "cutedsl":
             raise ValueError(f"backend='cutedsl' cannot run this case: {reason}")
         log_fallback_once(logger, "sparse_prefill", reason)
-    result, lse = _sparse_torch(q, kv, indices, lens, sink, scale)
-    return _into(out, result), lse
+    result, result_lse = _sparse_torch(q, kv, indices, lens, sink, scale)
+    return _into(out, result), _into(lse, result_lse)
+
+
+def _check_into(name: str, tensor, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+    """A caller's output tensor must be exactly what the kernel writes: contiguous, this shape,
+    dtype and device."""
+    if tensor is not None and (
+        not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape
+        or tensor.dtype != dtype or tensor.device != device or not tensor.is_contiguous()
+    ):  # fmt: skip
+        raise ValueError(f"{name} must be a contiguous {shape} {dtype} tensor on {device}, "
+                         f"got {_shape(tensor)}")  # fmt: skip
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,13 @@ with ``--gpu-arch sm_90a`` compiling needs no GPU (CI compiles every variant on 
 A compiled executable is called with torch tensors directly and launches on the current torch
 stream (``use_tvm_ffi_env_stream``), so it works under CUDA-graph capture.
 
-Optional disk cache: with ``DSV4_ATTN_KERNEL_CACHE_DIR`` set, executables are exported there as
-object files (``export_to_c``) and reloaded by later processes (``cute.runtime.load_module``,
-milliseconds instead of seconds of compiling). Loading links native code into the process, so
-the cache is guarded (:class:`DiskCache`):
+Disk cache: executables are exported as object files (``export_to_c``) into
+:func:`cache_directory` — ``DSV4_ATTN_KERNEL_CACHE_DIR`` if set, else
+``$XDG_CACHE_HOME/dsv4_attn/kernels`` (``~/.cache/dsv4_attn/kernels``); an empty value or ``0``
+keeps kernels in memory only — and reloaded by later processes (``cute.runtime.load_module``,
+milliseconds instead of seconds of compiling): a server's second start compiles nothing, and
+``python -m dsv4_attn.kernels.precompile`` fills the cache before the first. Loading links native
+code into the process, so the cache is guarded (:class:`DiskCache`):
 
 * a file is named by a hash of the key, the kernels' source files, the CuTeDSL / TVM-FFI versions,
   the CuTeDSL runtime library variant (cu12 / cu13) and the machine, so a changed kernel or
@@ -34,6 +37,7 @@ import platform
 import stat
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
@@ -45,6 +49,7 @@ __all__ = [
     "COMPILE_OPTIONS",
     "CompileCache",
     "DiskCache",
+    "cache_directory",
     "compile_keeping_cubin",
     "compile_tvm_ffi",
     "fake_stream",
@@ -56,6 +61,17 @@ COMPILE_OPTIONS = "--enable-tvm-ffi --gpu-arch sm_90a"
 CACHE_DIR_ENV = "DSV4_ATTN_KERNEL_CACHE_DIR"
 _EXPORTED_NAME = "func"
 _REFUSED_DIRS: set[str] = set()  # cache directories already warned about (one warning each)
+
+
+def cache_directory() -> Path | None:
+    """Where compiled kernels persist: ``$DSV4_ATTN_KERNEL_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/dsv4_attn/kernels`` (``~/.cache/dsv4_attn/kernels`` without it); None
+    (memory only) when the variable is set to an empty string or ``0``."""
+    configured = os.environ.get(CACHE_DIR_ENV)
+    if configured is not None:
+        return None if configured.strip() in ("", "0") else Path(configured).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dsv4_attn" / "kernels"
 
 
 def fake_stream() -> Any:
@@ -252,12 +268,10 @@ class CompileCache:
         return DiskCache(directory).path(self.file_stem(key))
 
     def _load_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        directory = os.environ.get(CACHE_DIR_ENV)
-        if not directory:
-            return build()
-        disk = DiskCache(directory)
-        if not disk.usable():
-            return build()
+        directory = cache_directory()
+        disk = DiskCache(directory) if directory is not None else None
+        if disk is None or not disk.usable():
+            return self._build(key, build, "kept in memory")
         stem = self.file_stem(key)
         try:
             payload = disk.read(stem)
@@ -267,13 +281,22 @@ class CompileCache:
             logger.warning(
                 "dsv4_attn: cached kernel %s not loaded (%s); recompiling", disk.path(stem), exc
             )
-        compiled = build()
+        compiled = self._build(key, build, f"stored in {directory}")
         try:
             disk.write(stem, _export_object(compiled))
         except Exception as exc:
             logger.warning(
                 "dsv4_attn: cannot store kernel %s in the disk cache (%s)", disk.path(stem), exc
             )
+        return compiled
+
+    def _build(self, key: Hashable, build: Callable[[], Any], where: str) -> Any:
+        """``build()``, logged with its time: a server log then shows every kernel it compiled
+        (none where the disk cache held them all)."""
+        start = time.perf_counter()
+        compiled = build()
+        logger.info("dsv4_attn: compiled %s %r in %.1f s (%s)", self.name, key,
+                    time.perf_counter() - start, where)  # fmt: skip
         return compiled
 
     def __contains__(self, key: Hashable) -> bool:

@@ -1,22 +1,57 @@
-"""Compile the sparse-decode kernel variants ahead of time (no GPU needed).
+"""Compile the kernels a DeepSeek-V4 server uses ahead of time, into the kernel disk cache.
 
-``python -m dsv4_attn.kernels.precompile DIR`` compiles every variant of :func:`decode_variants`
-and :func:`combine_variants` for sm_90a and stores them in the disk cache ``DIR`` (see
-:mod:`dsv4_attn.kernels.compile_cache`); a process started with
-``DSV4_ATTN_KERNEL_CACHE_DIR=DIR`` then loads them in milliseconds instead of compiling.
+    python -m dsv4_attn.kernels.precompile [--kv-cache-dtype auto|fp8|all] [--model DIR]
+
+A ``vllm serve <DeepSeek-V4> --attention-backend DSV4_NVFP4`` launches a fixed set of kernel
+variants (:func:`compile_layer_kernels` per layer kind): the sparse-decode kernel for the cache
+format and the page sizes of each layer kind (final output, split partials, and for HCA layers the
+balanced schedule's), its combine kernels, and the gathered prefill FMHA. The set depends only on
+the cache format and on the page sizes vLLM gives DeepSeek-V4 (:data:`SWA_BLOCK_TOKENS`-token
+window pages, :data:`CACHE_BLOCK_TOKENS`-token compressed blocks: 64 rows for CSA, 2 for HCA):
+heads per rank, batch, lengths and model size are runtime values. One run therefore covers
+V4-Flash and V4-Pro at every tensor- and data-parallel size, for the DSL install it runs under.
+
+Kernels go to :func:`~dsv4_attn.kernels.compile_cache.cache_directory` (``--cache-dir`` or
+``DSV4_ATTN_KERNEL_CACHE_DIR`` to choose another); a server started afterwards loads them in
+milliseconds. Without this command, a server compiles what it uses in its profiling run and stores
+it there, so only its first start pays. Compiling needs no GPU (sm_90a is the target).
+
+:func:`decode_variants` and :func:`combine_variants` list every code path of those kernels (also
+those no server uses: int64 lists, no sink), for the tests that compile them all.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import time
+from pathlib import Path
 
 from dsv4_attn.kernels.combine import CombineConfig
 from dsv4_attn.kernels.sparse_decode_config import SparseDecodeConfig
+from dsv4_attn.kv_cache import KVFormat
 
-__all__ = ["combine_variants", "decode_variants"]
+__all__ = [
+    "CACHE_BLOCK_TOKENS",
+    "SWA_BLOCK_TOKENS",
+    "combine_variants",
+    "compile_layer_kernels",
+    "decode_variants",
+    "model_compress_ratios",
+]
+
+SWA_BLOCK_TOKENS = 64
+"""Tokens per page of vLLM 0.33's DeepSeek-V4 sliding-window cache (``DeepseekV4SWACache``)."""
+CACHE_BLOCK_TOKENS = 256
+"""Tokens per block of the compressed caches: the one block size vLLM's DeepSeek-V4 backends
+accept (``get_supported_kernel_block_sizes``)."""
+DEEPSEEK_V4_RATIOS = (1, 4, 128)
+"""Compression ratios of DeepSeek-V4's layer kinds: window only, CSA, HCA."""
+_CSA_RATIO = 4
+_FORMATS = {"auto": (KVFormat.NVFP4,), "fp8": (KVFormat.FP8_DS_MLA,),
+            "all": (KVFormat.NVFP4, KVFormat.FP8_DS_MLA)}  # fmt: skip
 
 
 def decode_variants(
@@ -44,25 +79,82 @@ def combine_variants() -> list[CombineConfig]:
     ]
 
 
-def main(argv: list[str] | None = None) -> None:
+def compile_layer_kernels(
+    fmt: KVFormat,
+    compress_ratio: int,
+    swa_block_size: int,
+    cache_block_size: int,
+    balanced: bool,
+) -> None:
+    """Compile (or load from the disk cache) what one serving layer launches: the decode kernel
+    on its page sizes (``swa_block_size`` tokens per window page; ``cache_block_size / ratio``
+    rows per compressed page), with the balanced schedule's variants where ``balanced``, and the
+    gathered prefill FMHA (skipped where its module cannot be imported: the fallback serves
+    prefill then)."""
     from dsv4_attn.kernels import sparse_decode
-    from dsv4_attn.kernels.compile_cache import CACHE_DIR_ENV
 
-    parser = argparse.ArgumentParser(prog="python -m dsv4_attn.kernels.precompile")
-    parser.add_argument("directory")
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--extra-block-size", type=int, default=16)
-    parser.add_argument("--index-dtype", choices=("int32", "int64"), default="int32")
+    extra_rows = cache_block_size // compress_ratio if compress_ratio > 1 else 0
+    sparse_decode.compile_variants(fmt, swa_block_size, extra_rows, balanced)
+    try:
+        from dsv4_attn.kernels import fmha
+    except ImportError:
+        return
+    fmha.compile_variant(fmha.sparse_variant())
+
+
+def model_compress_ratios(model: str | os.PathLike) -> tuple[int, ...]:
+    """The compression ratios of a DeepSeek-V4 checkpoint's layers, from its ``config.json``
+    (``compress_rates`` per layer type, or the older ``compress_ratios`` list); 1 = window
+    only."""
+    path = Path(model)
+    config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    if isinstance(config.get("compress_rates"), dict):
+        rates = config["compress_rates"]
+        ratios = {max(1, int(rates.get(kind, 0))) for kind in config.get("layer_types", rates)}
+    elif isinstance(config.get("compress_ratios"), list):
+        ratios = {max(1, int(r)) for r in config["compress_ratios"]}
+    else:
+        raise ValueError(f"{path}: no compress_rates or compress_ratios: not a DeepSeek-V4 config")
+    return tuple(sorted(ratios))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from dsv4_attn.kernels import compile_cache
+
+    parser = argparse.ArgumentParser(
+        prog="python -m dsv4_attn.kernels.precompile",
+        description="Compile every kernel a DSV4_NVFP4 server of DeepSeek-V4 uses into the "
+        "kernel disk cache.",
+    )
+    parser.add_argument("--kv-cache-dtype", choices=sorted(_FORMATS), default="all",
+                        help="the server's --kv-cache-dtype (auto = NVFP4); all: both formats "
+                        "(default)")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        help="a checkpoint directory (or its config.json): only the "
+        "layer kinds it has (default: DeepSeek-V4's window-only, CSA and HCA)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        help=f"where to store them (default: "
+        f"${compile_cache.CACHE_DIR_ENV}, else ~/.cache/dsv4_attn/kernels)",
+    )
     args = parser.parse_args(argv)
-    os.environ[CACHE_DIR_ENV] = args.directory
-    decode_cache, combine_cache = sparse_decode._caches()
-    for config in decode_variants(args.block_size, args.extra_block_size, args.index_dtype):
-        start = time.perf_counter()
-        decode_cache.get(config, lambda c=config: sparse_decode.build_decode_kernel(c))
-        print(f"{time.perf_counter() - start:6.1f} s  {config}", flush=True)
-    for config in combine_variants():
-        combine_cache.get(config, lambda c=config: sparse_decode.build_combine_kernel(c))
-        print(f"          {config}", flush=True)
+    if args.cache_dir:
+        os.environ[compile_cache.CACHE_DIR_ENV] = args.cache_dir
+    directory = compile_cache.cache_directory()
+    if directory is None or not compile_cache.DiskCache(directory).usable():
+        raise SystemExit(f"no usable kernel cache directory ({directory}): set --cache-dir")
+    ratios = model_compress_ratios(args.model) if args.model else DEEPSEEK_V4_RATIOS
+    start = time.perf_counter()
+    for fmt in _FORMATS[args.kv_cache_dtype]:
+        for ratio in ratios:
+            began = time.perf_counter()
+            balanced = ratio > _CSA_RATIO  # HCA layers may run the balanced schedule
+            compile_layer_kernels(fmt, ratio, SWA_BLOCK_TOKENS, CACHE_BLOCK_TOKENS, balanced)
+            print(f"{time.perf_counter() - began:6.1f} s  {fmt.value:10s} compress ratio {ratio}",
+                  flush=True)  # fmt: skip
+    print(f"{time.perf_counter() - start:6.1f} s  in all; kernels in {directory}", flush=True)
 
 
 if __name__ == "__main__":

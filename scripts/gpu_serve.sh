@@ -22,6 +22,20 @@
 #   bash scripts/gpu_serve.sh capacity  # the KV capacity each server reports at equal memory
 #                                       #   (vLLM's backend, fp8, NVFP4; default flags, one server
 #                                       #   at a time, stopped once it has reported)
+#   bash scripts/gpu_serve.sh startup   # time to ready (launch -> /health) of vLLM's backend and
+#                                       #   of DSV4_NVFP4 (NVFP4), each cold (a fresh HOME: empty
+#                                       #   vLLM, Triton, DeepGEMM and kernel caches) then warm;
+#                                       #   and DSV4_NVFP4 cold after the precompile command.
+#                                       #   One server at a time; ~12 min: run it under setsid
+#   bash scripts/gpu_serve.sh control   # vLLM's own server without this plugin (VLLM_PLUGINS=)
+#                                       #   through every phase, preemption included, CONTROL_REPS
+#                                       #   (3) times; also with CUDA_LAUNCH_BLOCKING=1, and with
+#                                       #   the plugin installed (three servers side by side)
+#   bash scripts/gpu_serve.sh soak      # vLLM's backend, DSV4_NVFP4 fp8 and NVFP4 at once,
+#                                       #   SOAK_SECONDS (600) of random traffic each
+#                                       #   (dsv4_attn.e2e.soak) on a 2400-block KV budget: a GPU
+#                                       #   per server where there are enough (3: clean memory
+#                                       #   figures), else all on GPU 0
 #
 # SERVE_MEM (default 0.5) is each round's --gpu-memory-utilization: rounds may run side by side
 # at 0.25 (their KV blocks are fixed by the override; three servers of the tiny model fit).
@@ -42,6 +56,61 @@ SITE=/tmp/site
 CKPT=/tmp/dsv4_tiny_ckpt
 PART=${1:?usage: gpu_serve.sh prepare|tests|sanitize|bench|vllm|fp8|nvfp4|compare|capacity}
 
+launch() {  # name port [vllm serve args...]: start a server in its own session, log in $OUT
+  local name=$1 port=$2; shift 2
+  local args=("$CKPT" --port "$port" --skip-tokenizer-init --max-model-len 4096 --dtype bfloat16
+              --gpu-memory-utilization "${SERVE_MEM:-0.5}" --num-gpu-blocks-override 2400 --seed 0
+              "$@")
+  echo "vllm serve ${args[*]}" > "$OUT/serve_$name.cmd"
+  # flashinfer is not in the serve environment; vLLM's sampler imports it unless told not to
+  (cd /tmp && VLLM_USE_FLASHINFER_SAMPLER=0 setsid vllm serve "${args[@]}" \
+    > "$OUT/serve_$name.log" 2>&1 < /dev/null & echo $! > "/tmp/serve_$name.pid")
+}
+
+timed_start() {  # name port [vllm serve args...]: seconds from launch to /health, then stop
+  local name=$1 port=$2 start; start=$(date +%s.%N)
+  launch "$@"
+  local up
+  up=$(python3 - "$port" "$start" "$OUT/serve_$name.log" <<'PY'
+import re, sys, time, urllib.request
+port, start, log = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+while time.time() - start < 900:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+        print(f"{time.time() - start:.1f}")
+        break
+    except Exception:
+        # a traceback of its own line (vLLM logs some inside WARNING lines and goes on)
+        if re.search(r"^Traceback", open(log, errors="replace").read(), re.M):
+            print("failed")
+            break
+        time.sleep(0.5)
+else:
+    print("timeout")
+PY
+)
+  local compiled; compiled=$(grep -c "dsv4_attn: compiled" "$OUT/serve_$name.log")
+  local init
+  init=$(grep -o -E "init engine .* took [0-9.]+ s(ec|econds)?" "$OUT/serve_$name.log" | tail -1)
+  printf '{"server": "%s", "ready_s": "%s", "kernels_compiled": %s, "vllm_init": "%s"}\n' \
+    "$name" "$up" "$compiled" "$init" \
+    | tee -a "$OUT/startup.jsonl"
+  stop_server "$name" "$port"
+}
+
+control_round() {  # name port reps: vLLM's own backend through the request plan reps times
+  local name=$1 port=$2 reps=$3 rep
+  launch "$name" "$port"
+  for rep in $(seq "$reps"); do
+    python3 -m dsv4_attn.e2e.serve_check query --name "$name" --port "$port" --model "$CKPT" \
+      --wait 600 --out "$OUT/serve_${name}_$rep.json" --seed $((2026 + rep)) \
+      > "$OUT/query_${name}_$rep.log" 2>&1
+    echo "$name rep $rep: query exit $? ($(grep -c -E "illegal memory|EngineDeadError" \
+      "$OUT/serve_$name.log") fault lines in the server log)"
+  done
+  stop_server "$name" "$port"
+}
+
 stop_server() {  # name port: every process of the server's session (its engine included)
   # The session id is read from the process serving the port: setsid may fork, so the pid the
   # launch recorded need not be the server's, and the engine's own title no longer says "vllm".
@@ -60,14 +129,9 @@ stop_server() {  # name port: every process of the server's session (its engine 
 }
 
 serve_round() {  # name port [vllm serve args...]
-  local name=$1 port=$2; shift 2
-  local args=("$CKPT" --port "$port" --skip-tokenizer-init --max-model-len 4096 --dtype bfloat16
-              --gpu-memory-utilization "${SERVE_MEM:-0.5}" --num-gpu-blocks-override 2400 --seed 0
-              "$@")
-  echo "vllm serve ${args[*]}" | tee "$OUT/serve_$name.cmd"
-  # flashinfer is not in the serve environment; vLLM's sampler imports it unless told not to
-  (cd /tmp && VLLM_USE_FLASHINFER_SAMPLER=0 setsid vllm serve "${args[@]}" \
-    > "$OUT/serve_$name.log" 2>&1 < /dev/null & echo $! > "/tmp/serve_$name.pid")
+  local name=$1 port=$2
+  launch "$@"
+  cat "$OUT/serve_$name.cmd"
   local start=$(date +%s)
   python3 -m dsv4_attn.e2e.serve_check query --name "$name" --port "$port" --model "$CKPT" \
     --wait 420 --pid "$(cat /tmp/serve_$name.pid)" --out "$OUT/serve_$name.json" \
@@ -141,6 +205,79 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
       grep -E "Traceback|Error" "$OUT/$name.log" | head -3
       stop_server "$name" "$port"
     done
+    ;;
+  startup)
+    # A fresh HOME per backend is a cold start (vLLM's torch.compile cache, Triton's, DeepGEMM's
+    # and this package's kernel cache, ~/.cache/dsv4_attn/kernels, all live under it, Inductor's
+    # is set there); the second start with the same HOME is warm.
+    run_cold_warm() {  # label [vllm serve args...]
+      local label=$1; shift
+      local home=/tmp/ttr_$label; rm -rf "$home"; mkdir -p "$home"
+      for state in cold warm; do
+        HOME=$home TORCHINDUCTOR_CACHE_DIR=$home/inductor timed_start "${label}_$state" 8120 "$@"
+      done
+    }
+    run_cold_warm vllm
+    run_cold_warm nvfp4 --attention-backend DSV4_NVFP4
+    home=/tmp/ttr_precompiled; rm -rf "$home"; mkdir -p "$home"
+    start=$(date +%s.%N)
+    HOME=$home python3 -m dsv4_attn.kernels.precompile 2>&1 | tee "$OUT/precompile.log"
+    echo "precompile: $(python3 -c "import time; print(f'{time.time() - $start:.1f}')") s" \
+      | tee -a "$OUT/precompile.log"
+    HOME=$home TORCHINDUCTOR_CACHE_DIR=$home/inductor timed_start nvfp4_precompiled 8120 \
+      --attention-backend DSV4_NVFP4
+    ls "$home/.cache/dsv4_attn/kernels" | wc -l | sed 's/^/kernel files after: /'
+    ;;
+  control)
+    # vLLM's own backend, three servers side by side, each through the whole request plan
+    # CONTROL_REPS times (other prompts each time; the preemption phase included): without this
+    # plugin (VLLM_PLUGINS= loads no plugin), the same with CUDA_LAUNCH_BLOCKING=1 (a fault then
+    # names its kernel), and with the plugin installed.
+    export SERVE_MEM=${CONTROL_MEM:-0.2}
+    reps=${CONTROL_REPS:-3}
+    (export VLLM_PLUGINS=; control_round control 8131 "$reps") &
+    (export VLLM_PLUGINS= CUDA_LAUNCH_BLOCKING=1; control_round control_blocking 8132 "$reps") &
+    control_round plugin_installed 8133 "$reps" &
+    wait
+    for name in control control_blocking plugin_installed; do
+      echo "$name: plugin lines $(grep -c -E "dsv4_nvfp4|dsv4_attn|DSV4_NVFP4" \
+        "$OUT/serve_$name.log"), faults $(grep -c -i -E \
+        "illegal memory access|CUBLAS_STATUS_EXECUTION_FAILED" "$OUT/serve_$name.log")"
+      grep -h -E "^(preemption|throughput2):" "$OUT"/query_"$name"_*.log
+    done
+    ;;
+  soak)
+    # SOAK_SERVERS (default: vLLM's own backend, DSV4_NVFP4 fp8 and NVFP4) under SOAK_SECONDS of
+    # random traffic at once. With a GPU per server each runs alone on its own (its memory
+    # figure is then its own); on fewer GPUs they share GPU 0, started one after the other
+    # (vLLM's memory profiling fails when another process changes its memory meanwhile).
+    read -r -a names <<< "${SOAK_SERVERS:-vllm fp8 nvfp4}"
+    gpus=$(nvidia-smi -L | wc -l); port=8140; i=0
+    for name in "${names[@]}"; do
+      case $name in
+        vllm) extra=() ;;
+        fp8) extra=(--attention-backend DSV4_NVFP4 --kv-cache-dtype fp8) ;;
+        nvfp4) extra=(--attention-backend DSV4_NVFP4) ;;
+        *) echo "unknown soak server $name" >&2; exit 2 ;;
+      esac
+      gpu=0; [ "$gpus" -ge "${#names[@]}" ] && gpu=$i
+      CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=$gpu SERVE_MEM=${SOAK_MEM:-0.25} \
+        launch "soak_$name" $((port + i)) "${extra[@]}"
+      [ "$gpus" -ge "${#names[@]}" ] || python3 -c "from dsv4_attn.e2e.serve_check import \
+Server; Server($((port + i)), '').wait(600)" || echo "server soak_$name did not come up"
+      echo "$name $((port + i)) $gpu" >> "$OUT/soak_servers.txt"; i=$((i + 1))
+    done
+    while read -r name p gpu; do
+      python3 -m dsv4_attn.e2e.soak --port "$p" --model "$CKPT" --max-model-len 4096 --wait 600 \
+        --seconds "${SOAK_SECONDS:-600}" --gpu "$gpu" --out "$OUT/soak_$name.json" \
+        > "$OUT/soak_$name.log" 2>&1 &
+    done < "$OUT/soak_servers.txt"
+    wait
+    while read -r name p gpu; do
+      tail -25 "$OUT/soak_$name.log"
+      grep -E "^Traceback|Error" "$OUT/serve_soak_$name.log" | grep -v -i warn | head -5
+      stop_server "soak_$name" "$p"
+    done < "$OUT/soak_servers.txt"
     ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
 from dsv4_attn.log import LOGGER_PREFIX
+
+# Tests compile kernels in memory unless a test or the caller chooses a kernel cache directory
+# (the default, ~/.cache/dsv4_attn/kernels, is the user's, not the test run's).
+os.environ.setdefault("DSV4_ATTN_KERNEL_CACHE_DIR", "")
 
 
 @pytest.fixture

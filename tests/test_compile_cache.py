@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_builds_once_per_key(monkeypatch):
-    monkeypatch.delenv(CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv(CACHE_DIR_ENV, "")  # memory only
     cache = CompileCache("test")
     calls = []
 

@@ -89,12 +89,14 @@ def test_sparse_fallback_matches_reference(lens, sink):
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "reference"])
-def test_sparse_writes_into_out(backend):
+def test_sparse_writes_into_out_and_lse(backend):
     case = make_random_sparse_case(9, 4, 50, 37, head_dim=64, sink="random", seed=5)
     out = torch.full((9, 4, 64), float("nan"), dtype=torch.bfloat16)
-    got, _ = fmha_ops.sparse_prefill(*case.args(), backend=backend, out=out)
-    expected, _ = fmha_ops.sparse_prefill(*case.args(), backend=backend)
+    lse = torch.full((9, 4), float("nan"))
+    got, got_lse = fmha_ops.sparse_prefill(*case.args(), backend=backend, out=out, lse=lse)
+    expected, expected_lse = fmha_ops.sparse_prefill(*case.args(), backend=backend)
     assert got is out and torch.equal(out, expected)
+    assert got_lse is lse and torch.equal(lse, expected_lse)
 
 
 def test_reference_backends_return_reference_values():
@@ -216,6 +218,9 @@ def test_packed_rejects_short_max_seqlen_q():
         (lambda a: a.update(scale=-1.0), "scale must be a positive finite float"),
         (lambda a: a.update(out=torch.empty(3, 2, 8)), r"out must be a contiguous \(3, 2, 16\)"),
         (lambda a: a.update(out=torch.empty(3, 2, 16, dtype=torch.bfloat16)), "out must be"),
+        (lambda a: a.update(lse=torch.empty(3, 3)), r"lse must be a contiguous \(3, 2\)"),
+        (lambda a: a.update(lse=torch.empty(3, 2, dtype=torch.float64)), "lse must be"),
+        (lambda a: a.update(lse=torch.empty(2, 3).t()), "lse must be a contiguous"),
     ],
 )
 def test_sparse_rejects_bad_input(change, message):
@@ -275,8 +280,11 @@ def test_gpu_sparse_prefill_auto_uses_kernel(heads):
     assert rel_err(out, ref_out) <= 1e-2
     assert_lse_close(lse, ref_lse, 1e-2)
     into = torch.full_like(out, float("nan"))
-    got, _ = fmha_ops.sparse_prefill(*case.args(), backend="cutedsl", out=into)
+    lse_into = torch.full_like(lse, float("nan"))
+    got, got_lse = fmha_ops.sparse_prefill(*case.args(), backend="cutedsl", out=into,
+                                           lse=lse_into)  # fmt: skip
     assert got is into and torch.equal(into, out)
+    assert got_lse is lse_into and torch.equal(lse_into, lse)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "reference"])

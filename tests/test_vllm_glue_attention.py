@@ -464,11 +464,13 @@ def test_resolve_kv_format_lists_accepted_values():
         ({"vision_n_layers": 2}, "vision"),
         ({"dspark": True}, "DSpark"),
         ({"heads": 256}, r"at most 128 query heads per rank .* has 256 per rank"),
+        ({"use_ubatching": True, "enable_dbo": True}, r"micro-batching .* --enable-dbo is True"),
     ],
 )
 def test_unsupported_configurations_are_refused(change, message):
     parallel = SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1,
-                               tensor_parallel_size=1)  # fmt: skip
+                               tensor_parallel_size=1, use_ubatching=False, enable_dbo=False,
+                               ubatch_size=0)  # fmt: skip
     hf = SimpleNamespace(vision_n_layers=0)
     spec = None
     heads = 64
@@ -489,6 +491,19 @@ def test_unsupported_configurations_are_refused(change, message):
     with pytest.raises(ValueError, match=message):
         check_supported(config)
     check_supported(vt.engine_config())  # the tiny model itself is fine
+
+
+@pytest.mark.parametrize("setting", [{"enable_dbo": True}, {"ubatch_size": 2}])
+def test_micro_batching_is_refused_by_vllms_own_switch(setting):
+    """Dual-batch overlap as vLLM's config reports it (``use_ubatching``; vLLM's CPU platform
+    turns DBO off, so the switch is set on the built config as the CUDA platform leaves it)."""
+    config = vt.engine_args(attention_backend="DSV4_NVFP4").create_engine_config()
+    check_supported(config)
+    for name, value in setting.items():
+        setattr(config.parallel_config, name, value)
+    assert config.parallel_config.use_ubatching
+    with pytest.raises(ValueError, match=r"does not support micro-batching .* --ubatch-size"):
+        check_supported(config)
 
 
 def test_paged_view_rejects_what_it_cannot_address():
@@ -632,3 +647,94 @@ def test_profiling_run_reserves_the_scratch_of_the_largest_step(ratio, step, mon
         assert requested and max(requested) <= reserved
     finally:
         workspace.reset_workspace_manager()
+
+
+@pytest.fixture
+def cpu_workspace(monkeypatch):
+    """vLLM's workspace manager on the CPU, as the worker creates it (unlocked, as during
+    CUDA-graph capture)."""
+    from vllm.v1.worker import workspace
+
+    # The manager frees the accelerator's cache when it grows; a CPU-only torch has none.
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    workspace.init_workspace_manager(torch.device("cpu"))
+    try:
+        yield workspace.current_workspace_manager()
+    finally:
+        workspace.reset_workspace_manager()
+
+
+def _workspace_buffer(manager) -> tuple[int, int]:
+    """(address, bytes) of the manager's current buffer."""
+    storage = manager.get_simultaneous(((1,), torch.uint8))[0].untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_a_request_above_the_reservation_raises_and_keeps_the_workspace(
+    path, cpu_workspace, monkeypatch
+):
+    """A layer whose peak accounting fell short (stood in by shrinking what its profiling run
+    reserves): the step raises, naming both sizes, and vLLM's buffer is neither freed nor
+    grown. The manager is unlocked, as during CUDA-graph capture, where growing it would free
+    the buffer earlier graphs write into."""
+    model = vt.tiny_model("auto")
+    layer = model.layers[4]
+    tiny = [((16,), torch.float32)]
+    monkeypatch.setattr(layer, "_peak_scratch", tiny)
+    monkeypatch.setattr(layer, "_peak_prefill_scratch", lambda: tiny)
+    out = torch.empty(4, layer.padded_heads, 512, dtype=torch.bfloat16)
+    with set_forward_context(None, model.vllm_config):
+        layer.forward_mqa(out, None, None, out)  # the (short) profiling run
+    before = _workspace_buffer(cpu_workspace)
+    gen = torch.Generator().manual_seed(11)
+    seq_lens, query_lens = ([200] * 4, [1] * 4) if path == "decode" else ([300], [300])
+    batch = vt.make_batch(gen, seq_lens, query_lens, num_blocks=300)
+    write_step_rows(layer, batch, gen)
+    model.topk_indices_buffer[: batch.num_tokens] = vt.random_local_topk(gen, batch,
+                                                                         vt.INDEX_TOPK)  # fmt: skip
+    q = torch.randn(batch.num_tokens, layer.padded_heads, 512, generator=gen).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    with (
+        set_forward_context(build_metadata(layer, batch), model.vllm_config),
+        pytest.raises(RuntimeError, match=rf"a {path} step asks .* for \d+ B .* reserved 256 B"),
+    ):
+        layer.forward_mqa(q, None, None, out)
+    assert _workspace_buffer(cpu_workspace) == before
+
+
+def test_lse_of_both_paths_lives_in_the_workspace(cpu_workspace, monkeypatch):
+    """The decode kernel's and the prefill FMHA's log-sum-exp are views of vLLM's workspace
+    (nothing a step allocates outside what the profiling run reserved)."""
+    model = vt.tiny_model("auto")
+    layer = model.layers[128]
+    out = torch.empty(layer.max_num_batched_tokens, layer.padded_heads, 512,
+                      dtype=torch.bfloat16)  # fmt: skip
+    with set_forward_context(None, model.vllm_config):
+        layer.forward_mqa(out, None, None, out)
+    address, size = _workspace_buffer(cpu_workspace)
+    seen: dict[str, torch.Tensor] = {}
+    real_decode, real_attend = ops.sparse_attention, prefill.attend
+
+    def decode_spy(*args, **kwargs):
+        seen["decode"] = kwargs["lse"]
+        return real_decode(*args, **kwargs)
+
+    def attend_spy(*args):
+        seen["prefill"] = args[-1]
+        return real_attend(*args)
+
+    monkeypatch.setattr(ops, "sparse_attention", decode_spy)
+    monkeypatch.setattr(prefill, "attend", attend_spy)
+    gen = torch.Generator().manual_seed(12)
+    batch = vt.make_batch(gen, [200, 260, 90], [1, 1, 90], num_blocks=300)  # 2 decodes, 1 prompt
+    write_step_rows(layer, batch, gen)
+    q = torch.randn(batch.num_tokens, layer.padded_heads, 512, generator=gen).to(torch.bfloat16)
+    with set_forward_context(build_metadata(layer, batch), model.vllm_config):
+        layer.forward_mqa(q, None, None, out[: batch.num_tokens])
+    for path, lse in seen.items():
+        start = lse.data_ptr()
+        assert address <= start and start + lse.nbytes <= address + size, path
+        assert lse.shape == ((2,) if path == "decode" else (90,)) + (layer.padded_heads,)
+        assert torch.isfinite(lse).all(), path  # written: every token has keys
+    assert set(seen) == {"decode", "prefill"}

@@ -50,28 +50,38 @@ def workspace():
     ws.reset_workspace_manager()
 
 
-@pytest.fixture(scope="module")
-def profiled(workspace):
-    """Every layer's profiling forward ran (scratch reserved, kernels compiled), then the
-    workspace was locked: a later request beyond the reservation raises."""
+def _profile(model) -> None:
+    """Every layer's profiling forward, as vLLM's profiling run makes it: scratch reserved at
+    its peak, kernels compiled."""
     from vllm.forward_context import set_forward_context
 
+    for layer in model.layers.values():
+        T = layer.max_num_batched_tokens
+        out = torch.empty(T, layer.padded_heads, 512, dtype=torch.bfloat16, device="cuda")
+        with set_forward_context(None, model.vllm_config):
+            layer.forward_mqa(out, None, None, out)
+
+
+@pytest.fixture(scope="module")
+def profiled(workspace):
+    """Builds a tiny model whose layers ran their profiling forward; the first models were
+    profiled (as a server that may run the balanced schedule: the reservation covers its
+    partial slots too) before the workspace was locked, so a later request beyond the
+    reservation raises (vLLM's lock, and before it the layer's own check)."""
     from dsv4_attn.vllm_glue.balanced import SCHEDULE_ENV
 
-    # Profiled as a server that may run the balanced schedule: the reservation covers its
-    # partial slots too.
     with pytest.MonkeyPatch.context() as env:
         env.setenv(SCHEDULE_ENV, "balanced")
         for kv_dtype in KV_DTYPES:
-            model = vt.tiny_model(kv_dtype)
-            for layer in model.layers.values():
-                T = layer.max_num_batched_tokens
-                out = torch.empty(T, layer.padded_heads, 512, dtype=torch.bfloat16,
-                                  device="cuda")  # fmt: skip
-                with set_forward_context(None, model.vllm_config):
-                    layer.forward_mqa(out, None, None, out)
+            _profile(vt.tiny_model(kv_dtype))
     workspace.lock_workspace()
-    return True
+
+    def build(kv_dtype: str):
+        model = vt.tiny_model(kv_dtype)
+        _profile(model)
+        return model
+
+    return build
 
 
 def _use_schedule(schedule: str, monkeypatch) -> None:
@@ -113,7 +123,7 @@ def test_whole_step_has_no_host_sync_and_matches_reference(
     from tests.test_vllm_glue_attention import Builders, expected_output, poison, write_step_rows
 
     _use_schedule(schedule, monkeypatch)
-    model = vt.tiny_model(kv_dtype)
+    model = profiled(kv_dtype)
     layer = model.layers[ratio]
     builders = Builders(layer)
     gen = torch.Generator().manual_seed(ratio + len(kv_dtype))
@@ -206,7 +216,7 @@ def test_decode_step_replays_in_a_cuda_graph(profiled, kv_dtype, ratio, schedule
     from tests.test_vllm_glue_attention import Builders, poison, write_step_rows
 
     _use_schedule(schedule, monkeypatch)
-    model = vt.tiny_model(kv_dtype)
+    model = profiled(kv_dtype)
     layer = model.layers[ratio]
     builders = Builders(layer)
     gen = torch.Generator().manual_seed(100 + ratio)
@@ -328,7 +338,7 @@ def test_csa_rows_match_vllms_compressor_kernel(profiled):
     from dsv4_attn.vllm_glue.writers import DSV4NVFP4Compressor, _StagingSlots
 
     _needs_cuda_vllm()
-    model = vt.tiny_model("auto")
+    model = profiled("auto")
     compressor = model.layers[4].compressor
     assert isinstance(compressor, DSV4NVFP4Compressor)
     assert compressor.state_cache.dtype == torch.bfloat16

@@ -56,9 +56,10 @@ def test_chunks_cover_every_prefill_request_within_the_budget(ratio, seed):
 
 
 def test_peak_workspace_holds_the_largest_chunk():
-    window, topk, max_tokens, max_len = 128, 512, 8192, 65536
+    window, topk, max_tokens, max_len, heads = 128, 512, 8192, 65536, 64
     for ratio in (1, 4, 128):
-        rows, index, lens = prefill.peak_workspace_shapes(max_len, ratio, window, topk, max_tokens)
+        rows, index, lens, lse = prefill.peak_workspace_shapes(max_len, ratio, window, topk,
+                                                               max_tokens, heads)  # fmt: skip
         # One request: a whole step of prompt tokens at the end of a max_model_len sequence.
         query_start = torch.tensor([0, max_tokens])
         (chunk,) = prefill.plan_chunks(query_start, torch.tensor([max_len]), 0, 1, ratio,
@@ -67,6 +68,7 @@ def test_peak_workspace_holds_the_largest_chunk():
         assert chunk.rows <= rows[0][0] and rows[0][1] == 512
         width = prefill.index_width(ratio, topk, chunk.entries, window)
         assert index[0] == (max_tokens, width) and lens[0] == (max_tokens,)
+        assert lse == ((max_tokens, heads), torch.float32)
 
 
 def test_csa_picks_the_token_does_not_see_yet_are_holes():

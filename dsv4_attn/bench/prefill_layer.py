@@ -89,7 +89,7 @@ class _Prompt:
             budget = prefill.rows_budget(P, ratio, WINDOW, step_tokens)
             (chunk,) = prefill.plan_chunks(torch.tensor([t0, t1]), torch.tensor([t1]), 0, 1,
                                            ratio, WINDOW, budget)  # fmt: skip
-            shapes = prefill.peak_workspace_shapes(P, ratio, WINDOW, topk, t1 - t0)
+            shapes = prefill.peak_workspace_shapes(P, ratio, WINDOW, topk, t1 - t0, heads)
             self.steps.append({
                 "tokens": slice(t0, t1), "chunk": chunk,
                 "seq_lens": torch.tensor([t1], dtype=torch.int32, device=dev),
@@ -98,6 +98,7 @@ class _Prompt:
                 "rows_ws": torch.empty(chunk.rows, HEAD_DIM, dtype=torch.bfloat16, device=dev),
                 "index_ws": (torch.empty(shapes[1][0], dtype=torch.int32, device=dev),
                              torch.empty(shapes[2][0], dtype=torch.int32, device=dev)),
+                "lse_ws": torch.empty(shapes[3][0], dtype=torch.float32, device=dev),
             })  # fmt: skip
         self.out_old = torch.empty_like(self.q)
         self.out_new = torch.empty_like(self.q)
@@ -134,7 +135,8 @@ class _Prompt:
         for step in self.steps:
             t = step["tokens"]
             self.prefill.attend(self.q[t], step["rows"], step["indices"], step["lens"],
-                                self.sink, HEAD_DIM**-0.5, self.out_new[t])  # fmt: skip
+                                self.sink, HEAD_DIM**-0.5, self.out_new[t],
+                                step["lse_ws"])  # fmt: skip
 
     def new(self) -> None:
         self.gather()

@@ -6,8 +6,11 @@ platform subclass owns (vLLM's ``forward_mqa`` contract):
 
 * :meth:`~DSV4NVFP4Attention.forward_mqa` writes ``output`` in place with
   :func:`dsv4_attn.ops.sparse_attention` (the CuTeDSL kernel on Hopper), every token with its own
-  window and compressed entries (:mod:`.metadata`); scratch comes from vLLM's workspace manager
-  and is reserved at its peak in the profiling run, so vLLM's memory profile counts it;
+  window and compressed entries (:mod:`.metadata`); all its scratch (index lists, split
+  partials, gathered prefill rows, the log-sum-exp) comes from vLLM's workspace manager and is
+  reserved at its peak in the profiling run, so vLLM's memory profile counts it. A later request
+  above that reservation raises: vLLM would grow its workspace by freeing the buffer that
+  captured CUDA graphs still use;
 * the KV-cache format from ``--kv-cache-dtype`` (:mod:`.kv_spec`): with NVFP4 it swaps in the NVFP4
   SWA spec and writers (:mod:`.writers`); with fp8 it keeps vLLM's fp8_ds_mla layout and writers;
 * head padding: only up to the next head count the kernel supports
@@ -36,7 +39,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from dsv4_attn import ops
 from dsv4_attn.kernels.sparse_decode_schedule import DecodeSchedule
-from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+from dsv4_attn.kv_cache import KVFormat
 from dsv4_attn.log import LOGGER_PREFIX
 from dsv4_attn.vllm_glue import BACKEND_NAME, kv_spec, prefill
 from dsv4_attn.vllm_glue.backend import DSV4NVFP4Backend, DSV4NVFP4SWABackend
@@ -57,18 +60,23 @@ logger = init_logger(LOGGER_PREFIX + __name__)  # vLLM's, with its *_once method
 
 Shapes = list[tuple[tuple[int, ...], torch.dtype]]
 
+_WORKSPACE_ALIGN = 256  # vLLM's WorkspaceManager.get_simultaneous starts each view on 256 B
 
-def _scratch(shapes: Shapes, device: torch.device) -> list[torch.Tensor]:
-    """Views for one forward's scratch tensors, from vLLM's workspace manager where the worker
-    has one (a single buffer, sized by the profiling run), else freshly allocated."""
+
+def workspace_bytes(shapes: Shapes) -> int:
+    """Bytes of vLLM's workspace that one ``get_simultaneous(*shapes)`` request covers."""
+    align = _WORKSPACE_ALIGN
+    return sum(-(-math.prod(shape) * dtype.itemsize // align) * align for shape, dtype in shapes)
+
+
+def _workspace_manager():
+    """vLLM's workspace manager where the worker made one, else None (tests without a worker)."""
     from vllm.v1.worker.workspace import (
         current_workspace_manager,
         is_workspace_manager_initialized,
     )
 
-    if is_workspace_manager_initialized():
-        return current_workspace_manager().get_simultaneous(*shapes)
-    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+    return current_workspace_manager() if is_workspace_manager_initialized() else None
 
 
 def _decode_plan(compressed: DSV4CompressedMetadata | None, n: int) -> DecodeSchedule | None:
@@ -130,6 +138,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         self._swa_pages = _PageView()
         self._compressed_pages = _PageView()
         self._peak_scratch: Shapes | None = None  # set by the first profiling forward
+        self._reserved_bytes: int | None = None  # the workspace the profiling run reserved
         self._einsum_recipe: tuple[int, int, int] | None = None
         self._tma_aligned_scales = False
         if self.kv_format is KVFormat.NVFP4:
@@ -235,20 +244,22 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         peak: bool = False,
         plan: DecodeSchedule | None = None,
     ) -> Shapes:
-        """Scratch of one forward of ``num_tokens`` tokens: a CSA layer's entry slots and
-        lengths, and the kernel's partials (split-KV, or the balanced ``plan``'s slots).
+        """Scratch of one decode forward of ``num_tokens`` tokens, in this order: a CSA layer's
+        entry slots and lengths, the log-sum-exp (fp32 ``[num_tokens, heads]``), and the
+        kernel's partials (split-KV, or the balanced ``plan``'s slots).
         ``peak``: the most any forward of at most ``num_tokens`` tokens asks for (each piece at
         its own maximum, the balanced schedule's included where the layer may run it)."""
         shapes: Shapes = []
+        heads = self.padded_heads
         if self.compress_ratio == CSA_RATIO:
             assert self.topk_indices_buffer is not None
             topk = self.topk_indices_buffer.shape[1]
             shapes += [((num_tokens, topk), torch.int32), ((num_tokens,), torch.int32)]
+        shapes.append(((num_tokens, heads), torch.float32))  # lse
         if self.device.type != "cuda":
-            return shapes  # the fallback takes no workspace
+            return shapes  # the fallback takes no partials
         from dsv4_attn.kernels import sparse_decode
 
-        heads = self.padded_heads
         o_dtype, pair_dtype = sparse_decode.WORKSPACE_DTYPES  # the kernel's partials
         if peak:
             o_numel, lse_numel = sparse_decode.peak_workspace_numel(
@@ -282,35 +293,54 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             )
             if self.device.type == "cuda":
                 self._compile_kernels()
-        if self._peak_scratch:
-            _scratch(self._peak_scratch, self.device)
-        _scratch(self._peak_prefill_scratch(), self.device)  # prefill chunks, at other times
+        prefill_peak = self._peak_prefill_scratch()  # prefill chunks, at other times
+        self._reserved_bytes = max(workspace_bytes(self._peak_scratch),
+                                   workspace_bytes(prefill_peak))  # fmt: skip
+        manager = _workspace_manager()
+        if manager is not None:
+            manager.get_simultaneous(*self._peak_scratch)
+            manager.get_simultaneous(*prefill_peak)
 
     def _peak_prefill_scratch(self) -> Shapes:
         """The largest workspace a prefill chunk of this layer asks for."""
         topk = self.topk_indices_buffer.shape[1] if self.compress_ratio == CSA_RATIO else 0
         return prefill.peak_workspace_shapes(self.max_model_len, self.compress_ratio,
                                              self.window_size, topk,
-                                             self.max_num_batched_tokens)  # fmt: skip
+                                             self.max_num_batched_tokens,
+                                             self.padded_heads)  # fmt: skip
+
+    def _scratch(self, shapes: Shapes, what: str) -> list[torch.Tensor]:
+        """Views for one forward's scratch tensors (``what``: the path asking, for errors),
+        from vLLM's workspace manager where the worker has one, else freshly allocated.
+
+        Raises RuntimeError where the request is above what this layer's profiling run
+        reserved (or no profiling run reserved anything): vLLM's manager would grow the
+        workspace by freeing the buffer it has, which CUDA graphs captured earlier still
+        write into."""
+        manager = _workspace_manager()
+        if manager is None:
+            return [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes]
+        need = workspace_bytes(shapes)
+        if self._reserved_bytes is None or need > self._reserved_bytes:
+            reserved = "nothing" if self._reserved_bytes is None else f"{self._reserved_bytes} B"
+            raise RuntimeError(
+                f"{self.prefix}: a {what} step asks vLLM's workspace for {need} B of scratch, "
+                f"but this layer's profiling run reserved {reserved}. Growing the workspace now "
+                "would free the buffer that captured CUDA graphs use. This is a bug in "
+                f"dsv4-attn's peak accounting ({BACKEND_NAME}); please report it with the "
+                "`vllm serve` command."
+            )
+        return manager.get_simultaneous(*shapes)
 
     def _compile_kernels(self) -> None:
-        """Compile (or load) this layer's decode-kernel variants now, outside any CUDA-graph
+        """Compile (or load from the disk cache) this layer's kernels now, outside any CUDA-graph
         capture: loading a module while a graph is being captured is not allowed. (vLLM has set
         the final block size by the profiling run.)"""
-        from dsv4_attn.kernels import sparse_decode
+        from dsv4_attn.kernels.precompile import compile_layer_kernels
 
-        extra_rows = 0
-        if self.compress_ratio > 1:
-            extra_rows = self.cache_config.block_size // self.compress_ratio
-        sparse_decode.compile_variants(
-            self.kv_format, self.swa_cache_layer.block_size, extra_rows, self._may_run_balanced()
-        )
-        try:
-            from dsv4_attn.kernels import fmha
-
-            fmha.compile_variant(fmha.sparse_variant())  # the prefill path's gathered FMHA
-        except ImportError:  # the fallback serves prefill (check_serving_device allowed it)
-            pass
+        compile_layer_kernels(self.kv_format, self.compress_ratio,
+                              self.swa_cache_layer.block_size, self.cache_config.block_size,
+                              self._may_run_balanced())  # fmt: skip
 
     def forward_mqa(
         self,
@@ -365,10 +395,11 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             return
         plan = _decode_plan(compressed, n)
         capacity = self._key_capacity(hca_width)
-        scratch = _scratch(self._scratch_shapes(n, capacity, plan=plan), self.device)
+        scratch = self._scratch(self._scratch_shapes(n, capacity, plan=plan), "decode")
         entry_slots = None
         if self.compress_ratio == CSA_RATIO:
             entry_slots, scratch = (scratch[0], scratch[1]), scratch[2:]
+        lse, partials = scratch[0], scratch[1:]
         window, extra = layer_scopes(
             swa,
             compressed,
@@ -391,7 +422,8 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             self.scale,
             extra,
             out=output[:n],
-            workspace=(scratch[0], scratch[1]) if scratch else None,
+            lse=lse,
+            workspace=(partials[0], partials[1]) if partials else None,
             check_values=False,
             plan=plan,
         )
@@ -433,11 +465,9 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             C, T = chunk.end_req - chunk.first_req, chunk.end_token - chunk.first_token
             width = prefill.index_width(self.compress_ratio, topk, chunk.entries,
                                         self.window_size)  # fmt: skip
-            rows_ws, indices_ws, lens_ws = _scratch(
-                [((C * chunk.rows, HEAD_DIM), torch.bfloat16), ((T, width), torch.int32),
-                 ((T,), torch.int32)],
-                self.device,
-            )  # fmt: skip
+            rows_ws, indices_ws, lens_ws, lse_ws = self._scratch(
+                prefill.chunk_workspace_shapes(C * chunk.rows, T, width, q.shape[1]), "prefill"
+            )
             extra = None
             if compressed is not None and compressed_pages is not None:
                 extra = (compressed_pages, compressed.block_table[reqs],
@@ -456,7 +486,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
                 (indices_ws, lens_ws),
             )  # fmt: skip
             prefill.attend(q[tokens], rows, indices, lens, self.attn_sink, self.scale,
-                           output[tokens])  # fmt: skip
+                           output[tokens], lse_ws)  # fmt: skip
         return int(swa.query_start_loc_cpu[swa.num_decodes + swa.num_prefills])
 
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 __all__ = [
     "PrefillChunk",
     "attend",
+    "chunk_workspace_shapes",
     "gather_lens",
     "gather_rows",
     "index_lists",
@@ -76,18 +77,33 @@ def index_width(compress_ratio: int, topk: int, entries: int, window: int) -> in
     return (entries if compress_ratio > 1 else 0) + window
 
 
-def peak_workspace_shapes(
-    max_model_len: int, compress_ratio: int, window: int, topk: int, max_tokens: int
+def chunk_workspace_shapes(
+    rows: int, tokens: int, width: int, heads: int
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """The largest (rows, index lists, lengths) any chunk of a step asks for."""
+    """What one chunk takes from the workspace: its gathered ``rows`` (bf16 ``[rows, 512]``),
+    each of its ``tokens`` tokens' index list (int32 ``[tokens, width]``) and length (int32
+    ``[tokens]``), and the attention's log-sum-exp (fp32 ``[tokens, heads]``)."""
+    return [
+        ((rows, HEAD_DIM), torch.bfloat16),
+        ((tokens, width), torch.int32),
+        ((tokens,), torch.int32),
+        ((tokens, heads), torch.float32),
+    ]
+
+
+def peak_workspace_shapes(
+    max_model_len: int,
+    compress_ratio: int,
+    window: int,
+    topk: int,
+    max_tokens: int,
+    heads: int,
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The largest :func:`chunk_workspace_shapes` any chunk of a step asks for."""
     entries = -(-max_model_len // compress_ratio) if compress_ratio > 1 else 0
     width = index_width(compress_ratio, topk, entries, window)
-    return [
-        ((rows_budget(max_model_len, compress_ratio, window, max_tokens), HEAD_DIM),
-         torch.bfloat16),
-        ((max_tokens, width), torch.int32),
-        ((max_tokens,), torch.int32),
-    ]  # fmt: skip
+    rows = rows_budget(max_model_len, compress_ratio, window, max_tokens)
+    return chunk_workspace_shapes(rows, max_tokens, width, heads)
 
 
 def plan_chunks(
@@ -303,7 +319,9 @@ def attend(
     sink: torch.Tensor | None,
     scale: float,
     out: torch.Tensor,
+    lse: torch.Tensor,
 ) -> None:
-    """The chunk's attention, written into ``out`` (vLLM's output rows of its tokens)."""
+    """The chunk's attention, written into ``out`` (vLLM's output rows of its tokens); its
+    log-sum-exp goes to ``lse`` (fp32 ``[tokens, heads]``, workspace: nothing reads it)."""
     fmha_ops.sparse_prefill(q, rows.view(-1, HEAD_DIM), indices, lens, sink, scale,
-                            check_values=False, out=out)  # fmt: skip
+                            check_values=False, out=out, lse=lse)  # fmt: skip

@@ -1,8 +1,8 @@
 """What the DSV4_NVFP4 backend serves, checked when vLLM builds the model.
 
 * :func:`check_supported` — configurations the backend does not implement (context parallelism,
-  the vision variant, DSpark speculation, more query heads per rank than its kernels take)
-  raise a ValueError saying so.
+  micro-batching (dual-batch overlap), the vision variant, DSpark speculation, more query heads
+  per rank than its kernels take) raise a ValueError saying so.
 * :func:`check_serving_device` — the backend's attention kernels are Hopper (sm_90) CuTeDSL
   kernels. On any other device, or when the kernel stack cannot be imported, serving would run
   the torch fallback, one to two orders of magnitude slower: startup fails with the device or the
@@ -45,6 +45,14 @@ def check_supported(vllm_config: VllmConfig) -> None:
         raise ValueError(
             f"--attention-backend {BACKEND_NAME} does not support decode or prefill context "
             "parallelism; set both sizes to 1."
+        )
+    if parallel.use_ubatching:
+        raise ValueError(
+            f"--attention-backend {BACKEND_NAME} does not support micro-batching (dual-batch "
+            f"overlap: --enable-dbo is {parallel.enable_dbo}, --ubatch-size "
+            f"{parallel.ubatch_size}): its KV-cache writers stage rows in one buffer per GPU, "
+            "which two overlapping micro-batches would share. Leave --enable-dbo off and "
+            "--ubatch-size at 0 or 1."
         )
     hf_config = vllm_config.model_config.hf_config
     if getattr(hf_config, "vision_n_layers", 0) > 0:

@@ -1,0 +1,103 @@
+"""The soak driver's requests and its tally, against a local stand-in of vLLM's completions API
+(the soak itself runs against a real ``vllm serve`` on the GPU machine)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from dsv4_attn.e2e import soak
+
+
+def test_drawn_requests_fit_the_model_and_cover_every_kind():
+    rng = random.Random(0)
+    prefixes = [[7] * soak.PREFIX_TOKENS, [9] * soak.PREFIX_TOKENS]
+    drawn = [soak.draw_request(rng, 4096, prefixes) for _ in range(3000)]
+    assert all(len(r.prompt) + r.max_tokens <= 4096 for r in drawn)
+    assert all(len(r.prompt) >= 1 and r.max_tokens >= 1 for r in drawn)
+    assert {r.kind for r in drawn} == {"complete", "stream", "disconnect"}
+    assert max(len(r.prompt) + r.max_tokens for r in drawn) > 4000  # up to the model length
+    assert any(r.prompt[: soak.PREFIX_TOKENS] in prefixes for r in drawn)
+    assert all(r.disconnect_after >= 1 for r in drawn if r.kind == "disconnect")
+
+
+class _Completions(BaseHTTPRequestHandler):
+    """vLLM's /v1/completions as the soak uses it; ``short`` answers one token too few."""
+
+    short = False
+    disconnects = 0
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def do_GET(self):
+        body = b"ok" if self.path == "/health" else b"vllm:num_preemptions_total 3.0\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        count = request["max_tokens"] - (1 if type(self).short else 0)
+        ids = list(range(count))
+        if not request["stream"]:
+            body = json.dumps({"choices": [{"token_ids": ids}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        self.send_response(200)
+        self.end_headers()
+        try:
+            for i in range(0, count, 2):
+                chunk = {"choices": [{"token_ids": ids[i : i + 2]}]}
+                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+        except (BrokenPipeError, ConnectionResetError):
+            type(self).disconnects += 1
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_soak_counts_requests_tokens_and_errors(short, tmp_path):
+    handler = type("Handler", (_Completions,), {"short": short})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        args = argparse.Namespace(port=httpd.server_address[1], model="m", max_model_len=512,
+                                  seconds=1.5, concurrency=4, seed=1, gpu=None, wait=10,
+                                  sample_seconds=0.5, out=str(tmp_path / "soak.json"))  # fmt: skip
+        report = soak.soak(args)
+    finally:
+        httpd.shutdown()
+    partial = json.loads((tmp_path / "soak.json").read_text())  # written while it ran
+    assert partial["complete"] is False and report["complete"] is True
+    assert 0 < partial["requests_total"] <= report["requests_total"]
+    total = report["requests_total"]
+    assert total > 20 and sum(report["requests"].values()) == total
+    assert report["healthy_after"] and report["new_tokens"] > 0
+    assert report["counters"] == {"vllm:num_preemptions_total": 0.0}
+    read_to_end = total - report["requests"].get("disconnect", 0)
+    if short:  # every request read to the end is one token short
+        assert report["errors"] == read_to_end and "tokens returned" in report["first_errors"][0]
+    else:
+        assert report["errors"] == 0 and report["first_errors"] == []
+
+
+def test_gpu_memory_reads_one_gpu_or_all(monkeypatch):
+    monkeypatch.setattr(soak, "_query", lambda *args: "0, 1000\n1, 2500\n")
+    assert soak.gpu_memory_mib(1) == 2500.0 and soak.gpu_memory_mib(None) == 3500.0
+    assert soak.gpu_memory_mib(7) is None
+
+    def no_smi(*args):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(soak, "_query", no_smi)
+    assert soak.gpu_memory_mib(0) is None
