@@ -12,6 +12,9 @@ from dsv4_attn.log import LOGGER_PREFIX
 # Tests compile kernels in memory unless a test or the caller chooses a kernel cache directory
 # (the default, ~/.cache/dsv4_attn/kernels, is the user's, not the test run's).
 os.environ.setdefault("DSV4_ATTN_KERNEL_CACHE_DIR", "")
+# vLLM picks its platform when first imported: the CPU one, whichever test module imports it
+# first (tests of vLLM's CUDA paths set VLLM_TARGET_DEVICE=cuda).
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
 @pytest.fixture

@@ -31,17 +31,22 @@ def checkpoint() -> str:
 
 @functools.cache
 def vllm_model():
+    return load_with_vllm(checkpoint())
+
+
+def load_with_vllm(path: str):
     """vLLM's DeepseekV4ForCausalLM created and filled by vLLM's default model loader from the
-    checkpoint (CPU). ``load_weights`` is the loader's: the model's own name mapping and loading,
-    then the check that every parameter came from the checkpoint. (The platform's repacking for
-    its kernels afterwards needs vLLM's compiled CPU ops and is not about the checkpoint.)"""
+    checkpoint at ``path`` (CPU). ``load_weights`` is the loader's: the model's own name mapping
+    and loading, then the check that every parameter came from the checkpoint. (The platform's
+    repacking for its kernels afterwards needs vLLM's compiled CPU ops and is not about the
+    checkpoint.)"""
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     vt._distributed_ready()
-    args = EngineArgs(model=checkpoint(), skip_tokenizer_init=True, enforce_eager=True,
+    args = EngineArgs(model=path, skip_tokenizer_init=True, enforce_eager=True,
                       max_model_len=vt.MAX_MODEL_LEN, max_num_seqs=4)  # fmt: skip
     config = args.create_engine_config()
     loader = get_model_loader(config.load_config)

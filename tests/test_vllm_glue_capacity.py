@@ -56,3 +56,27 @@ def test_the_state_rule():
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="backend must be one of"):
         cap.layer_specs([4], "flashinfer", cap._planner_config("auto", 4096, 8192))
+
+
+@pytest.mark.parametrize("backend", cap.BACKENDS)
+def test_breakdown_adds_up_to_vllms_bytes_per_request(backend):
+    """Per group, the blocks a 1M-token V4-Flash request takes at the widest group's price sum
+    to the per-request bytes of vLLM's own accounting; each group holds at most what it is
+    charged, the widest exactly that; every cache of every layer is in one group."""
+    schedule, length = cap.SCHEDULES["V4-Flash"], 1048576
+    groups = cap.breakdown(schedule, backend, length)
+    total = cap.capacity(schedule, backend, 60 * 2**30, length)
+    assert sum(g.charged_bytes for g in groups) == total.bytes_per_request
+    assert all(g.needed_bytes <= g.charged_bytes for g in groups)
+    assert max(g.bytes_per_block for g in groups) == total.bytes_per_block
+    counted: dict[str, int] = {}
+    for group in groups:
+        for part in group.holds.split(" + "):
+            n, kind = part.split(" x ")
+            counted[kind] = counted.get(kind, 0) + int(n)
+    csa, hca = schedule.count(4), schedule.count(128)
+    assert counted == {
+        "window rows": len(schedule), "CSA rows": csa, "HCA rows": hca, "indexer keys": csa,
+        "CSA compressor state": csa, "HCA compressor state": hca,
+        "indexer compressor state": csa,
+    }  # fmt: skip

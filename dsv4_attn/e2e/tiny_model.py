@@ -34,13 +34,17 @@ import torch
 
 __all__ = [
     "LAYER_TYPES",
+    "V4_FIXED",
     "VLLM_SPEC",
     "TinySpec",
+    "build_model",
     "build_tiny_model",
+    "compressed_rope",
     "load_or_build",
     "load_tiny_model",
     "save_vllm_checkpoint",
     "tiny_config",
+    "write_vllm_checkpoint",
 ]
 
 #: every kind of layer; CSA first (see the module docstring)
@@ -100,63 +104,81 @@ def _import_transformers():
     return DeepseekV4Config, DeepseekV4ForCausalLM
 
 
+V4_FIXED = dict(
+    num_key_value_heads=1,
+    head_dim=512,
+    qk_rope_head_dim=64,
+    sliding_window=128,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    index_head_dim=128,
+    n_shared_experts=1,
+    hc_mult=4,
+    hc_sinkhorn_iters=20,
+    rope_theta=10000.0,
+    compress_rope_theta=160000.0,
+    initializer_range=0.02,
+    num_nextn_predict_layers=0,
+    # No early stop: every run generates exactly the requested number of tokens.
+    eos_token_id=None,
+    bos_token_id=0,
+    pad_token_id=0,
+)
+"""``DeepseekV4Config`` fields every model of this package shares with V4-Flash (one KV head of
+512 with 64 RoPE dims, a 128-token window, ratios 4 and 128, 128-dim indexer heads,
+hyper-connections of 4, RoPE thetas), plus no MTP layer and no end-of-sequence token."""
+
+
+def compressed_rope(original_max_positions: int) -> dict:
+    """``rope_parameters`` of DeepSeek-V4's compressed layers: YaRN, factor 16 over
+    ``original_max_positions`` (V4-Flash: 65536), beta 32 / 1."""
+    return {"rope_type": "yarn", "factor": 16.0,
+            "original_max_position_embeddings": original_max_positions,
+            "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+
+
 def tiny_config(spec: TinySpec):
     """The ``DeepseekV4Config`` of the tiny model described by ``spec``."""
     DeepseekV4Config, _ = _import_transformers()
     heads = spec.num_heads
     return DeepseekV4Config(
+        **V4_FIXED,
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         num_hidden_layers=len(LAYER_TYPES),
         num_attention_heads=heads,
-        num_key_value_heads=1,
-        head_dim=512,
-        qk_rope_head_dim=64,
         q_lora_rank=128,
         # The real models group 8 heads per output group; keep at least 2 groups.
         o_groups=max(2, heads // 8),
         o_lora_rank=64,
-        sliding_window=128,
         layer_types=list(LAYER_TYPES),
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
         index_n_heads=spec.index_heads,
-        index_head_dim=128,
         index_topk=spec.index_topk,
         n_routed_experts=4,
         num_experts_per_tok=4,  # all experts active: no routing flips at near-ties
         moe_intermediate_size=64,
-        n_shared_experts=1,
         mlp_layer_types=["moe"] * len(LAYER_TYPES),
-        hc_mult=4,
-        hc_sinkhorn_iters=20,
-        rope_theta=10000.0,
-        compress_rope_theta=160000.0,
-        rope_parameters={
-            "rope_type": "yarn",
-            "factor": 16.0,
-            "original_max_position_embeddings": 256,
-            "beta_fast": 32,
-            "beta_slow": 1,
-        },
+        # original_max_position_embeddings 256 so that the YaRN ramp is exercised
+        rope_parameters=compressed_rope(256),
         max_position_embeddings=4096,
-        num_nextn_predict_layers=0,
-        initializer_range=0.02,
-        # No early stop: every run generates exactly the requested number of tokens.
-        eos_token_id=None,
-        bos_token_id=0,
-        pad_token_id=0,
     )
 
 
 def build_tiny_model(spec: TinySpec = TinySpec()):
     """A fresh, seeded, random-weight ``DeepseekV4ForCausalLM`` in float32 eval mode (CPU)."""
+    return build_model(tiny_config(spec), spec.seed).float()
+
+
+def build_model(config, seed: int):
+    """A seeded random-weight ``DeepseekV4ForCausalLM`` of ``config`` (eval mode, CPU, in torch's
+    default dtype): transformers' own initialisation, then random sinks and compressor position
+    biases (transformers zeroes them; random, the sink term and the compressor softmax
+    matter)."""
     _, DeepseekV4ForCausalLM = _import_transformers()
-    config = tiny_config(spec)
     generator_state = torch.random.get_rng_state()
     try:
-        torch.manual_seed(spec.seed)
+        torch.manual_seed(seed)
         model = DeepseekV4ForCausalLM(config)
-        gen = torch.Generator().manual_seed(spec.seed + 1)
+        gen = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
             for layer in model.model.layers:
                 attn = layer.self_attn
@@ -174,7 +196,7 @@ def build_tiny_model(spec: TinySpec = TinySpec()):
         torch.random.set_rng_state(generator_state)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    return model.float().eval()
+    return model.eval()
 
 
 def load_tiny_model(path: str | Path):
@@ -219,28 +241,40 @@ _VLLM_KEY_RENAMES = (
 
 def save_vllm_checkpoint(path: str | Path, spec: TinySpec = VLLM_SPEC) -> Path:
     """Write the tiny model as a checkpoint ``vllm serve PATH --skip-tokenizer-init`` loads as
-    it is: bf16 safetensors under vLLM's weight names, and ``"topk_method": "noaux_tc"`` in
-    config.json (so vLLM creates the MoE gate's correction bias the checkpoint carries).
+    it is (:func:`write_vllm_checkpoint`). transformers cannot read this one back (other names);
+    :func:`load_or_build` keeps its own. Returns the directory."""
+    path = write_vllm_checkpoint(path, build_tiny_model(spec))
+    (path / _SPEC_FILE).write_text(json.dumps(asdict(spec), indent=1) + "\n")
+    return path
 
-    transformers cannot read this one back (other names); :func:`load_or_build` keeps its own.
-    Returns the directory.
-    """
+
+def _vllm_name(key: str) -> str:
+    for pattern, replacement in _VLLM_KEY_RENAMES:
+        key = pattern.sub(replacement, key)
+    return key
+
+
+def write_vllm_checkpoint(path: str | Path, model, max_shard_size: str = "5GB") -> Path:
+    """Write ``model`` (a ``DeepseekV4ForCausalLM``) as a checkpoint vLLM 0.33 loads as it is:
+    bf16 safetensors (sharded above ``max_shard_size``, with their index) under vLLM's weight
+    names, and ``"topk_method": "noaux_tc"`` in config.json (so vLLM creates the MoE gate's
+    correction bias the checkpoint carries). Returns the directory."""
     from safetensors.torch import load_file, save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    build_tiny_model(spec).to(torch.bfloat16).save_pretrained(str(path))
-    weights_file = path / "model.safetensors"
-    weights = load_file(str(weights_file))
-    renamed = {}
-    for key, tensor in weights.items():
-        for pattern, replacement in _VLLM_KEY_RENAMES:
-            key = pattern.sub(replacement, key)
-        renamed[key] = tensor
-    save_file(renamed, str(weights_file), metadata={"format": "pt"})
+    model.to(torch.bfloat16).save_pretrained(str(path), max_shard_size=max_shard_size)
+    for weights_file in sorted(path.glob("*.safetensors")):
+        weights = load_file(str(weights_file))
+        renamed = {_vllm_name(key): tensor for key, tensor in weights.items()}
+        save_file(renamed, str(weights_file), metadata={"format": "pt"})
+    index_file = path / "model.safetensors.index.json"
+    if index_file.exists():
+        index = json.loads(index_file.read_text())
+        index["weight_map"] = {_vllm_name(k): v for k, v in index["weight_map"].items()}
+        index_file.write_text(json.dumps(index, indent=1) + "\n")
     config_file = path / "config.json"
     config = json.loads(config_file.read_text())
     config["topk_method"] = "noaux_tc"
     config_file.write_text(json.dumps(config, indent=1) + "\n")
-    (path / _SPEC_FILE).write_text(json.dumps(asdict(spec), indent=1) + "\n")
     return path

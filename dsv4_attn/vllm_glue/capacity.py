@@ -9,7 +9,10 @@ layer's KV spec as a server of each backend would (vLLM's own FlashMLA path, ``D
 fp8_ds_mla rows, ``DSV4_NVFP4`` with NVFP4 rows and its compressor-state rule of
 :mod:`.compressor_state`) and runs vLLM's planning functions on them.
 
-``python -m dsv4_attn.vllm_glue.capacity`` prints the V4-Flash and V4-Pro figures.
+``python -m dsv4_attn.vllm_glue.capacity`` prints the V4-Flash and V4-Pro figures; with
+``--breakdown`` also, per cache group, what it holds, its bytes per block, the blocks a
+``max_model_len`` request takes and the bytes that costs against the bytes it holds
+(:func:`breakdown`): the difference is what the widest group's block price adds.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.vllm_glue import kv_spec
 from dsv4_attn.vllm_glue.compressor_state import state_dtype
 
-__all__ = ["BACKENDS", "SCHEDULES", "Capacity", "capacity", "layer_specs"]
+__all__ = ["BACKENDS", "SCHEDULES", "Capacity", "GroupCost", "breakdown", "capacity",
+           "layer_specs"]  # fmt: skip
 
 # compress_ratios of the main layers (1: sliding window only; 4: CSA; 128: HCA).
 SCHEDULES: dict[str, list[int]] = {
@@ -58,6 +62,18 @@ class Capacity:
     tokens: int  # vLLM's "KV cache size" at this memory (max_model_len x concurrency)
     blocks_per_request: int  # block ids a max_model_len request reserves, all groups
     bytes_per_request: int
+
+
+@dataclass(frozen=True)
+class GroupCost:
+    """One of vLLM's KV cache groups and what a ``max_model_len`` request costs in it."""
+
+    holds: str  # the caches of its layers, e.g. "20 x HCA rows + 21 x CSA rows"
+    page_bytes: tuple[int, ...]  # distinct page sizes of its layers' caches
+    bytes_per_block: int  # its own: the sum of its layers' pages
+    blocks_per_request: int
+    needed_bytes: int  # blocks_per_request x bytes_per_block: what its pages hold
+    charged_bytes: int  # blocks_per_request x the widest group's bytes per block
 
 
 def _planner_config(cache_dtype: str, max_model_len: int, max_num_batched_tokens: int):
@@ -158,11 +174,61 @@ def capacity(
                     per_request * bytes_per_block)  # fmt: skip
 
 
+def _cache_kind(name: str, schedule: list[int]) -> str:
+    ratio = schedule[int(name.split(".")[2])]
+    kind = {1: "window-only", 4: "CSA", 128: "HCA"}.get(ratio, f"ratio {ratio}")
+    if name.endswith(".swa_cache"):
+        return "window rows"
+    if name.endswith(".indexer.k_cache"):
+        return "indexer keys"
+    if name.endswith(".indexer.compressor.state_cache"):
+        return "indexer compressor state"
+    if name.endswith(".compressor.state_cache"):
+        return f"{kind} compressor state"
+    return f"{kind} rows"
+
+
+def breakdown(
+    schedule: list[int],
+    backend: str,
+    max_model_len: int,
+    max_num_batched_tokens: int = 8192,
+) -> list[GroupCost]:
+    """Per KV cache group of ``backend``'s layers: what one ``max_model_len`` request needs and
+    what vLLM charges for it (every block id at the widest group's bytes per block). The
+    charged bytes sum to :attr:`Capacity.bytes_per_request`."""
+    cache_dtype = "auto" if backend == "dsv4_nvfp4-nvfp4" else "fp8_ds_mla"
+    config = _planner_config(cache_dtype, max_model_len, max_num_batched_tokens)
+    groups = kv_cache_planning.get_kv_cache_groups(config, layer_specs(schedule, backend, config))
+    widest = kv_cache_planning._get_kv_cache_bytes_per_block(
+        groups, config.cache_config.get_resolved_kv_cache_layout()
+    )
+    costs = []
+    for group in groups:
+        spec = group.kv_cache_spec
+        blocks = math.ceil(spec.max_memory_usage_bytes(config) / spec.page_size_bytes)
+        layer_specs_ = [kv_cache_planning._get_per_layer_spec(group, n) for n in group.layer_names]
+        own = sum(s.page_size_bytes for s in layer_specs_)
+        kinds: dict[str, int] = {}
+        for name in group.layer_names:
+            kind = _cache_kind(name, schedule)
+            kinds[kind] = kinds.get(kind, 0) + 1
+        holds = " + ".join(f"{n} x {kind}" for kind, n in sorted(kinds.items()))
+        pages = tuple(sorted({s.page_size_bytes for s in layer_specs_}))
+        costs.append(GroupCost(holds, pages, own, blocks, blocks * own, blocks * widest))
+    return costs
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dsv4_attn.vllm_glue.capacity")
     parser.add_argument("--memory-gib", type=float, default=60.0, help="KV cache memory")
     parser.add_argument("--max-model-len", type=int, nargs="+", default=[131072, 1048576])
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also each cache group's bytes per request, needed and charged",
+    )
     args = parser.parse_args(argv)
     memory = int(args.memory_gib * 2**30)
     print(f"{'schedule':9} {'max len':>9} {'backend':17} {'B/block':>9} {'tokens':>13} "
@@ -175,6 +241,12 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{name:9} {length:>9} {backend:17} {c.bytes_per_block:>9} "
                       f"{c.tokens:>13,} {c.bytes_per_request / 1e9:>10.2f} "
                       f"{c.tokens / base.tokens:>7.3f}")  # fmt: skip
+                if args.breakdown:
+                    for g in breakdown(schedule, backend, length, args.max_num_batched_tokens):
+                        print(f"    {g.bytes_per_block:>9} B/block {g.blocks_per_request:>7} "
+                              f"blocks  needs {g.needed_bytes / 1e9:6.3f} GB  charged "
+                              f"{g.charged_bytes / 1e9:6.3f} GB  pages {g.page_bytes}  "
+                              f"{g.holds}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,0 +1,219 @@
+"""``vllm bench serve`` against vLLM's own backend and DSV4_NVFP4 (fp8, NVFP4) on one layout.
+
+    python -m dsv4_attn.e2e.bench_serve --model CKPT --layout tp1 --out DIR \
+        [--servers vllm,fp8,nvfp4] [--cases a,b]
+
+For each server, one after the other: ``vllm serve CKPT`` with the layout's parallel flags and the
+server's backend flags (defaults otherwise: CUDA graphs, chunked prefill, prefix caching), wait
+until it answers, read the KV capacity it reports, run every case with ``vllm bench serve``
+(random dataset, ``--ignore-eos``), read vLLM's preemption counter around each, stop it. Per
+server ``DIR/<layout>_<server>.json``; ``DIR/<layout>_summary.json`` and a printed table at the
+end. The cases (:func:`plan_cases`):
+
+* ``a``: 8192 input / 1024 output tokens at concurrency 1, 16 and 64;
+* ``b``: 65536 input / 1024 output at the concurrency that fills vLLM's backend's KV cache
+  (the tokens it reports / 66560) and at 1.5x that, where a server with more capacity keeps
+  more requests running. The reference capacity is read from ``DIR/<layout>_vllm.json``, so run
+  the ``vllm`` server first (or in an earlier call).
+
+The checkpoint needs a tokenizer (``python -m dsv4_attn.e2e.real_shapes`` writes one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = [
+    "LAYOUTS",
+    "SERVERS",
+    "Case",
+    "bench_command",
+    "kv_tokens",
+    "main",
+    "plan_cases",
+    "summarize",
+]
+
+LAYOUTS = {
+    "tp1": [],
+    "tp2": ["--tensor-parallel-size", "2"],
+    "tp4": ["--tensor-parallel-size", "4"],
+    "tp8": ["--tensor-parallel-size", "8"],
+    "dp2ep": ["--data-parallel-size", "2", "--enable-expert-parallel"],
+    "dp4ep": ["--data-parallel-size", "4", "--enable-expert-parallel"],
+    "dp8ep": ["--data-parallel-size", "8", "--enable-expert-parallel"],
+}
+SERVERS = {
+    "vllm": [],
+    "fp8": ["--attention-backend", "DSV4_NVFP4", "--kv-cache-dtype", "fp8"],
+    "nvfp4": ["--attention-backend", "DSV4_NVFP4"],
+}
+LONG_INPUT, OUTPUT = 65536, 1024
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    input_len: int
+    output_len: int
+    concurrency: int
+    num_prompts: int
+
+
+def plan_cases(which: str, reference_kv_tokens: int | None) -> list[Case]:
+    """The cases of set ``which`` (``a`` or ``b``); ``b`` needs the reference server's KV
+    capacity in tokens."""
+    if which == "a":
+        return [Case(f"a_8k_c{c}", 8192, OUTPUT, c, max(4, 2 * c)) for c in (1, 16, 64)]
+    if which != "b":
+        raise ValueError(f"case set must be 'a' or 'b', got {which!r}")
+    if not reference_kv_tokens or reference_kv_tokens < 1:
+        raise ValueError("set b needs the KV capacity vLLM's backend reported: run the vllm "
+                         f"server first (got {reference_kv_tokens!r})")  # fmt: skip
+    full = max(1, reference_kv_tokens // (LONG_INPUT + OUTPUT))
+    return [
+        Case(f"b_64k_c{c}", LONG_INPUT, OUTPUT, c, 2 * c)
+        for c in dict.fromkeys((full, math.ceil(1.5 * full)))
+    ]
+
+
+_KV_LINE = re.compile(r"pid=(\d+)\).*GPU KV cache size: ([\d,]+) tokens")
+
+
+def kv_tokens(log_text: str) -> int | None:
+    """The KV capacity a server reported, in tokens: the sum over its engines (one per
+    data-parallel rank; the last report of each)."""
+    per_engine = {pid: int(n.replace(",", "")) for pid, n in _KV_LINE.findall(log_text)}
+    return sum(per_engine.values()) if per_engine else None
+
+
+def bench_command(port: int, model: str, case: Case, result_dir: Path, seed: int) -> list[str]:
+    return [
+        "vllm", "bench", "serve", "--backend", "vllm", "--port", str(port), "--model", model,
+        "--dataset-name", "random", "--random-input-len", str(case.input_len),
+        "--random-output-len", str(case.output_len), "--random-range-ratio", "0",
+        "--num-prompts", str(case.num_prompts), "--max-concurrency", str(case.concurrency),
+        "--ignore-eos", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result_dir),
+        "--result-filename", f"{case.name}.json",
+    ]  # fmt: skip
+
+
+def summarize(result: dict) -> dict:
+    """The figures the report keeps from one ``vllm bench serve`` result file."""
+    keys = ("completed", "failed", "duration", "output_throughput", "total_token_throughput",
+            "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+            "max_concurrent_requests")  # fmt: skip
+    return {k: result.get(k) for k in keys}
+
+
+def _preemptions(port: int) -> float | None:
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    except OSError:
+        return None
+    values = re.findall(rb"^vllm:num_preemptions_total(?:\{[^}]*\})? (\S+)$", text, re.M)
+    return sum(float(v) for v in values)
+
+
+def _wait_up(port: int, log: Path, seconds: float) -> float:
+    start = time.time()
+    while time.time() - start < seconds:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+            return time.time() - start
+        except OSError:
+            if re.search(r"^Traceback", log.read_text(errors="replace"), re.M):
+                raise RuntimeError(f"the server failed to start; see {log}") from None
+            time.sleep(2)
+    raise TimeoutError(f"no answer on port {port} after {seconds:.0f} s; see {log}")
+
+
+def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
+    port = args.port
+    log = out / f"{args.layout}_{name}.log"
+    command = ["vllm", "serve", args.model, "--port", str(port), "--max-model-len",
+               str(args.max_model_len), "--seed", "0", *LAYOUTS[args.layout], *SERVERS[name],
+               *args.serve_args]  # fmt: skip
+    record: dict = {"server": name, "layout": args.layout, "command": " ".join(command)}
+    with open(log, "w") as handle:
+        server = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # fmt: skip
+    try:
+        record["ready_s"] = round(_wait_up(port, log, args.wait), 1)
+        record["kv_tokens"] = kv_tokens(log.read_text(errors="replace"))
+        reference = record["kv_tokens"] if name == "vllm" else args.reference_kv
+        if reference is None:
+            reference_file = out / f"{args.layout}_vllm.json"
+            if reference_file.exists():
+                reference = json.loads(reference_file.read_text()).get("kv_tokens")
+        record["cases"] = {}
+        for which in args.cases:
+            for case in plan_cases(which, reference):
+                before = _preemptions(port)
+                result_dir = out / f"{args.layout}_{name}"
+                run = subprocess.run(bench_command(port, args.model, case, result_dir, args.seed),
+                                     capture_output=True, text=True)  # fmt: skip
+                after = _preemptions(port)
+                entry = {"case": asdict(case), "exit": run.returncode}
+                result_file = result_dir / f"{case.name}.json"
+                if result_file.exists():
+                    entry.update(summarize(json.loads(result_file.read_text())))
+                else:
+                    entry["stderr"] = run.stderr[-2000:]
+                if before is not None and after is not None:
+                    entry["preemptions"] = after - before
+                record["cases"][case.name] = entry
+                print(f"{args.layout} {name} {case.name}: {entry.get('output_throughput')} "
+                      f"tok/s out, TPOT p50 {entry.get('median_tpot_ms')} ms, "
+                      f"preemptions {entry.get('preemptions')}", flush=True)  # fmt: skip
+                (out / f"{args.layout}_{name}.json").write_text(json.dumps(record, indent=1))
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+    errors = re.findall(r"^.*(?:Traceback|ERROR).*$", log.read_text(errors="replace"), re.M)
+    record["server_log_errors"] = errors[:10]
+    (out / f"{args.layout}_{name}.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dsv4_attn.e2e.bench_serve")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="tp1")
+    parser.add_argument("--servers", default="vllm,fp8,nvfp4")
+    parser.add_argument("--cases", default="a,b")
+    parser.add_argument("--max-model-len", type=int, default=131072)
+    parser.add_argument("--port", type=int, default=8200)
+    parser.add_argument("--wait", type=float, default=1200.0, help="seconds to wait for a server")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reference-kv", type=int, help="vLLM's backend's KV tokens (set b)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("serve_args", nargs="*", help="more `vllm serve` flags (after --)")
+    args = parser.parse_args(argv)
+    args.cases = [c for c in args.cases.split(",") if c]
+    servers = [s for s in args.servers.split(",") if s]
+    unknown = [s for s in servers if s not in SERVERS]
+    if unknown:
+        raise SystemExit(f"unknown servers {unknown}: choose from {sorted(SERVERS)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {name: run_server(args, name, out) for name in servers}
+    (out / f"{args.layout}_summary.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
