@@ -31,6 +31,9 @@
 #                                       #   through every phase, preemption included, CONTROL_REPS
 #                                       #   (3) times; also with CUDA_LAUNCH_BLOCKING=1, and with
 #                                       #   the plugin installed (three servers side by side)
+#   bash scripts/gpu_serve.sh real L    # V4-Flash-shaped checkpoint (dsv4_attn.e2e.real_shapes)
+#                                       #   and vllm bench serve of the three servers on layout L
+#                                       #   (tp1, tp2, tp4, dp2ep, dp4ep: dsv4_attn.e2e.bench_serve)
 #   bash scripts/gpu_serve.sh soak      # vLLM's backend, DSV4_NVFP4 fp8 and NVFP4 at once,
 #                                       #   SOAK_SECONDS (600) of random traffic each
 #                                       #   (dsv4_attn.e2e.soak) on a 2400-block KV budget: a GPU
@@ -54,7 +57,8 @@ export PYTHONUNBUFFERED=1
 . /tmp/dsv4_env.sh
 SITE=/tmp/site
 CKPT=/tmp/dsv4_tiny_ckpt
-PART=${1:?usage: gpu_serve.sh prepare|tests|sanitize|bench|vllm|fp8|nvfp4|compare|capacity}
+PARTS="prepare|tests|sanitize|bench|vllm|fp8|nvfp4|compare|capacity|startup|control|soak|real"
+PART=${1:?usage: gpu_serve.sh $PARTS}
 
 launch() {  # name port [vllm serve args...]: start a server in its own session, log in $OUT
   local name=$1 port=$2; shift 2
@@ -278,6 +282,18 @@ Server; Server($((port + i)), '').wait(600)" || echo "server soak_$name did not 
       grep -E "^Traceback|Error" "$OUT/serve_soak_$name.log" | grep -v -i warn | head -5
       stop_server "soak_$name" "$p"
     done < "$OUT/soak_servers.txt"
+    ;;
+  real)
+    # V4-Flash's attention at its real shapes (dsv4_attn.e2e.real_shapes: 16 GiB written here
+    # once), then vllm bench serve of the three servers on layout ${2:-tp1}
+    # (dsv4_attn.e2e.bench_serve; BENCH_SERVERS / BENCH_CASES narrow it). Long: run it under
+    # setsid and poll $OUT/bench.log.
+    FLASH=/tmp/dsv4_flash_ckpt
+    [ -f "$FLASH/tokenizer.json" ] || python3 -m dsv4_attn.e2e.real_shapes "$FLASH" 2>&1 \
+      | tail -3 | tee "$OUT/real_shapes.log"
+    VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m dsv4_attn.e2e.bench_serve --model "$FLASH" \
+      --layout "${2:-tp1}" --servers "${BENCH_SERVERS:-vllm,fp8,nvfp4}" \
+      --cases "${BENCH_CASES:-a,b}" --out "$OUT/bench_serve" 2>&1 | tee "$OUT/bench.log"
     ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
