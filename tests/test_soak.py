@@ -22,7 +22,8 @@ def test_drawn_requests_fit_the_model_and_cover_every_kind():
     assert all(len(r.prompt) >= 1 and r.max_tokens >= 1 for r in drawn)
     assert {r.kind for r in drawn} == {"complete", "stream", "disconnect"}
     assert max(len(r.prompt) + r.max_tokens for r in drawn) > 4000  # up to the model length
-    assert any(r.prompt[: soak.PREFIX_TOKENS] in prefixes for r in drawn)
+    assert any(r.shared_prefix for r in drawn)
+    assert all((r.prompt[: soak.PREFIX_TOKENS] in prefixes) == r.shared_prefix for r in drawn)
     assert all(r.disconnect_after >= 1 for r in drawn if r.kind == "disconnect")
 
 

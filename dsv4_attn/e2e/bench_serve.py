@@ -28,10 +28,10 @@ import os
 import re
 import signal
 import subprocess
-import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from dsv4_attn.e2e.serve_check import Server
 
 __all__ = [
     "LAYOUTS",
@@ -117,26 +117,11 @@ def summarize(result: dict) -> dict:
     return {k: result.get(k) for k in keys}
 
 
-def _preemptions(port: int) -> float | None:
+def _preemptions(server: Server) -> float | None:
     try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        return server.counters().get("vllm:num_preemptions_total")
     except OSError:
         return None
-    values = re.findall(rb"^vllm:num_preemptions_total(?:\{[^}]*\})? (\S+)$", text, re.M)
-    return sum(float(v) for v in values)
-
-
-def _wait_up(port: int, log: Path, seconds: float) -> float:
-    start = time.time()
-    while time.time() - start < seconds:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-            return time.time() - start
-        except OSError:
-            if re.search(r"^Traceback", log.read_text(errors="replace"), re.M):
-                raise RuntimeError(f"the server failed to start; see {log}") from None
-            time.sleep(2)
-    raise TimeoutError(f"no answer on port {port} after {seconds:.0f} s; see {log}")
 
 
 def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
@@ -147,10 +132,11 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
                *args.serve_args]  # fmt: skip
     record: dict = {"server": name, "layout": args.layout, "command": " ".join(command)}
     with open(log, "w") as handle:
-        server = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
-                                  start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
+                                   start_new_session=True)  # fmt: skip
+    server = Server(port, args.model)
     try:
-        record["ready_s"] = round(_wait_up(port, log, args.wait), 1)
+        record["ready_s"] = round(server.wait(args.wait, process.pid), 1)
         record["kv_tokens"] = kv_tokens(log.read_text(errors="replace"))
         reference = record["kv_tokens"] if name == "vllm" else args.reference_kv
         if reference is None:
@@ -160,11 +146,11 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
         record["cases"] = {}
         for which in args.cases:
             for case in plan_cases(which, reference):
-                before = _preemptions(port)
+                before = _preemptions(server)
                 result_dir = out / f"{args.layout}_{name}"
                 run = subprocess.run(bench_command(port, args.model, case, result_dir, args.seed),
                                      capture_output=True, text=True)  # fmt: skip
-                after = _preemptions(port)
+                after = _preemptions(server)
                 entry = {"case": asdict(case), "exit": run.returncode}
                 result_file = result_dir / f"{case.name}.json"
                 if result_file.exists():
@@ -179,11 +165,11 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
                       f"preemptions {entry.get('preemptions')}", flush=True)  # fmt: skip
                 (out / f"{args.layout}_{name}.json").write_text(json.dumps(record, indent=1))
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        os.killpg(process.pid, signal.SIGTERM)
         try:
-            server.wait(60)
+            process.wait(60)
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+            os.killpg(process.pid, signal.SIGKILL)
     errors = re.findall(r"^.*(?:Traceback|ERROR).*$", log.read_text(errors="replace"), re.M)
     record["server_log_errors"] = errors[:10]
     (out / f"{args.layout}_{name}.json").write_text(json.dumps(record, indent=1))

@@ -49,6 +49,7 @@ class SoakRequest:
     prompt: list[int]
     max_tokens: int
     disconnect_after: int = 0  # chunks read before a "disconnect" client closes the connection
+    shared_prefix: bool = False  # the prompt starts with one of the shared prefixes
 
 
 def draw_request(rng: random.Random, max_model_len: int, prefixes: list[list[int]]) -> SoakRequest:
@@ -62,14 +63,14 @@ def draw_request(rng: random.Random, max_model_len: int, prefixes: list[list[int
         total = rng.randint(max_model_len // 2, max_model_len)
     max_tokens = rng.randint(1, max(1, min(MAX_OUTPUT, total - 1)))
     prompt_len = max(1, total - max_tokens)
-    prompt: list[int] = []
-    if prompt_len > PREFIX_TOKENS and rng.random() < 0.3:
-        prompt = list(rng.choice(prefixes))
+    shared = prompt_len > PREFIX_TOKENS and rng.random() < 0.3
+    prompt = list(rng.choice(prefixes)) if shared else []
     prompt += [rng.randrange(1, VOCAB) for _ in range(prompt_len - len(prompt))]
     roll = rng.random()
     if roll < 0.15:
-        return SoakRequest("disconnect", prompt, max_tokens, rng.randint(1, 8))
-    return SoakRequest("stream" if roll < 0.4 else "complete", prompt, max_tokens)
+        return SoakRequest("disconnect", prompt, max_tokens, rng.randint(1, 8), shared)
+    return SoakRequest("stream" if roll < 0.4 else "complete", prompt, max_tokens,
+                       shared_prefix=shared)  # fmt: skip
 
 
 @dataclass
@@ -81,11 +82,11 @@ class Tally:
     prefixed: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, request: SoakRequest, tokens: int, error: str | None, prefixed: bool) -> None:
+    def add(self, request: SoakRequest, tokens: int, error: str | None) -> None:
         with self.lock:
             self.requests[request.kind] = self.requests.get(request.kind, 0) + 1
             self.new_tokens += tokens
-            self.prefixed += prefixed
+            self.prefixed += request.shared_prefix
             if error is not None:
                 self.error_count += 1
                 if len(self.errors) < 20:
@@ -159,9 +160,8 @@ def soak(args: argparse.Namespace) -> dict:
         local = random.Random(args.seed * 1000 + index)
         while time.time() < deadline:
             request = draw_request(local, args.max_model_len, prefixes)
-            prefixed = any(request.prompt[:PREFIX_TOKENS] == p for p in prefixes)
             tokens, error = _send(server, request)
-            tally.add(request, tokens, error, prefixed)
+            tally.add(request, tokens, error)
 
     def report(complete: bool) -> dict:
         try:

@@ -29,6 +29,7 @@ from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
 from vllm.v1.core import kv_cache_planning, kv_cache_utils
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
+from dsv4_attn.kernels.precompile import CACHE_BLOCK_TOKENS, SWA_BLOCK_TOKENS
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.vllm_glue import kv_spec
 from dsv4_attn.vllm_glue.compressor_state import state_dtype
@@ -47,8 +48,6 @@ BACKENDS = ("vllm", "dsv4_nvfp4-fp8", "dsv4_nvfp4-nvfp4")
 """vLLM's own backend (fp8_ds_mla), DSV4_NVFP4 with ``--kv-cache-dtype fp8``, and with NVFP4."""
 
 _WINDOW = 128
-_SWA_BLOCK = 64
-_CACHE_BLOCK = 256
 _INDEXER_HEAD = 128 + 4  # fp8 keys and their scale
 _INDEXER_DIM = 128
 
@@ -82,7 +81,7 @@ def _planner_config(cache_dtype: str, max_model_len: int, max_num_batched_tokens
     from vllm.config.cache import _layout_from_name
 
     cache = SimpleNamespace(
-        cache_dtype=cache_dtype, block_size=_CACHE_BLOCK, num_gpu_blocks_override=None,
+        cache_dtype=cache_dtype, block_size=CACHE_BLOCK_TOKENS, num_gpu_blocks_override=None,
         prefix_cache_retention_interval=None,
         get_resolved_kv_cache_layout=lambda: _layout_from_name("BLHNC"),
     )  # fmt: skip
@@ -125,10 +124,10 @@ def layer_specs(schedule: list[int], backend: str, config) -> dict[str, KVCacheS
                 4, _INDEXER_DIM, torch.float32, config
             )
         if nvfp4:
-            specs[f"{prefix}.swa_cache"] = kv_spec.swa_cache_spec(_SWA_BLOCK, _WINDOW)
+            specs[f"{prefix}.swa_cache"] = kv_spec.swa_cache_spec(SWA_BLOCK_TOKENS, _WINDOW)
         else:
             swa = SimpleNamespace(
-                cache_config=config.cache_config, bounded_replay=False, block_size=_SWA_BLOCK,
+                cache_config=config.cache_config, bounded_replay=False, block_size=SWA_BLOCK_TOKENS,
                 head_dim=HEAD_DIM, dtype=torch.uint8, window_size=_WINDOW,
                 packed_bytes_per_token=584, packed_page_alignment=576,
                 packed_block_stride_alignment=None,
@@ -136,7 +135,7 @@ def layer_specs(schedule: list[int], backend: str, config) -> dict[str, KVCacheS
             specs[f"{prefix}.swa_cache"] = DeepseekV4SWACache.get_kv_cache_spec(swa, config)
         if ratio > 1:
             if nvfp4:
-                specs[prefix] = kv_spec.compressed_cache_spec(_CACHE_BLOCK, ratio)
+                specs[prefix] = kv_spec.compressed_cache_spec(CACHE_BLOCK_TOKENS, ratio)
             else:
                 attention = SimpleNamespace(
                     compress_ratio=ratio,
