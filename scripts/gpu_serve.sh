@@ -38,7 +38,8 @@
 #                                       #   SOAK_SECONDS (600) of random traffic each
 #                                       #   (dsv4_attn.e2e.soak) on a 2400-block KV budget: a GPU
 #                                       #   per server where there are enough (3: clean memory
-#                                       #   figures), else all on GPU 0
+#                                       #   figures), else all on GPU 0; SOAK_PROBE=1 adds each
+#                                       #   worker's own torch memory and what grew it
 #
 # SERVE_MEM (default 0.5) is each round's --gpu-memory-utilization: rounds may run side by side
 # at 0.25 (their KV blocks are fixed by the override; three servers of the tiny model fit).
@@ -163,6 +164,7 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     VLLM_TARGET_DEVICE=cuda timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
       tests/test_fused.py tests/test_vllm_glue_gpu.py tests/test_sparse_decode.py \
       tests/test_fmha_ops.py::test_gpu_sparse_prefill_auto_uses_kernel tests/test_fmha.py \
+      tests/test_memory_probe.py \
       -k "(not test_kernel_matches_reference or H-64) and (not dense or d512)" 2>&1 \
       | tee "$OUT/pytest_gpu_serve_env.log"
     echo "pytest exit: ${PIPESTATUS[0]}"
@@ -255,7 +257,15 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     # random traffic at once. With a GPU per server each runs alone on its own (its memory
     # figure is then its own); on fewer GPUs they share GPU 0, started one after the other
     # (vLLM's memory profiling fails when another process changes its memory meanwhile).
+    # SOAK_PROBE=1: each server runs dsv4_attn.e2e.memory_probe as its worker extension, so the
+    # soak samples every worker's own torch memory (clean even on a shared GPU) and ends with
+    # the memory mapped during the run by the code that asked for it.
     read -r -a names <<< "${SOAK_SERVERS:-vllm fp8 nvfp4}"
+    probe=()
+    if [ "${SOAK_PROBE:-0}" = 1 ]; then
+      export VLLM_SERVER_DEV_MODE=1
+      probe=(--worker-extension-cls dsv4_attn.e2e.memory_probe.MemoryProbe)
+    fi
     gpus=$(nvidia-smi -L | wc -l); port=8140; i=0
     for name in "${names[@]}"; do
       case $name in
@@ -266,15 +276,17 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
       esac
       gpu=0; [ "$gpus" -ge "${#names[@]}" ] && gpu=$i
       CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=$gpu SERVE_MEM=${SOAK_MEM:-0.25} \
-        launch "soak_$name" $((port + i)) "${extra[@]}"
+        launch "soak_$name" $((port + i)) "${extra[@]}" "${probe[@]}"
       [ "$gpus" -ge "${#names[@]}" ] || python3 -c "from dsv4_attn.e2e.serve_check import \
 Server; Server($((port + i)), '').wait(600)" || echo "server soak_$name did not come up"
       echo "$name $((port + i)) $gpu" >> "$OUT/soak_servers.txt"; i=$((i + 1))
     done
     while read -r name p gpu; do
+      snapshot=()
+      [ ${#probe[@]} -gt 0 ] && snapshot=(--probe "/tmp/memory_snapshot_${name}_{rank}.pickle")
       python3 -m dsv4_attn.e2e.soak --port "$p" --model "$CKPT" --max-model-len 4096 --wait 600 \
         --seconds "${SOAK_SECONDS:-600}" --gpu "$gpu" --out "$OUT/soak_$name.json" \
-        > "$OUT/soak_$name.log" 2>&1 &
+        "${snapshot[@]}" > "$OUT/soak_$name.log" 2>&1 &
     done < "$OUT/soak_servers.txt"
     wait
     while read -r name p gpu; do
@@ -286,14 +298,15 @@ Server; Server($((port + i)), '').wait(600)" || echo "server soak_$name did not 
   real)
     # V4-Flash's attention at its real shapes (dsv4_attn.e2e.real_shapes: 16 GiB written here
     # once), then vllm bench serve of the three servers on layout ${2:-tp1}
-    # (dsv4_attn.e2e.bench_serve; BENCH_SERVERS / BENCH_CASES narrow it). Long: run it under
+    # (dsv4_attn.e2e.bench_serve; BENCH_SERVERS / BENCH_CASES / BENCH_ONLY narrow it). Long: run it under
     # setsid and poll $OUT/bench.log.
     FLASH=/tmp/dsv4_flash_ckpt
     [ -f "$FLASH/tokenizer.json" ] || python3 -m dsv4_attn.e2e.real_shapes "$FLASH" 2>&1 \
       | tail -3 | tee "$OUT/real_shapes.log"
     VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m dsv4_attn.e2e.bench_serve --model "$FLASH" \
       --layout "${2:-tp1}" --servers "${BENCH_SERVERS:-vllm,fp8,nvfp4}" \
-      --cases "${BENCH_CASES:-a,b}" --out "$OUT/bench_serve" 2>&1 | tee "$OUT/bench.log"
+      --cases "${BENCH_CASES:-a,b}" --only "${BENCH_ONLY:-}" --out "$OUT/bench_serve" 2>&1 \
+      | tee "$OUT/bench.log"
     ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac

@@ -3,6 +3,9 @@ result files, and a ``vllm bench serve`` command that vLLM's own parser accepts.
 
 from __future__ import annotations
 
+import argparse
+import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -69,3 +72,40 @@ def test_layouts_and_servers_are_vllm_flags():
     assert bench_serve.LAYOUTS["dp4ep"] == ["--data-parallel-size", "4", "--enable-expert-parallel"]
     assert bench_serve.SERVERS["vllm"] == []  # vLLM's own backend: no attention flag
     assert "DSV4_NVFP4" in bench_serve.SERVERS["nvfp4"] and "fp8" in bench_serve.SERVERS["fp8"]
+
+
+def test_only_runs_the_named_cases(tmp_path: Path, monkeypatch):
+    """run_server with the server, vllm bench serve and the process group stood in for: the
+    --only names pick cases out of the sets, and each run's figures land in the record."""
+    ran: list[str] = []
+
+    class _Process:
+        pid = 12345
+
+        def wait(self, timeout=None):
+            return 0
+
+    def fake_run(command, **kwargs):
+        name = command[command.index("--result-filename") + 1]
+        ran.append(name.removesuffix(".json"))
+        result_dir = Path(command[command.index("--result-dir") + 1])
+        result_dir.mkdir(parents=True, exist_ok=True)
+        (result_dir / name).write_text(json.dumps({"completed": 4, "output_throughput": 99.0}))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(bench_serve.subprocess, "Popen", lambda *a, **k: _Process())
+    monkeypatch.setattr(bench_serve.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench_serve.os, "killpg", lambda *a: None)
+    monkeypatch.setattr(bench_serve.Server, "wait", lambda self, seconds, pid=None: 2.0)
+    monkeypatch.setattr(bench_serve, "_preemptions", lambda server: 0.0)
+    args = argparse.Namespace(model="m", layout="tp1", cases=["a"], only={"a_8k_c1", "a_8k_c64"},
+                              max_model_len=131072, port=1, wait=5, seed=0, reference_kv=None,
+                              serve_args=[])  # fmt: skip
+    record = bench_serve.run_server(args, "nvfp4", tmp_path)
+    assert ran == ["a_8k_c1", "a_8k_c64"]
+    assert sorted(record["cases"]) == ["a_8k_c1", "a_8k_c64"]
+    assert record["cases"]["a_8k_c1"]["output_throughput"] == 99.0
+    args.only = set()
+    ran.clear()
+    bench_serve.run_server(args, "nvfp4", tmp_path)
+    assert ran == ["a_8k_c1", "a_8k_c16", "a_8k_c64"]

@@ -7,6 +7,7 @@ import argparse
 import json
 import random
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -32,19 +33,41 @@ class _Completions(BaseHTTPRequestHandler):
 
     short = False
     disconnects = 0
+    dies_after: int | None = None  # completions served before the "engine" dies
+    served = 0
+    rpc_calls: list | None = None  # (method, args) of every /collective_rpc
 
     def log_message(self, *args):  # quiet
         pass
 
-    def do_GET(self):
-        body = b"ok" if self.path == "/health" else b"vllm:num_preemptions_total 3.0\n"
-        self.send_response(200)
+    def _answer(self, code: int, body: bytes) -> None:
+        self.send_response(code)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
+    def _dead(self) -> bool:
+        cls = type(self)
+        return cls.dies_after is not None and cls.served >= cls.dies_after
+
+    def do_GET(self):
+        if self._dead():
+            return self._answer(500, b"engine dead")
+        body = b"ok" if self.path == "/health" else b"vllm:num_preemptions_total 3.0\n"
+        self._answer(200, body)
+
     def do_POST(self):
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/collective_rpc":
+            type(self).rpc_calls.append((request["method"], request.get("args", [])))
+            result = {"dsv4_memory_record": None,
+                      "dsv4_memory_stats": {"rank": 0, "reserved_mib": 5.0},
+                      "dsv4_memory_growth": {"mapped_mib": 1.0},
+                      "dsv4_memory_dump": {"mapped_mib": 2.0}}[request["method"]]  # fmt: skip
+            return self._answer(200, json.dumps({"results": [result]}).encode())
+        if self._dead():
+            return self._answer(500, b"engine dead")
+        type(self).served += 1
         count = request["max_tokens"] - (1 if type(self).short else 0)
         ids = list(range(count))
         if not request["stream"]:
@@ -102,3 +125,43 @@ def test_gpu_memory_reads_one_gpu_or_all(monkeypatch):
 
     monkeypatch.setattr(soak, "_query", no_smi)
     assert soak.gpu_memory_mib(0) is None
+
+
+def _run(handler, tmp_path, **overrides) -> dict:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        fields = dict(port=httpd.server_address[1], model="m", max_model_len=512, seconds=1.5,
+                      concurrency=4, seed=1, gpu=None, wait=10, sample_seconds=0.5,
+                      out=str(tmp_path / "soak.json"))  # fmt: skip
+        fields.update(overrides)
+        return soak.soak(argparse.Namespace(**fields))
+    finally:
+        httpd.shutdown()
+
+
+def test_a_dead_server_ends_the_soak_instead_of_counting_errors(tmp_path):
+    handler = type("Handler", (_Completions,), {"dies_after": 30, "served": 0})
+    start = time.time()
+    report = _run(handler, tmp_path, seconds=30.0)
+    assert time.time() - start < 10  # stopped at the first sample after the death, not at 30 s
+    assert report["server_died_at_s"] is not None and report["server_died_at_s"] < 5
+    assert report["healthy_after"] is False
+    assert 0 < report["errors"] < 2000  # the requests in flight, not a flood
+
+
+def test_probe_records_samples_each_worker_and_dumps_at_the_end(tmp_path):
+    calls: list = []
+    handler = type("Handler", (_Completions,), {"rpc_calls": calls})
+    path = str(tmp_path / "snap_{rank}.pickle")
+    report = _run(handler, tmp_path, seconds=1.6, probe=path)
+    methods = [m for m, _ in calls]
+    assert methods[0] == "dsv4_memory_record" and methods[-1] == "dsv4_memory_dump"
+    assert calls[-1][1] == [path]
+    samples = report["gpu_memory_mib"]
+    assert len(samples) >= 3 and methods.count("dsv4_memory_stats") == len(samples)
+    assert methods.count("dsv4_memory_growth") == len(samples) - 1
+    assert all(s["workers"] == [{"rank": 0, "reserved_mib": 5.0}] for s in samples)
+    assert "growth" not in samples[0]
+    assert all(s["growth"] == [{"mapped_mib": 1.0}] for s in samples[1:])
+    assert report["memory_growth"] == [{"mapped_mib": 2.0}]

@@ -146,6 +146,8 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
         record["cases"] = {}
         for which in args.cases:
             for case in plan_cases(which, reference):
+                if args.only and case.name not in args.only:
+                    continue
                 before = _preemptions(server)
                 result_dir = out / f"{args.layout}_{name}"
                 run = subprocess.run(bench_command(port, args.model, case, result_dir, args.seed),
@@ -182,6 +184,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="tp1")
     parser.add_argument("--servers", default="vllm,fp8,nvfp4")
     parser.add_argument("--cases", default="a,b")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="run only these cases of the sets, by name (e.g. a_8k_c1,a_8k_c16)",
+    )
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--port", type=int, default=8200)
     parser.add_argument("--wait", type=float, default=1200.0, help="seconds to wait for a server")
@@ -191,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("serve_args", nargs="*", help="more `vllm serve` flags (after --)")
     args = parser.parse_args(argv)
     args.cases = [c for c in args.cases.split(",") if c]
+    args.only = {c for c in args.only.split(",") if c}
     servers = [s for s in args.servers.split(",") if s]
     unknown = [s for s in servers if s not in SERVERS]
     if unknown:

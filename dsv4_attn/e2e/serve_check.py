@@ -124,6 +124,18 @@ class Server:
             ]
         return result
 
+    def rpc(self, method: str, *args: str) -> list:
+        """Every worker's result of ``method(*args)`` through vLLM's development endpoint
+        ``POST /collective_rpc`` (the server runs with ``VLLM_SERVER_DEV_MODE=1``)."""
+        http = urllib.request.Request(
+            self.base + "/collective_rpc",
+            data=json.dumps({"method": method, "args": list(args)}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(http, timeout=120) as response:
+            body = response.read()
+        return json.loads(body)["results"] if body else []
+
     def counters(self) -> dict[str, float]:
         """vLLM's preemption and prefix-cache counters from /metrics (summed over labels)."""
         text = urllib.request.urlopen(self.base + "/metrics", timeout=10).read().decode()

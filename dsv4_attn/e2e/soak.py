@@ -19,7 +19,11 @@ vLLM's preemption and prefix-cache counters over the run, tokens generated, and 
 of the server's GPU (``nvidia-smi``; give the server a GPU of its own for a figure that is its
 alone) at the start, every ``--sample-seconds`` and at the end; the server must still answer
 ``/health`` afterwards. The tally so far is written to ``--out`` at every sample, in case the run
-is cut short.
+is cut short; a server that stops answering ``/health`` ends the run (``server_died_at_s``).
+
+With ``--probe SNAPSHOT`` (the server started with :class:`~dsv4_attn.e2e.memory_probe.MemoryProbe`
+as its worker extension) each sample also holds every worker's torch allocator figures, and the
+report ends with the memory the allocator mapped during the run, by the code that asked for it.
 """
 
 from __future__ import annotations
@@ -152,27 +156,49 @@ def soak(args: argparse.Namespace) -> dict:
                 for _ in range(SHARED_PREFIXES)]  # fmt: skip
     tally = Tally()
     before = server.counters()
-    memory = [{"t": 0.0, "mib": gpu_memory_mib(args.gpu)}]
+    probe = getattr(args, "probe", None)
+    if probe:
+        server.rpc("dsv4_memory_record")
+
+    def sample(t: float) -> dict:
+        entry: dict = {"t": round(t, 1), "mib": gpu_memory_mib(args.gpu)}
+        if probe:
+            try:
+                entry["workers"] = server.rpc("dsv4_memory_stats")
+                if t > 0:  # what grew the allocator so far, should the run be cut short
+                    entry["growth"] = server.rpc("dsv4_memory_growth")
+            except Exception as exc:
+                entry["workers"] = repr(exc)[:200]
+        return entry
+
+    memory = [sample(0.0)]
     start = time.time()
-    deadline = start + args.seconds
+    deadline = [start + args.seconds]  # moved up when the server stops answering
+    died_at: list[float] = []
 
     def client(index: int) -> None:
         local = random.Random(args.seed * 1000 + index)
-        while time.time() < deadline:
+        while time.time() < deadline[0]:
             request = draw_request(local, args.max_model_len, prefixes)
             tokens, error = _send(server, request)
             tally.add(request, tokens, error)
 
+    def healthy() -> bool:
+        try:
+            urllib.request.urlopen(server.base + "/health", timeout=10).read()
+            return True
+        except Exception:
+            return False
+
     def report(complete: bool) -> dict:
         try:
             after = server.counters()
-            urllib.request.urlopen(server.base + "/health", timeout=10).read()
-            healthy = True
         except Exception:
-            after, healthy = {}, False
+            after = {}
         return {
             "complete": complete,
             "seconds": round(time.time() - start, 1),
+            "server_died_at_s": died_at[0] if died_at else None,
             "concurrency": args.concurrency,
             "max_model_len": args.max_model_len,
             "seed": args.seed,
@@ -184,7 +210,7 @@ def soak(args: argparse.Namespace) -> dict:
             "new_tokens": tally.new_tokens,
             "counters": {k: after[k] - before.get(k, 0.0) for k in after},
             "gpu_memory_mib": list(memory),
-            "healthy_after": healthy,
+            "healthy_after": healthy(),
         }
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True)
@@ -192,9 +218,14 @@ def soak(args: argparse.Namespace) -> dict:
     for thread in threads:
         thread.start()
     while any(t.is_alive() for t in threads):
-        time.sleep(min(args.sample_seconds, max(1.0, deadline - time.time())))
-        if time.time() < deadline:
-            memory.append({"t": round(time.time() - start, 1), "mib": gpu_memory_mib(args.gpu)})
+        time.sleep(min(args.sample_seconds, max(1.0, deadline[0] - time.time())))
+        if time.time() < deadline[0]:
+            if not healthy():  # a dead server answers every request at once: stop counting
+                died_at.append(round(time.time() - start, 1))
+                deadline[0] = time.time()
+                print(f"{died_at[0]:6.0f} s  the server stopped answering /health", flush=True)
+                continue
+            memory.append(sample(time.time() - start))
             print(
                 f"{time.time() - start:6.0f} s  requests {sum(tally.requests.values())}  "
                 f"errors {tally.error_count}  memory (MiB) {memory[-1]}",
@@ -203,8 +234,11 @@ def soak(args: argparse.Namespace) -> dict:
             if getattr(args, "out", None):  # the tally so far, should the run be cut short
                 with open(args.out, "w") as f:
                     json.dump(report(False), f, indent=1)
-    memory.append({"t": round(time.time() - start, 1), "mib": gpu_memory_mib(args.gpu)})
-    return report(True)
+    memory.append(sample(time.time() - start))
+    result = report(True)
+    if probe and not died_at:
+        result["memory_growth"] = server.rpc("dsv4_memory_dump", probe)
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -224,6 +258,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wait", type=float, default=420.0, help="seconds to wait for /health")
     parser.add_argument("--sample-seconds", type=float, default=30.0)
     parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--probe",
+        metavar="SNAPSHOT",
+        help="the server runs with dsv4_attn.e2e.memory_probe.MemoryProbe (and "
+        "VLLM_SERVER_DEV_MODE=1): sample each worker's torch memory, record its allocations "
+        "and dump torch's snapshot to SNAPSHOT ({rank} replaced) at the end",
+    )
     args = parser.parse_args(argv)
     report = soak(args)
     with open(args.out, "w") as f:
