@@ -304,18 +304,21 @@ def _caches():
 
 def decode_config(window, sink, extra, write_partial: bool, balanced: bool = False):
     """The :class:`SparseDecodeConfig` (compile-cache key) of a call."""
+    return _decode_config(window.fmt, window.block_size,
+                          extra.block_size if extra is not None else 0, window.indices.dtype,
+                          window.lens.dtype, sink is not None, write_partial, balanced)  # fmt: skip
+
+
+@functools.cache
+def _decode_config(fmt, block_size, extra_block_size, index_dtype, lens_dtype, has_sink,
+                   write_partial, balanced):  # fmt: skip
+    # One config object per distinct call structure: an eager call then pays a dict lookup,
+    # not a dataclass construction and its hash.
     from dsv4_attn.kernels.sparse_decode_config import SparseDecodeConfig
 
-    return SparseDecodeConfig(
-        fmt=_FORMATS[window.fmt],
-        block_size=window.block_size,
-        extra_block_size=extra.block_size if extra is not None else 0,
-        index_dtype=_INDEX_DTYPES[window.indices.dtype],
-        lens_dtype=_INDEX_DTYPES[window.lens.dtype],
-        has_sink=sink is not None,
-        write_partial=write_partial,
-        balanced=balanced,
-    )
+    return SparseDecodeConfig(_FORMATS[fmt], block_size, extra_block_size,
+                              _INDEX_DTYPES[index_dtype], _INDEX_DTYPES[lens_dtype], has_sink,
+                              write_partial, balanced)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -484,10 +487,15 @@ def combine_config_for(rows: int, has_sink: bool, balanced: bool, num_sms: int):
     (token, head) rows on a GPU of ``num_sms`` SMs: four warps a row while there are fewer
     than :data:`WIDE_COMBINE_ROWS_PER_SM` rows per SM (latency-bound: more SMs and more loads
     in flight per row), else one."""
+    wide = rows < WIDE_COMBINE_ROWS_PER_SM * num_sms
+    return _combine_config(has_sink, balanced, 4 if wide else 1)
+
+
+@functools.cache
+def _combine_config(has_sink: bool, balanced: bool, warps_per_row: int):
     from dsv4_attn.kernels.combine import CombineConfig
 
-    wide = rows < WIDE_COMBINE_ROWS_PER_SM * num_sms
-    return CombineConfig(has_sink, balanced, 4 if wide else 1)
+    return CombineConfig(has_sink, balanced, warps_per_row)
 
 
 def balanced_pays(num_tokens: int, key_capacity: int, num_parts: int) -> bool:
@@ -638,6 +646,9 @@ def _workspace_views(workspace, o_shape, lse_shape) -> tuple[torch.Tensor, torch
     views = []
     for tensor, shape, dtype in zip(workspace, (o_shape, lse_shape), WORKSPACE_DTYPES,
                                     strict=True):  # fmt: skip
+        if tensor.shape == shape and tensor.dtype == dtype and tensor.is_contiguous():
+            views.append(tensor)  # the serving layer's scratch comes at the exact shape
+            continue
         need = math.prod(shape)
         if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.numel() < need:
             raise ValueError(

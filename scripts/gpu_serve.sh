@@ -13,8 +13,9 @@
 #                                       #   the gathered prefill kernel
 #   bash scripts/gpu_serve.sh sanitize  # the poisoned-metadata kernel tests under
 #                                       #   compute-sanitizer (memcheck): no access outside
-#   bash scripts/gpu_serve.sh bench     # python -m dsv4_attn.bench step (one layer step, b = 64)
-#                                       #   and prefill-layer (one prompt's prefill, new vs old)
+#   bash scripts/gpu_serve.sh bench     # python -m dsv4_attn.bench step (one layer step, b = 64),
+#                                       #   prefill-layer (one prompt's prefill, new vs old) and
+#                                       #   host (CPU time of an eager decode call)
 #   bash scripts/gpu_serve.sh vllm      # serve + query: vLLM's backend (the reference)
 #   bash scripts/gpu_serve.sh fp8       # ... --attention-backend DSV4_NVFP4 --kv-cache-dtype fp8
 #   bash scripts/gpu_serve.sh nvfp4     # ... --attention-backend DSV4_NVFP4 (NVFP4: auto)
@@ -184,6 +185,9 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     fi
     timeout 300 python3 -m dsv4_attn.bench prefill-layer --json "$OUT/bench_prefill_layer.json" \
       2>&1 | tee "$OUT/bench_prefill_layer.log"
+    # host time of an eager decode call (FlashMLA's beside it where .devanchors built it)
+    timeout 200 python3 -m dsv4_attn.bench host --json "$OUT/bench_host.json" 2>&1 \
+      | tee "$OUT/bench_host.log"
     ;;
   vllm) serve_round vllm 8101 ;;
   fp8) serve_round fp8 8102 --attention-backend DSV4_NVFP4 --kv-cache-dtype fp8 ;;
@@ -298,14 +302,18 @@ Server; Server($((port + i)), '').wait(600)" || echo "server soak_$name did not 
   real)
     # V4-Flash's attention at its real shapes (dsv4_attn.e2e.real_shapes: 16 GiB written here
     # once), then vllm bench serve of the three servers on layout ${2:-tp1}
-    # (dsv4_attn.e2e.bench_serve; BENCH_SERVERS / BENCH_CASES / BENCH_ONLY narrow it). Long: run it under
+    # (dsv4_attn.e2e.bench_serve; BENCH_SERVERS / BENCH_CASES / BENCH_ONLY narrow it,
+    # BENCH_GREEDY=1 adds the greedy agreement of the servers, BENCH_PROFILE=CASE a profile of
+    # that case's steps). Long: run it under
     # setsid and poll $OUT/bench.log.
     FLASH=/tmp/dsv4_flash_ckpt
     [ -f "$FLASH/tokenizer.json" ] || python3 -m dsv4_attn.e2e.real_shapes "$FLASH" 2>&1 \
       | tail -3 | tee "$OUT/real_shapes.log"
     VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m dsv4_attn.e2e.bench_serve --model "$FLASH" \
       --layout "${2:-tp1}" --servers "${BENCH_SERVERS:-vllm,fp8,nvfp4}" \
-      --cases "${BENCH_CASES:-a,b}" --only "${BENCH_ONLY:-}" --out "$OUT/bench_serve" 2>&1 \
+      --cases "${BENCH_CASES:-a,b}" --only "${BENCH_ONLY:-}" ${BENCH_GREEDY:+--greedy} \
+      ${BENCH_PROFILE:+--profile "$BENCH_PROFILE"} \
+      --out "$OUT/bench_serve" 2>&1 \
       | tee "$OUT/bench.log"
     ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;

@@ -7,6 +7,7 @@ import importlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ def test_every_subcommand_is_a_module_with_main():
         "prefill-layer",
         "fallback",
         "step",
+        "host",
         "wgmma-rate",
         "compressor-state",
     }
@@ -34,7 +36,7 @@ def test_every_subcommand_is_a_module_with_main():
 
 def test_unknown_subcommand_names_the_accepted_ones():
     names = (
-        r"\{decode,decode-splits,prefill,prefill-layer,fallback,step,wgmma-rate,"
+        r"\{decode,decode-splits,prefill,prefill-layer,fallback,step,host,wgmma-rate,"
         r"compressor-state\}"
     )
     with pytest.raises(SystemExit, match=names):
@@ -146,3 +148,32 @@ def test_compressor_state_bench_measures_each_state_dtype():
     assert by_state["fp32"]["row_median"] < 2**-8  # one bf16 rounding of the row
     assert by_state["bf16"]["row_median"] > by_state["fp32"]["row_median"]
     assert by_state["bf16"]["nvfp4_median"] > 10 * by_state["bf16"]["row_median"]
+
+
+def test_host_time_is_the_median_of_calls_on_an_idle_device(monkeypatch):
+    """host_us synchronizes before every timed call (none of the time is a wait for the GPU)
+    and reports the median CPU time in microseconds."""
+    from dsv4_attn.bench import host
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+    durations = iter([0.0] * 3 + [0.001, 0.003, 0.002])  # warm-up calls, then timed ones
+
+    def call():
+        events.append("call")
+        end = time.perf_counter() + next(durations)
+        while time.perf_counter() < end:
+            pass
+
+    median = host.host_us(call, reps=3, warmup=3)
+    assert 2000 <= median < 2600
+    timed = events[3:]
+    assert timed == ["sync", "call"] * 3 + ["sync"]
+
+
+def test_host_bench_needs_cuda(monkeypatch):
+    from dsv4_attn.bench import host
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        host.main(["--reps", "1"])

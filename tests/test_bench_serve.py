@@ -74,38 +74,148 @@ def test_layouts_and_servers_are_vllm_flags():
     assert "DSV4_NVFP4" in bench_serve.SERVERS["nvfp4"] and "fp8" in bench_serve.SERVERS["fp8"]
 
 
-def test_only_runs_the_named_cases(tmp_path: Path, monkeypatch):
-    """run_server with the server, vllm bench serve and the process group stood in for: the
-    --only names pick cases out of the sets, and each run's figures land in the record."""
-    ran: list[str] = []
+class _StandIns:
+    """run_server's outside world stood in for: the server process (``launched`` commands),
+    ``vllm bench serve`` (``ran`` case names; a result file unless ``results`` is False), the
+    server's POSTs (``posts``, with ``bench`` marking each bench run) and greedy queries
+    (``sent`` plans)."""
 
-    class _Process:
-        pid = 12345
+    def __init__(self, monkeypatch) -> None:
+        self.launched: list[list[str]] = []
+        self.ran: list[str] = []
+        self.posts: list[str] = []
+        self.sent: list = []
+        self.results = True
+        self.on_post = None
 
-        def wait(self, timeout=None):
-            return 0
+        class _Process:
+            pid = 12345
 
-    def fake_run(command, **kwargs):
+            def wait(self, timeout=None):
+                return 0
+
+        def popen(command, **kwargs):
+            self.launched.append(command)
+            return _Process()
+
+        monkeypatch.setattr(bench_serve.subprocess, "Popen", popen)
+        monkeypatch.setattr(bench_serve.subprocess, "run", self._run)
+        monkeypatch.setattr(bench_serve.os, "killpg", lambda *a: None)
+        monkeypatch.setattr(bench_serve.Server, "wait", lambda server, seconds, pid=None: 2.0)
+        monkeypatch.setattr(bench_serve.Server, "post", lambda server, path: self._post(path))
+        monkeypatch.setattr(bench_serve, "_preemptions", lambda server: 0.0)
+        monkeypatch.setattr(bench_serve, "query", self._query)
+
+    def _run(self, command, **kwargs):
         name = command[command.index("--result-filename") + 1]
-        ran.append(name.removesuffix(".json"))
+        self.ran.append(name.removesuffix(".json"))
+        self.posts.append("bench")
+        if not self.results:
+            return subprocess.CompletedProcess(command, 1, "", "no result")
         result_dir = Path(command[command.index("--result-dir") + 1])
         result_dir.mkdir(parents=True, exist_ok=True)
         (result_dir / name).write_text(json.dumps({"completed": 4, "output_throughput": 99.0}))
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(bench_serve.subprocess, "Popen", lambda *a, **k: _Process())
-    monkeypatch.setattr(bench_serve.subprocess, "run", fake_run)
-    monkeypatch.setattr(bench_serve.os, "killpg", lambda *a: None)
-    monkeypatch.setattr(bench_serve.Server, "wait", lambda self, seconds, pid=None: 2.0)
-    monkeypatch.setattr(bench_serve, "_preemptions", lambda server: 0.0)
-    args = argparse.Namespace(model="m", layout="tp1", cases=["a"], only={"a_8k_c1", "a_8k_c64"},
-                              max_model_len=131072, port=1, wait=5, seed=0, reference_kv=None,
-                              serve_args=[])  # fmt: skip
+    def _post(self, path):
+        self.posts.append(path)
+        if self.on_post is not None:
+            self.on_post(path)
+
+    def _query(self, server, plan):
+        self.sent.append(plan)
+        return {"results": {}, "errors": {"long_4096": "HTTP 500"}, "phases": {}}
+
+    def flag(self, name: str) -> str:
+        """The value of a flag of the (first) launched server."""
+        command = self.launched[0]
+        return command[command.index(name) + 1]
+
+
+def _args(**overrides) -> argparse.Namespace:
+    fields = dict(model="m", layout="tp1", cases=["a"], only=set(), max_model_len=131072, port=1,
+                  wait=5, seed=0, reference_kv=None, serve_args=[], greedy=False, vocab=500,
+                  profile=None, profile_delay=0, profile_iterations=0)  # fmt: skip
+    return argparse.Namespace(**{**fields, **overrides})
+
+
+def test_only_runs_the_named_cases_after_the_greedy_set(tmp_path: Path, monkeypatch):
+    """--only names pick cases out of the sets, each run's figures land in the record; with
+    --greedy the fresh server first answers the greedy set (ids below --vocab)."""
+    world = _StandIns(monkeypatch)
+    args = _args(only={"a_8k_c1", "a_8k_c64"}, greedy=True)
     record = bench_serve.run_server(args, "nvfp4", tmp_path)
-    assert ran == ["a_8k_c1", "a_8k_c64"]
+    assert len(world.sent) == 1 and max(t for r in world.sent[0] for t in r.prompt) < 500
+    greedy = json.loads((tmp_path / "tp1_nvfp4_greedy.json").read_text())
+    assert greedy["name"] == "nvfp4" and record["greedy_errors"] == 1
+    assert world.ran == ["a_8k_c1", "a_8k_c64"]
     assert sorted(record["cases"]) == ["a_8k_c1", "a_8k_c64"]
     assert record["cases"]["a_8k_c1"]["output_throughput"] == 99.0
-    args.only = set()
-    ran.clear()
-    bench_serve.run_server(args, "nvfp4", tmp_path)
-    assert ran == ["a_8k_c1", "a_8k_c16", "a_8k_c64"]
+    world.ran.clear()
+    bench_serve.run_server(_args(), "nvfp4", tmp_path)
+    assert world.ran == ["a_8k_c1", "a_8k_c16", "a_8k_c64"] and len(world.sent) == 1
+    assert "--profiler-config" not in world.launched[1] and world.posts.count("bench") == 5
+
+
+def test_greedy_plan_covers_4k_32k_and_the_longest_prompt_that_fits():
+    from dsv4_attn.e2e.serve_check import greedy_plan
+
+    plan = greedy_plan(vocab=129280, max_model_len=131072)
+    singles = [r for r in plan if r.phase == "single"]
+    assert [len(r.prompt) for r in singles] == [4096, 32768, 131072 - 64]
+    assert all(len(r.prompt) + r.max_tokens <= 131072 for r in plan)
+    concurrent = [r for r in plan if r.phase == "concurrent"]
+    assert len(concurrent) == 16 and {len(r.prompt) for r in concurrent} == {4096}
+    ids = {t for r in plan for t in r.prompt}
+    assert min(ids) >= 1 and max(ids) < 129280 and max(ids) > 100000
+    assert all(r.logprobs for r in plan)
+    assert greedy_plan(1000, 8192) == greedy_plan(1000, 8192)  # fixed seed
+    small = [len(r.prompt) for r in greedy_plan(1000, 8192) if r.phase == "single"]
+    assert small == [4096, 8192 - 64]
+
+
+def test_greedy_comparison_of_the_servers(tmp_path: Path, capsys):
+    """Each server's greedy record against the first's: identical, a near-tie, a difference."""
+
+    def record(name, tokens):
+        top2 = [[-0.1, -0.105], [-0.1, -3.0]]  # step 0 is a near-tie, step 1 is not
+        return {"name": name, "errors": {}, "phases": {},
+                "results": {f"long_{i}": {"token_ids": t, "top2": top2}
+                            for i, t in enumerate(tokens)}}  # fmt: skip
+
+    ref = record("vllm", [[1, 2], [3, 4], [5, 6]])
+    ours = record("nvfp4", [[1, 2], [9, 4], [5, 9]])
+    for r in (ref, ours):
+        (tmp_path / f"tp1_{r['name']}_greedy.json").write_text(json.dumps(r))
+    assert bench_serve.compare_greedy(tmp_path, "tp1", ["vllm", "fp8"]) is None  # one answered
+    report = bench_serve.compare_greedy(tmp_path, "tp1", ["vllm", "nvfp4"])
+    row = report["servers"]["nvfp4"]["agreement"]["phases"]["long"]
+    assert row == {"requests": 3, "identical": 1, "near_tie": 1, "different": 1, "missing": 0}
+    assert json.loads((tmp_path / "tp1_greedy.json").read_text()) == report
+    assert "reference: vllm" in capsys.readouterr().out
+
+
+def test_profiled_case_is_bracketed_and_summarized(tmp_path: Path, monkeypatch):
+    """--profile CASE: the server gets vLLM's torch profiler config, /start_profile and
+    /stop_profile bracket that case alone, and the workers' trace is summarized by step."""
+    from tests.test_step_profile import _trace
+
+    world = _StandIns(monkeypatch)
+    world.results = False
+
+    def write_trace(path):  # the worker writes its trace when stopped
+        if path == "/stop_profile":
+            trace_dir = Path(json.loads(world.flag("--profiler-config"))["torch_profiler_dir"])
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            (trace_dir / "rank0.pt.trace.json").write_text(json.dumps(_trace()))
+
+    world.on_post = write_trace
+    args = _args(profile="a_8k_c16", profile_delay=7, profile_iterations=9)
+    record = bench_serve.run_server(args, "vllm", tmp_path)
+    config = json.loads(world.flag("--profiler-config"))
+    assert config["profiler"] == "torch" and config["torch_profiler_with_stack"] is False
+    assert (config["delay_iterations"], config["max_iterations"]) == (7, 9)
+    assert world.posts == ["bench", "/start_profile", "bench", "/stop_profile", "bench"]
+    profile = record["cases"]["a_8k_c16"]["profile"]
+    assert profile["rank0.pt.trace.json"]["kinds"]["decode"]["steps"] == 2
+    assert "profile" not in record["cases"]["a_8k_c1"]

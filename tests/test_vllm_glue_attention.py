@@ -7,6 +7,7 @@ slot the step does not own shows up in the output.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -76,12 +77,14 @@ def layer_config(layer):
     raise AssertionError("unknown layer")
 
 
-def write_step_rows(layer, batch: vt.Batch, gen: torch.Generator) -> None:
-    """Random rows at every SWA and compressed slot the batch's requests own (checked writer)."""
+def write_step_rows(layer, batch: vt.Batch, gen: torch.Generator, back: int = vt.WINDOW - 1):
+    """Random rows at every SWA slot the step's tokens may see (from ``back`` positions before
+    each request's first query token: its window; a DSpark block reaches one further) and at
+    every compressed slot the requests own (checked writer)."""
     fmt = layer.kv_format
     swa = [vt.slot(batch.swa_block_table, r, p, vt.SWA_BLOCK)
            for r, (s, q) in enumerate(zip(batch.seq_lens, batch.query_lens, strict=True))
-           for p in range(max(0, s - q - vt.WINDOW + 1), s)]  # fmt: skip
+           for p in range(max(0, s - q - back), s)]  # fmt: skip
     where = layer.swa_pages().device
     rows = random_rows(len(swa), gen, where)
     kv_cache.write(layer.swa_pages(), torch.tensor(swa, device=where), rows, fmt, 64)
@@ -270,6 +273,145 @@ def test_forward_mqa_calls_ops_without_value_checks(monkeypatch):
     with set_forward_context(build_metadata(layer, batch), model.vllm_config):
         layer.forward_mqa(q, None, batch.swa_cm.positions, out)
     assert len(calls) == 1 and calls[0]["check_values"] is False
+
+
+def _decode_step(model, layer, gen, seq_lens) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of ``layer`` (a token per request) over fresh rows; returns the layer's
+    output and the float64 reference."""
+    batch = vt.make_batch(gen, seq_lens, [1] * len(seq_lens), num_blocks=300)
+    write_step_rows(layer, batch, gen)
+    q = (torch.randn(batch.num_tokens, layer.padded_heads, 512, generator=gen) * 0.5).to(
+        torch.bfloat16
+    )
+    out = torch.full_like(q, float("nan"))
+    with set_forward_context(build_metadata(layer, batch), model.vllm_config):
+        layer.forward_mqa(q, None, batch.swa_cm.positions, out)
+    return out, expected_output(layer, batch, q, None)
+
+
+@pytest.mark.parametrize("first_runs_kernel", [True, False])
+def test_decode_goes_straight_to_the_kernel_once_the_first_call_ran_it(
+    first_runs_kernel, monkeypatch
+):
+    """The first decode call goes through ops.sparse_attention (validation, dispatch, a logged
+    fallback). Once that ran the kernel, later calls skip ops and call the kernel's entry with
+    the same arguments; after a fallback every call stays on ops. (The kernel is stood in for
+    by the torch fallback writing into the given out/lse, so the output is still checked.)"""
+    from dsv4_attn import fallback
+    from dsv4_attn.kernels import sparse_decode
+
+    model = vt.tiny_model("auto")
+    layer = model.layers[128]
+    monkeypatch.setattr(layer, "_decode_kernel", None)  # layers live for the whole session
+    if first_runs_kernel:
+        monkeypatch.setattr(ops, "_cutedsl_unsupported_reason", lambda *args: None)
+    kernel_calls, op_calls = [], []
+
+    def kernel(q, window, sink, scale, extra=None, *, out, lse, workspace, plan):
+        kernel_calls.append({"q": q, "window": window, "extra": extra, "out": out})
+        result, result_lse = fallback.sparse_attention(q, window, sink, scale, extra)
+        out.copy_(result)
+        lse.copy_(result_lse)
+        return out, lse
+
+    real_op = ops.sparse_attention
+
+    def op(*args, **kwargs):
+        op_calls.append(kwargs)
+        return real_op(*args, **kwargs)
+
+    monkeypatch.setattr(sparse_decode, "sparse_attention", kernel)
+    monkeypatch.setattr(ops, "sparse_attention", op)
+    gen = torch.Generator().manual_seed(11)
+    for step, seq_lens in enumerate(([300, 45], [900, 129, 7])):
+        out, ref = _decode_step(model, layer, gen, seq_lens)
+        torch.testing.assert_close(out.double(), ref, rtol=2**-7, atol=1e-3 * ref.abs().max())
+        assert len(op_calls) == (1 if first_runs_kernel else step + 1)
+        assert len(kernel_calls) == (step + 1 if first_runs_kernel else 0)
+    if first_runs_kernel:  # the direct call's inputs: this step's rows and the caches' pages
+        direct = kernel_calls[1]
+        assert direct["q"].shape[0] == 3 and direct["out"].shape[0] == 3
+        assert direct["window"].cache is layer.swa_pages()
+        assert direct["extra"].cache is layer.compressed_pages()
+        assert direct["window"].fmt is direct["extra"].fmt is layer.kv_format
+
+
+@pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
+def test_a_dspark_draft_block_attends_to_the_whole_block(kv_dtype, monkeypatch):
+    """A DSpark draft step (non-causal metadata) through a SWA layer: every token of a block
+    sees the window before the block and all the block's tokens, later ones included; the
+    output matches the float64 reference on exactly those rows. Lists wider than the window
+    reach the kernel's scratch sizing too (the layer sizes it from the lists it gets)."""
+    from dsv4_attn.vllm_glue import metadata as metadata_module
+
+    width = 192  # vLLM's padded width for a 128-token window and 4 draft tokens
+    monkeypatch.setattr(metadata_module, "dspark_window_width", lambda config, window: width)
+    model = vt.tiny_model(kv_dtype)
+    layer = model.layers[1]
+    builder = Builders(layer).swa
+    builder.decode_threshold = 4  # a block of 4 draft tokens is one decode
+    gen = torch.Generator().manual_seed(40 + len(kv_dtype))
+    poison(model, gen)
+    batch = vt.make_batch(gen, [4, 131, 300, 133], [4] * 4, padding=2, num_blocks=300)
+    write_step_rows(layer, batch, gen, back=vt.WINDOW)
+    with torch.no_grad():
+        layer.attn_sink[: vt.NUM_HEADS] = torch.randn(vt.NUM_HEADS, generator=gen)
+    T, H = batch.num_tokens, layer.padded_heads
+    q = (torch.randn(T, H, 512, generator=gen) * 0.5).to(torch.bfloat16)
+    out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16)
+    md = builder.build(0, dataclasses.replace(batch.swa_cm, causal=False))
+    assert md.swa_indices.shape[1] == width and md.num_decode_tokens == T
+    with set_forward_context({layer.swa_cache_layer.prefix: md}, model.vllm_config):
+        layer.forward_mqa(q, None, batch.swa_cm.positions, out)
+
+    spans = [range(max(0, s - 4 - vt.WINDOW), s) for s in batch.seq_lens]
+    token_req = [r for r, _ in batch.positions()]
+    slots = [vt.padded([vt.slot(batch.swa_block_table, r, p, vt.SWA_BLOCK) for p in spans[r]],
+                       width) for r in token_req]  # fmt: skip
+    slots = torch.tensor(slots)
+    rows = kv_cache.read(layer.swa_pages(), slots.flatten(), layer.kv_format, vt.SWA_BLOCK)
+    local = torch.arange(slots.numel()).view(slots.shape)
+    ref, _ = reference.sparse_attention(
+        q[: len(token_req)], rows, torch.where(slots >= 0, local, -1),
+        torch.tensor([len(spans[r]) for r in token_req]), layer.attn_sink.detach(), layer.scale,
+    )  # fmt: skip
+    real = len(token_req)
+    assert (out[real:] == 0).all()
+    got = out[:real].double()
+    torch.testing.assert_close(got, ref, rtol=2**-7, atol=1e-3 * ref.abs().max())
+
+
+def test_dspark_context_rows_land_in_nvfp4(monkeypatch):
+    """DSpark's context KV through vLLM's own function (hooked): the rows of an NVFP4 layer
+    are RoPE'd and NVFP4-encoded at their slots, exactly as the step's own rows; slots -1
+    write nothing. An fp8_ds_mla layer is left to vLLM's writer."""
+    import importlib
+
+    from dsv4_attn import plugin
+    from dsv4_attn.vllm_glue.writers import qnorm_rope
+
+    plugin.register()
+    dspark = importlib.import_module("vllm.models.deepseek_v4.nvidia.dspark")
+    model = vt.tiny_model("auto")
+    layer = model.layers[1]
+    gen = torch.Generator().manual_seed(77)
+    poison(model, gen)
+    kv = (torch.randn(6, 512, generator=gen) * 3).to(torch.bfloat16)
+    positions = torch.tensor([0, 5, 63, 64, 200, 7])
+    slots = torch.tensor([3, 70, 130, -1, 4000, 9])
+    untouched = kv_cache.read(layer.swa_pages(), slots[3:4].clamp(min=0), layer.kv_format, 64)
+    dspark._insert_context_kv(layer, kv, positions, slots)
+    _, roped = qnorm_rope(kv[:, None], kv, positions, layer.rotary_emb.cos_sin_cache, 1e-6, 1)
+    data, scales = kv_cache.encode_rows(roped, KVFormat.NVFP4)
+    want = kv_cache.decode_rows(data, scales, KVFormat.NVFP4)
+    real = slots >= 0
+    got = kv_cache.read(layer.swa_pages(), slots[real], layer.kv_format, 64)
+    assert torch.equal(got, want[real])
+    assert torch.equal(
+        kv_cache.read(layer.swa_pages(), slots[3:4].clamp(min=0), layer.kv_format, 64), untouched
+    )
+    with pytest.raises(ValueError, match="vLLM's to write"):
+        vt.tiny_model("fp8").layers[1].insert_context_rows(kv, positions, slots)
 
 
 def test_profile_run_zeroes_output():

@@ -7,6 +7,12 @@ decode), requests shorter than the window, positions on block boundaries, paddin
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,12 +23,14 @@ pytest.importorskip("vllm")
 from dsv4_attn.kernels import sparse_decode_schedule as schedule
 from dsv4_attn.kernels.sparse_decode_config import BLOCK_N
 from dsv4_attn.kv_cache import KVFormat
-from dsv4_attn.vllm_glue import balanced, kv_spec
+from dsv4_attn.vllm_glue import balanced, kv_spec, metadata
 from dsv4_attn.vllm_glue.metadata import (
     DSV4CompressedMetadataBuilder,
     DSV4SWAMetadataBuilder,
     layer_scopes,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -280,3 +288,141 @@ def test_builders_declare_uniform_batch_cudagraphs(config):
     spec = kv_spec.swa_cache_spec(vt.SWA_BLOCK, vt.WINDOW)
     for cls in (DSV4SWAMetadataBuilder, DSV4CompressedMetadataBuilder):
         assert cls.get_cudagraph_support(config, spec) == AttentionCGSupport.UNIFORM_BATCH
+
+
+# ----------------------------------------------------------------------------------------------
+# DSpark draft blocks (non-causal windows)
+# ----------------------------------------------------------------------------------------------
+
+BLOCK_WIDTH = 192  # vLLM's width for a 128-token window and 3 or 4 draft tokens: cdiv(132, 64) * 64
+DRAFT_BLOCKS = {
+    # (seq_lens, query_lens): draft blocks of 4 tokens (decodes), then maybe a prefill
+    "blocks": ([4, 70, 131, 132, 133, 900], [4] * 6),
+    "block_then_prefill": ([300, 9, 700], [4, 4, 200]),
+    "short_blocks": ([1, 2, 200], [1, 2, 3]),
+}
+
+
+def brute_block_window(batch: vt.Batch, width: int, block_rows: int):
+    """Rows of a draft step: the first ``block_rows`` rows see ``max(0, prefix - window) ..
+    seq - 1`` of their request (``prefix = seq - query``), later rows their causal window."""
+    causal_rows, causal_lens = vt.brute_window(batch)
+    rows, lens = [], []
+    token_req = [r for r, _ in batch.positions()]
+    for t, (row, n) in enumerate(zip(causal_rows, causal_lens, strict=True)):
+        if t >= block_rows or t >= len(token_req):
+            rows.append(vt.padded([s for s in row if s >= 0], width))
+            lens.append(n)
+            continue
+        r = token_req[t]
+        seq, q = batch.seq_lens[r], batch.query_lens[r]
+        span = range(max(0, seq - q - vt.WINDOW), seq)
+        rows.append(vt.padded([vt.slot(batch.swa_block_table, r, p, vt.SWA_BLOCK) for p in span],
+                              width))  # fmt: skip
+        lens.append(len(span))
+    return rows, lens
+
+
+def block_builder(config, monkeypatch, draft_tokens: int = 4) -> DSV4SWAMetadataBuilder:
+    """The SWA builder of a server speculating with DSpark (``draft_tokens`` per block)."""
+    monkeypatch.setattr(metadata, "dspark_window_width", lambda cfg, window: BLOCK_WIDTH)
+    builder = swa_builder(config)
+    builder.decode_threshold = draft_tokens  # vLLM's split: a block is a decode
+    return builder
+
+
+def test_dspark_window_width_is_vllms():
+    from types import SimpleNamespace
+
+    def config(method, tokens):
+        spec = SimpleNamespace(use_dspark=lambda: method == "dspark",
+                               num_speculative_tokens=tokens)  # fmt: skip
+        return SimpleNamespace(speculative_config=spec)
+
+    assert metadata.dspark_window_width(config("dspark", 4), 128) == 192
+    assert metadata.dspark_window_width(config("dspark", 64), 128) == 192
+    assert metadata.dspark_window_width(config("dspark", 65), 128) == 256
+    assert metadata.dspark_window_width(config("mtp", 4), 128) == 0
+    assert metadata.dspark_window_width(SimpleNamespace(speculative_config=None), 128) == 0
+
+
+@pytest.mark.parametrize("name", list(DRAFT_BLOCKS))
+def test_draft_blocks_see_their_whole_block_after_the_window(config, monkeypatch, name):
+    seq_lens, query_lens = DRAFT_BLOCKS[name]
+    batch = vt.make_batch(torch.Generator().manual_seed(len(name)), seq_lens, query_lens,
+                          padding=3)  # fmt: skip
+    builder = block_builder(config, monkeypatch)
+    causal_before = builder.swa_indices.clone()
+    md = builder.build(0, dataclasses.replace(batch.swa_cm, causal=False))
+    rows, lens = brute_block_window(batch, BLOCK_WIDTH, md.num_decode_tokens)
+    assert md.swa_indices.shape == (batch.num_tokens, BLOCK_WIDTH)
+    assert md.swa_indices.data_ptr() == builder.block_indices.data_ptr()
+    assert md.decode_swa_width == BLOCK_WIDTH
+    assert md.swa_indices.tolist() == rows and md.swa_lens.tolist() == lens
+    assert torch.equal(builder.swa_indices, causal_before)  # the causal buffer is not touched
+    causal = builder.build(0, batch.swa_cm)  # a target step after it: causal, own buffer
+    assert causal.swa_indices.shape[1] == vt.WINDOW
+    assert causal.swa_indices.tolist() == vt.brute_window(batch)[0]
+
+
+def test_block_lists_equal_vllms_builder_kernel():
+    """vLLM's own non-causal kernel (Triton, run in its CPU interpreter in a child process:
+    TRITON_INTERPRET must be set before Triton is imported) on the same batches."""
+    pytest.importorskip("triton")
+    code = "from tests.test_vllm_glue_metadata import check_vllm_block_kernel as c; c()"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "blocks compared: 3" in result.stdout
+
+
+def _vllm_block_kernel():
+    """vLLM's non-causal SWA kernel body, jitted with Triton itself: on a host without a GPU
+    driver vLLM binds its module to a Triton placeholder (whose ``jit`` is a no-op)."""
+    import types
+
+    import triton
+    import triton.language as tl
+    from vllm.v1.attention.backends.mla import sparse_swa
+
+    body = sparse_swa.ComputeDSparkNoncausalSWAIndicesKernel.__dict__["kernel"].__func__
+    body = getattr(body, "fn", body)
+    rebound = types.FunctionType(body.__code__, {**body.__globals__, "tl": tl, "triton": triton},
+                                 body.__name__, body.__defaults__, body.__closure__)  # fmt: skip
+    return triton.jit(rebound)
+
+
+def check_vllm_block_kernel() -> None:
+    kernel = _vllm_block_kernel()
+
+    for name, (seq_lens, query_lens) in DRAFT_BLOCKS.items():
+        gen = torch.Generator().manual_seed(len(name))
+        batch = vt.make_batch(gen, seq_lens, query_lens, padding=3)
+        cm = batch.swa_cm
+        T = batch.num_tokens
+        tokens = metadata.map_tokens(cm.query_start_loc, cm.seq_lens, cm.slot_mapping, T)
+        ours, our_lens = metadata.block_window_slots(
+            tokens, cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, vt.SWA_BLOCK,
+            vt.WINDOW, BLOCK_WIDTH,
+        )  # fmt: skip
+        # vLLM's builder runs it over the decode rows (the blocks) only
+        T = sum(batch.query_lens[: brute_split(batch, threshold=4)])
+        ours, our_lens = ours[:T], our_lens[:T]
+        theirs = torch.full((T, 1, BLOCK_WIDTH), 7, dtype=torch.int32)
+        their_lens = torch.full((T,), 7, dtype=torch.int32)
+        token_req = tokens.req.int()
+        kernel[(T,)](
+            theirs, theirs.stride(0), their_lens, vt.WINDOW, BLOCK_WIDTH, cm.query_start_loc,
+            cm.seq_lens, token_req, tokens.valid, cm.block_table_tensor,
+            cm.block_table_tensor.stride(0), vt.SWA_BLOCK, 0, TRITON_BLOCK_SIZE=64,
+        )  # fmt: skip
+        assert torch.equal(ours, theirs[:, 0]), name
+        assert torch.equal(our_lens, their_lens), name
+    print(f"blocks compared: {len(DRAFT_BLOCKS)}")
+
+
+def test_non_causal_metadata_without_dspark_is_refused(config):
+    batch = vt.make_batch(torch.Generator().manual_seed(3), [40], [4])
+    with pytest.raises(ValueError, match="no DSpark speculation"):
+        swa_builder(config).build(0, dataclasses.replace(batch.swa_cm, causal=False))

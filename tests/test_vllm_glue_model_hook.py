@@ -4,6 +4,7 @@ upstream, and a vLLM whose hook targets changed is refused naming the supported 
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 import sys
 import textwrap
@@ -84,6 +85,33 @@ def test_dsv41_selector_refuses_our_backend_and_keeps_the_rest(dsv41_model):
     original = select.__wrapped__
     for choice in UPSTREAM_CHOICES:
         assert outcome(select, fake_config(choice)) == outcome(original, fake_config(choice))
+
+
+def test_dspark_context_writer_routes_nvfp4_layers_to_ours(monkeypatch):
+    """DSpark writes its context KV through a module function of its own; the hook sends
+    DSV4_NVFP4 layers with an NVFP4 cache to the layer's writer (vLLM's would write
+    fp8_ds_mla rows into NVFP4 pages) and everything else to vLLM's, and the draft model's
+    method finds the hooked function at call time."""
+    from tests import vllm_glue_testing as vt
+
+    plugin.register()
+    dspark = importlib.import_module("vllm.models.deepseek_v4.nvidia.dspark")
+    insert = dspark._insert_context_kv
+    assert model_hook.is_patched(dspark, compat.HOOK_TARGETS[2])
+    method = inspect.unwrap(dspark.DSparkDeepseekV4Model.precompute_and_store_context_kv)
+    method_globals = method.__globals__
+    assert method_globals["_insert_context_kv"] is insert
+    assert insert.__wrapped__.__name__ == "_insert_context_kv"
+    to_vllm, to_layer = [], []
+    hooked = model_hook._dspark_context_insert(lambda *args: to_vllm.append(args))
+    nvfp4 = vt.tiny_model("auto").layers[1]
+    fp8 = vt.tiny_model("fp8").layers[1]
+    vllms_own = SimpleNamespace()
+    monkeypatch.setattr(nvfp4, "insert_context_rows", lambda *args: to_layer.append(args))
+    for layer in (nvfp4, fp8, vllms_own):
+        hooked(layer, "kv", "positions", "slots")
+    assert to_layer == [("kv", "positions", "slots")]
+    assert to_vllm == [(fp8, "kv", "positions", "slots"), (vllms_own, "kv", "positions", "slots")]
 
 
 def test_install_is_idempotent(dsv4_model):

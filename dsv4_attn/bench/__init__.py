@@ -1,5 +1,6 @@
 """Benchmarks: ``python -m dsv4_attn.bench SUBCOMMAND [options]``, one of :data:`SUBCOMMANDS`
-(decode, decode-splits, prefill, prefill-layer, fallback, step, wgmma-rate, compressor-state).
+(decode, decode-splits, prefill, prefill-layer, fallback, step, host, wgmma-rate,
+compressor-state).
 
 One module per benchmark, each with a ``main(argv)`` that prints a table and writes JSON; the
 shared timing, ceilings and report helpers are in :mod:`dsv4_attn.bench.timing`, the anchor's
@@ -21,6 +22,7 @@ SUBCOMMANDS = {
     "prefill-layer": "dsv4_attn.bench.prefill_layer",
     "fallback": "dsv4_attn.bench.fallback",
     "step": "dsv4_attn.bench.step",
+    "host": "dsv4_attn.bench.host",
     "wgmma-rate": "dsv4_attn.bench.wgmma_rate",
     "compressor-state": "dsv4_attn.bench.compressor_state",
 }

@@ -1,7 +1,7 @@
 """``vllm bench serve`` against vLLM's own backend and DSV4_NVFP4 (fp8, NVFP4) on one layout.
 
     python -m dsv4_attn.e2e.bench_serve --model CKPT --layout tp1 --out DIR \
-        [--servers vllm,fp8,nvfp4] [--cases a,b]
+        [--servers vllm,fp8,nvfp4] [--cases a,b] [--only NAMES] [--greedy]
 
 For each server, one after the other: ``vllm serve CKPT`` with the layout's parallel flags and the
 server's backend flags (defaults otherwise: CUDA graphs, chunked prefill, prefix caching), wait
@@ -15,6 +15,16 @@ end. The cases (:func:`plan_cases`):
   (the tokens it reports / 66560) and at 1.5x that, where a server with more capacity keeps
   more requests running. The reference capacity is read from ``DIR/<layout>_vllm.json``, so run
   the ``vllm`` server first (or in an earlier call).
+
+With ``--greedy`` each fresh server first answers the greedy-agreement set
+(:func:`dsv4_attn.e2e.serve_check.greedy_plan`: prompts of 4K, 32K and the longest that fits,
+then 16 concurrent ones, top-2 logprobs), compared token by token with the first server's at the
+end (``DIR/<layout>_greedy.json``; a first difference where the reference's top-1 - top-2
+margin is under ``serve_check.NEAR_TIE`` is a near-tie).
+
+With ``--profile CASE`` the servers run vLLM's torch profiler on their workers (no stacks),
+started and stopped around that case; :mod:`dsv4_attn.e2e.step_profile` then says, per kind of
+step (decode only, prefill beside decodes), how its GPU time splits and how much is attention.
 
 The checkpoint needs a tokenizer (``python -m dsv4_attn.e2e.real_shapes`` writes one).
 """
@@ -31,16 +41,19 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dsv4_attn.e2e.serve_check import Server
+from dsv4_attn.e2e.serve_check import Server, greedy_plan, print_comparison, query
 
 __all__ = [
     "LAYOUTS",
     "SERVERS",
     "Case",
     "bench_command",
+    "compare_greedy",
     "kv_tokens",
     "main",
     "plan_cases",
+    "profile_summary",
+    "profiler_config",
     "summarize",
 ]
 
@@ -117,6 +130,29 @@ def summarize(result: dict) -> dict:
     return {k: result.get(k) for k in keys}
 
 
+def profiler_config(directory: Path, args: argparse.Namespace) -> dict:
+    """vLLM's ``--profiler-config``: torch's profiler on the workers only, no Python stacks
+    (they inflate host time), ``args.profile_iterations`` engine steps after skipping
+    ``args.profile_delay`` (the case's ramp-up)."""
+    return {"profiler": "torch", "torch_profiler_dir": str(directory),
+            "torch_profiler_with_stack": False, "ignore_frontend": True,
+            "delay_iterations": args.profile_delay,
+            "max_iterations": args.profile_iterations}  # fmt: skip
+
+
+def profile_summary(directory: Path) -> dict:
+    """:func:`dsv4_attn.e2e.step_profile.summarize` of every trace the workers wrote into
+    ``directory``, by file name (those with engine steps)."""
+    from dsv4_attn.e2e.step_profile import load_trace, summarize
+
+    summaries = {}
+    for path in sorted(directory.rglob("*.json*")):
+        summary = summarize(load_trace(path))
+        if summary["steps"]:
+            summaries[path.name] = summary
+    return summaries
+
+
 def _preemptions(server: Server) -> float | None:
     try:
         return server.counters().get("vllm:num_preemptions_total")
@@ -130,6 +166,10 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
     command = ["vllm", "serve", args.model, "--port", str(port), "--max-model-len",
                str(args.max_model_len), "--seed", "0", *LAYOUTS[args.layout], *SERVERS[name],
                *args.serve_args]  # fmt: skip
+    profile_dir = None
+    if args.profile:
+        profile_dir = (out / f"profile_{args.layout}_{name}").resolve()
+        command += ["--profiler-config", json.dumps(profiler_config(profile_dir, args))]
     record: dict = {"server": name, "layout": args.layout, "command": " ".join(command)}
     with open(log, "w") as handle:
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
@@ -138,6 +178,10 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
     try:
         record["ready_s"] = round(server.wait(args.wait, process.pid), 1)
         record["kv_tokens"] = kv_tokens(log.read_text(errors="replace"))
+        if args.greedy:  # before the load: a fresh server, nothing cached
+            greedy = {"name": name, **query(server, greedy_plan(args.vocab, args.max_model_len))}
+            (out / f"{args.layout}_{name}_greedy.json").write_text(json.dumps(greedy))
+            record["greedy_errors"] = len(greedy["errors"])
         reference = record["kv_tokens"] if name == "vllm" else args.reference_kv
         if reference is None:
             reference_file = out / f"{args.layout}_vllm.json"
@@ -150,10 +194,16 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
                     continue
                 before = _preemptions(server)
                 result_dir = out / f"{args.layout}_{name}"
+                profiling = profile_dir is not None and case.name == args.profile
+                if profiling:
+                    server.post("/start_profile")
                 run = subprocess.run(bench_command(port, args.model, case, result_dir, args.seed),
                                      capture_output=True, text=True)  # fmt: skip
                 after = _preemptions(server)
                 entry = {"case": asdict(case), "exit": run.returncode}
+                if profiling:
+                    server.post("/stop_profile")
+                    entry["profile"] = profile_summary(profile_dir)
                 result_file = result_dir / f"{case.name}.json"
                 if result_file.exists():
                     entry.update(summarize(json.loads(result_file.read_text())))
@@ -194,6 +244,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wait", type=float, default=1200.0, help="seconds to wait for a server")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reference-kv", type=int, help="vLLM's backend's KV tokens (set b)")
+    parser.add_argument(
+        "--greedy",
+        action="store_true",
+        help="first send each server the greedy-agreement set (serve_check.greedy_plan: "
+        "prompts of 4K, 32K and the longest that fits, 16 concurrent) and compare the servers",
+    )
+    parser.add_argument("--vocab", type=int, default=129280, help="token ids of the prompts")
+    parser.add_argument(
+        "--profile",
+        metavar="CASE",
+        help="profile the workers (torch profiler) during this case, e.g. b_64k_c20, and "
+        "summarize where each kind of step's time goes (dsv4_attn.e2e.step_profile)",
+    )
+    parser.add_argument("--profile-delay", type=int, default=200, help="steps skipped first")
+    parser.add_argument("--profile-iterations", type=int, default=40, help="steps profiled")
     parser.add_argument("--out", required=True)
     parser.add_argument("serve_args", nargs="*", help="more `vllm serve` flags (after --)")
     args = parser.parse_args(argv)
@@ -207,6 +272,21 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     summary = {name: run_server(args, name, out) for name in servers}
     (out / f"{args.layout}_summary.json").write_text(json.dumps(summary, indent=1))
+    if args.greedy:
+        compare_greedy(out, args.layout, servers)
+
+
+def compare_greedy(out: Path, layout: str, servers: list[str]) -> dict | None:
+    """Token-by-token agreement of every server's greedy answers with the first server's
+    (``DIR/<layout>_<server>_greedy.json``; vLLM's backend when it ran), printed and written
+    to ``DIR/<layout>_greedy.json``. None when fewer than two servers answered."""
+    files = [out / f"{layout}_{name}_greedy.json" for name in servers]
+    records = [json.loads(f.read_text()) for f in files if f.exists()]
+    if len(records) < 2:
+        return None
+    report = print_comparison([r["name"] for r in records], records)
+    (out / f"{layout}_greedy.json").write_text(json.dumps(report, indent=1))
+    return report
 
 
 if __name__ == "__main__":

@@ -37,7 +37,15 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["NEAR_TIE", "Request", "compare", "main", "request_plan"]
+__all__ = [
+    "NEAR_TIE",
+    "Request",
+    "compare",
+    "greedy_plan",
+    "main",
+    "print_comparison",
+    "request_plan",
+]
 
 NEAR_TIE = 0.02
 """A reference margin (top-1 minus top-2 logprob) below this is a near-tie: two correct
@@ -75,6 +83,24 @@ def request_plan(seed: int = 2026) -> list[Request]:
             for i in range(32)
         ]
     plan += [Request(f"preempt_{i}", "preemption", ids(200), 1800) for i in range(160)]
+    return plan
+
+
+def greedy_plan(vocab: int, max_model_len: int, seed: int = 2026) -> list[Request]:
+    """The greedy-agreement set for a model at real shapes: one prompt each of 4K, 32K tokens
+    and the longest that leaves room for the answer in ``max_model_len`` (sent one after
+    another), then 16 concurrent 4K-token prompts; 32 greedy tokens each with top-2 logprobs.
+    Token ids are drawn from ``1 .. vocab - 1``."""
+    rng = random.Random(seed)
+    new_tokens = 32
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1, vocab) for _ in range(n)]
+
+    longest = max_model_len - 2 * new_tokens
+    lengths = sorted({n for n in (4096, 32768, longest) if n <= longest})
+    plan = [Request(f"long_{n}", "single", ids(n), new_tokens) for n in lengths]
+    plan += [Request(f"concurrent_{i}", "concurrent", ids(4096), new_tokens) for i in range(16)]
     return plan
 
 
@@ -123,6 +149,11 @@ class Server:
                 sorted(d.values(), reverse=True)[:2] for d in logprobs["top_logprobs"]
             ]
         return result
+
+    def post(self, path: str, timeout: float = 300) -> None:
+        """An empty POST (``/start_profile``, ``/stop_profile``)."""
+        http = urllib.request.Request(self.base + path, data=b"", method="POST")
+        urllib.request.urlopen(http, timeout=timeout).read()
 
     def rpc(self, method: str, *args: str) -> list:
         """Every worker's result of ``method(*args)`` through vLLM's development endpoint
@@ -249,7 +280,9 @@ def compare(ref_record: dict, other_record: dict) -> dict:
     return {"phases": summary, "requests": per_request}
 
 
-def _print_comparison(names: list[str], records: list[dict]) -> dict:
+def print_comparison(names: list[str], records: list[dict]) -> dict:
+    """Print the agreement of every record with the first (per phase) and each server's figures;
+    returns the report."""
     report = {"reference": names[0], "servers": {}}
     ref = records[0]
     for name, record in zip(names, records, strict=True):
@@ -327,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         records = [json.loads(Path(p).read_text()) for p in args.records]
         names = [r["name"] for r in records]
-        report = _print_comparison(names, records)
+        report = print_comparison(names, records)
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1))
 

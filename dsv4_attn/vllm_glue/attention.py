@@ -26,6 +26,7 @@ vLLM builds this class when ``--attention-backend DSV4_NVFP4`` is set (:mod:`.mo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, cast
 
@@ -49,6 +50,7 @@ from dsv4_attn.vllm_glue.metadata import (
     CSA_RATIO,
     DSV4CompressedMetadata,
     DSV4SWAMetadata,
+    dspark_window_width,
     layer_scopes,
 )
 from dsv4_attn.vllm_glue.support import check_serving_device, check_supported, padded_num_heads
@@ -135,10 +137,17 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             self.device = torch.device("cuda", torch.cuda.current_device())
         check_serving_device(self.device)
         self.compressed_rows_per_block = 0  # set when vLLM binds the compressed cache
+        # The widest window list a decode step can bring: a DSpark draft block's, else the window.
+        block_width = dspark_window_width(vllm_config, self.window_size)
+        self._max_window_width = max(self.window_size, block_width)
         self._swa_pages = _PageView()
         self._compressed_pages = _PageView()
         self._peak_scratch: Shapes | None = None  # set by the first profiling forward
         self._reserved_bytes: int | None = None  # the workspace the profiling run reserved
+        # The decode kernel's entry once the first decode call, made through
+        # ops.sparse_attention (validation, dispatch, a loud fallback), ran it: the inputs keep
+        # their structure from step to step, so later calls skip ~10 us of host checks.
+        self._decode_kernel: Callable[..., Any] | None = None
         self._einsum_recipe: tuple[int, int, int] | None = None
         self._tma_aligned_scales = False
         if self.kv_format is KVFormat.NVFP4:
@@ -215,18 +224,37 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             swa.slot_mapping, self.swa_pages(), swa.block_size,
         )  # fmt: skip
 
+    def insert_context_rows(
+        self, kv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """DSpark's context KV into this layer's NVFP4 SWA cache: ``kv`` (``bf16 [n, 512]``,
+        after ``kv_norm``) RoPE'd at ``positions``, NVFP4-encoded and written at
+        ``slot_mapping`` (-1: none), as the step's own rows are. (vLLM's ``_insert_context_kv``
+        picks its writer by the cache tensor's dtype, fp8_ds_mla for any uint8 cache; the model
+        hook routes NVFP4 layers here and leaves fp8_ds_mla ones to vLLM's writer.)"""
+        if self.kv_format is not KVFormat.NVFP4:
+            raise ValueError(f"{self.prefix}: a {self.kv_format.value} cache is vLLM's to write")
+        # The writer also norms and ropes a query; kv itself serves as a one-head dummy.
+        cos_sin, block_size = self.rotary_emb.cos_sin_cache, self.swa_cache_layer.block_size
+        insert_swa_rows(kv.unsqueeze(1), kv, positions, cos_sin, self.eps, 1, slot_mapping,
+                        self.swa_pages(), block_size)  # fmt: skip
+
     # ------------------------------------------------------------------------------------------
     # Attention
     # ------------------------------------------------------------------------------------------
 
-    def _key_capacity(self, hca_width: int) -> int:
-        """The widest key list of this layer's tokens: window + compressed entries."""
+    def _key_capacity(self, hca_width: int, window_width: int | None = None) -> int:
+        """The widest key list of this layer's tokens: the window list (``window_width``
+        wide, by default the widest a step may have: a DSpark draft block's) + compressed
+        entries."""
+        if window_width is None:
+            window_width = self._max_window_width
         if self.compress_ratio == CSA_RATIO:
             assert self.topk_indices_buffer is not None
-            return self.window_size + self.topk_indices_buffer.shape[1]
+            return window_width + self.topk_indices_buffer.shape[1]
         if self.compress_ratio > 1:
-            return self.window_size + hca_width
-        return self.window_size
+            return window_width + hca_width
+        return window_width
 
     def _may_run_balanced(self) -> bool:
         """Whether this layer's decode steps may run on the balanced schedule (an HCA layer
@@ -394,7 +422,8 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         if n == 0:
             return
         plan = _decode_plan(compressed, n)
-        capacity = self._key_capacity(hca_width)
+        assert swa.swa_indices is not None
+        capacity = self._key_capacity(hca_width, swa.swa_indices.shape[1])
         scratch = self._scratch(self._scratch_shapes(n, capacity, plan=plan), "decode")
         entry_slots = None
         if self.compress_ratio == CSA_RATIO:
@@ -415,18 +444,19 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             # tensor the plan read, so plan and kernel cannot disagree on a token's keys.
             assert compressed is not None and compressed.window_lens is not None
             window = replace(window, lens=compressed.window_lens[:n])
-        ops.sparse_attention(
-            q[:n],
-            window,
-            self.attn_sink,
-            self.scale,
-            extra,
-            out=output[:n],
-            lse=lse,
-            workspace=(partials[0], partials[1]) if partials else None,
-            check_values=False,
-            plan=plan,
-        )
+        workspace = (partials[0], partials[1]) if partials else None
+        if self._decode_kernel is not None:
+            self._decode_kernel(q[:n], window, self.attn_sink, self.scale, extra, out=output[:n],
+                                lse=lse, workspace=workspace, plan=plan)  # fmt: skip
+            return
+        ops.sparse_attention(q[:n], window, self.attn_sink, self.scale, extra, out=output[:n],
+                             lse=lse, workspace=workspace, check_values=False,
+                             plan=plan)  # fmt: skip
+        dispatch = ops.last_dispatch()
+        if dispatch is not None and dispatch.backend == "cutedsl":
+            from dsv4_attn.kernels import sparse_decode
+
+            self._decode_kernel = sparse_decode.sparse_attention
 
     def _prefill_budget(self) -> int:
         return prefill.rows_budget(self.max_model_len, self.compress_ratio, self.window_size,

@@ -57,6 +57,12 @@ HOOK_TARGETS: tuple[HookTarget, ...] = (
     HookTarget(
         "vllm.models.deepseek_v41.nvidia.model", "_select_dsv4_attn_cls", ("vllm_config",), False
     ),
+    HookTarget(
+        "vllm.models.deepseek_v4.nvidia.dspark",
+        "_insert_context_kv",
+        ("attn", "kv", "positions", "slot_mapping"),
+        True,
+    ),
 )
 
 

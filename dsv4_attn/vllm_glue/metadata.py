@@ -12,7 +12,9 @@ whose ``slot_mapping`` is -1); invalid tokens get empty lists (length 0), hence 
 
 * SWA cache group (rows = tokens, 64 per block) — :class:`DSV4SWAMetadataBuilder`: each token's
   request and validity, its window ``max(0, pos - window + 1) .. pos`` as slots ``[T, window]`` and
-  its length, and the fields of vLLM's ``DeepseekSparseSWAMetadata`` that vLLM's writers read.
+  its length, and the fields of vLLM's ``DeepseekSparseSWAMetadata`` that vLLM's writers read. In
+  a DSpark draft step (``causal=False``) each decode row sees its whole draft block after the
+  ``window`` positions before it (:func:`block_window_slots`), in a wider buffer.
 * compressed cache group (rows = compressed entries, ``256 / ratio`` per block) —
   :class:`DSV4CompressedMetadataBuilder`: the slot each token's compressed entry is written to
   (``slot_mapping``, read by vLLM's compressor), and for HCA (ratio 128) the slots of all visible
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from vllm.config import VllmConfig
 from vllm.models.deepseek_v4.sparse_mla import DeepseekV4FlashMLAMetadata
 from vllm.v1.attention.backend import (
@@ -59,7 +62,10 @@ __all__ = [
     "DSV4SWAMetadata",
     "DSV4SWAMetadataBuilder",
     "TokenMap",
+    "block_window_slots",
     "compressed_write_slots",
+    "dspark_window_width",
+    "fill_block_window",
     "fill_compressed",
     "fill_entry_slots",
     "fill_window",
@@ -158,6 +164,38 @@ def window_slots(
     return slots.int(), lens.int()
 
 
+def block_window_slots(
+    tokens: TokenMap,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    window: int,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DSpark draft block's non-causal window: every token of request ``r`` sees positions
+    ``max(0, prefix - window) .. seq_len - 1`` (``prefix = seq_len - query_len``: the ``window``
+    positions before its block, then the whole block, later tokens included), as slots
+    ``int32 [T, width]`` in increasing order, -1 padded, and their count ``int32 [T]`` (0 for
+    invalid tokens; at most ``width``). vLLM's builder gives the same lists
+    (``sparse_swa.ComputeDSparkNoncausalSWAIndicesKernel``)."""
+    T = tokens.pos.shape[0]
+    device = tokens.pos.device
+    num_reqs = seq_lens.shape[0]
+    if num_reqs == 0:
+        return (torch.full((T, width), -1, dtype=torch.int32, device=device),
+                torch.zeros(T, dtype=torch.int32, device=device))  # fmt: skip
+    qsl = query_start_loc[: num_reqs + 1].long()
+    seq = seq_lens.long()[tokens.req]
+    prefix = seq - (qsl[1:] - qsl[:-1])[tokens.req]
+    start = (prefix - window).clamp(min=0)
+    lens = torch.where(tokens.valid, (seq - start).clamp(min=0, max=width), 0)
+    offsets = torch.arange(width, device=device)
+    use = offsets[None, :] < lens[:, None]
+    slots = _slots(block_table, tokens.req, start[:, None] + offsets, block_size, use)
+    return slots.int(), lens.int()
+
+
 def visible_entry_counts(tokens: TokenMap, compress_ratio: int) -> torch.Tensor:
     """int64 ``[T]``: how many compressed entries a token sees, ``(pos + 1) // compress_ratio``
     (the entries complete at its position; 0 for invalid tokens)."""
@@ -240,6 +278,36 @@ def fill_window(
     valid.copy_(tokens.valid)
     swa_indices.copy_(slots)
     swa_lens.copy_(lens)
+
+
+def fill_block_window(
+    cm: CommonAttentionMetadata,
+    block_size: int,
+    window: int,
+    num_block_tokens: int,
+    *,
+    token_req: torch.Tensor,
+    valid: torch.Tensor,
+    swa_indices: torch.Tensor,
+    swa_lens: torch.Tensor,
+) -> None:
+    """Write the SWA-group lists of a step with DSpark draft blocks into the given views
+    (``swa_indices [T, width]``, ``width >= window``): the first ``num_block_tokens`` tokens
+    (the decode rows, one draft block per request) see their block's non-causal window
+    (:func:`block_window_slots`), any later (prefill) token its causal window. Torch
+    constructions on every device: no host sync, shapes fixed by ``T`` and ``width``."""
+    T, width = swa_indices.shape
+    tokens = map_tokens(cm.query_start_loc, cm.seq_lens, cm.slot_mapping, T)
+    block_slots, block_lens = block_window_slots(
+        tokens, cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, block_size, window, width
+    )
+    slots, lens = window_slots(tokens, cm.block_table_tensor, block_size, window)
+    in_block = torch.arange(T, device=swa_indices.device) < num_block_tokens
+    swa_indices.copy_(torch.where(in_block[:, None], block_slots,
+                                  F.pad(slots, (0, width - window), value=-1)))  # fmt: skip
+    swa_lens.copy_(torch.where(in_block, block_lens, lens))
+    token_req.copy_(tokens.req)
+    valid.copy_(tokens.valid)
 
 
 def fill_compressed(
@@ -335,7 +403,7 @@ class DSV4SWAMetadata(DeepseekSparseSWAMetadata):
     """
 
     num_tokens: int = 0
-    swa_indices: torch.Tensor | None = None  # int32 [T, window]
+    swa_indices: torch.Tensor | None = None  # int32 [T, window] ([T, block width]: DSpark)
     swa_lens: torch.Tensor | None = None  # int32 [T]
     seq_lens_cpu: torch.Tensor | None = None  # host upper bounds of seq_lens (prefill chunking)
     # The step's prefill chunk plans by (compress ratio, window, rows budget): every layer of a
@@ -363,6 +431,17 @@ class DSV4CompressedMetadata(DeepseekV4FlashMLAMetadata):
     # kernel reads these, so plan and kernel count the same keys). None: the split launch.
     decode_plan: DecodeSchedule | None = None
     window_lens: torch.Tensor | None = None  # int32 [T]
+
+
+def dspark_window_width(vllm_config: VllmConfig, window: int) -> int:
+    """Width of a DSpark draft block's window lists, as vLLM pads them (``window`` plus the
+    speculative tokens, rounded up to 64: ``get_dspark_swa_index_width``); 0 without DSpark."""
+    spec = vllm_config.speculative_config
+    if spec is None or not spec.use_dspark():
+        return 0
+    from vllm.v1.attention.backends.mla.compressor_utils import get_dspark_swa_index_width
+
+    return get_dspark_swa_index_width(window, spec.num_speculative_tokens)
 
 
 def _seq_lens_cpu(cm: CommonAttentionMetadata) -> torch.Tensor:
@@ -407,6 +486,13 @@ class DSV4SWAMetadataBuilder(AttentionMetadataBuilder[DSV4SWAMetadata]):
             (max_tokens, self.window_size), -1, dtype=torch.int32, device=device
         )
         self.swa_lens = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        # DSpark drafts: a second, wider list buffer for their non-causal blocks (its own
+        # address: FULL graphs of draft steps replay it, those of target steps the causal one).
+        self.block_width = dspark_window_width(vllm_config, self.window_size)
+        self.block_indices = None
+        if self.block_width:
+            self.block_indices = torch.full((max_tokens, self.block_width), -1,
+                                            dtype=torch.int32, device=device)  # fmt: skip
 
     def build(
         self,
@@ -416,13 +502,24 @@ class DSV4SWAMetadataBuilder(AttentionMetadataBuilder[DSV4SWAMetadata]):
     ) -> DSV4SWAMetadata:
         cm = common_attn_metadata
         T = cm.num_actual_tokens
-        token_req, valid = self.token_req[:T], self.valid[:T]
-        swa_indices, swa_lens = self.swa_indices[:T], self.swa_lens[:T]
-        fill_window(cm, self.block_size, token_req=token_req, valid=valid,
-                    swa_indices=swa_indices, swa_lens=swa_lens)  # fmt: skip
         num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = (
             split_decodes_and_prefills(cm, decode_threshold=self.decode_threshold)
         )
+        token_req, valid, swa_lens = self.token_req[:T], self.valid[:T], self.swa_lens[:T]
+        if not cm.causal:  # a DSpark draft step: its decode rows attend to their whole block
+            if self.block_indices is None:
+                raise ValueError(
+                    "non-causal SWA metadata (a DSpark draft block) was asked for, but this "
+                    "server has no DSpark speculation (--speculative-config method 'dspark')"
+                )
+            swa_indices = self.block_indices[:T]
+            fill_block_window(cm, self.block_size, self.window_size, num_decode_tokens,
+                              token_req=token_req, valid=valid, swa_indices=swa_indices,
+                              swa_lens=swa_lens)  # fmt: skip
+        else:
+            swa_indices = self.swa_indices[:T]
+            fill_window(cm, self.block_size, token_req=token_req, valid=valid,
+                        swa_indices=swa_indices, swa_lens=swa_lens)  # fmt: skip
         return DSV4SWAMetadata(
             block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping,
@@ -432,7 +529,7 @@ class DSV4SWAMetadataBuilder(AttentionMetadataBuilder[DSV4SWAMetadata]):
             query_start_loc_cpu=cm.query_start_loc_cpu,
             is_valid_token=valid,
             token_to_req_indices=token_req,
-            decode_swa_width=self.window_size,
+            decode_swa_width=swa_indices.shape[1],
             num_decodes=num_decodes,
             num_prefills=num_prefills,
             num_decode_tokens=num_decode_tokens,

@@ -7,6 +7,13 @@ unknown backend names to FlashMLA without a word. :func:`install` wraps that fun
 choice goes to the original unchanged. The decoder layer looks the function up as a module global
 at call time, so the wrapper covers the main model, MTP and DSpark alike.
 
+DSpark's draft writes the context KV of its layers itself, through the module function
+``vllm.models.deepseek_v4.nvidia.dspark._insert_context_kv``, which picks vLLM's writer by the
+cache tensor's dtype: it would write fp8_ds_mla rows into an NVFP4 cache. Its wrapper hands
+this package's NVFP4 layers to
+:meth:`~dsv4_attn.vllm_glue.attention.DSV4NVFP4Attention.insert_context_rows` and every other
+layer (fp8_ds_mla pages are vLLM's layout) to the original.
+
 The V4.1 model (``vllm.models.deepseek_v41``) has its own selector and its own attention base
 class, which this package does not implement: there ``DSV4_NVFP4`` raises a ValueError at model
 construction instead of silently running FlashMLA.
@@ -31,6 +38,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from dsv4_attn.kv_cache import KVFormat
 from dsv4_attn.log import get_logger
 from dsv4_attn.vllm_glue import BACKEND_NAME
 from dsv4_attn.vllm_glue.compat import (
@@ -79,9 +87,23 @@ def _dsv41_selector(original: Callable[[Any], type]) -> Callable[[Any], type]:
     return select
 
 
-_WRAPPERS: dict[str, Callable[[Callable[[Any], type]], Callable[[Any], type]]] = {
+def _dspark_context_insert(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def insert(attn: Any, kv: Any, positions: Any, slot_mapping: Any) -> None:
+        from dsv4_attn.vllm_glue.attention import DSV4NVFP4Attention
+
+        if isinstance(attn, DSV4NVFP4Attention) and attn.kv_format is KVFormat.NVFP4:
+            attn.insert_context_rows(kv, positions, slot_mapping)
+            return
+        original(attn, kv, positions, slot_mapping)
+
+    return insert
+
+
+_WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "vllm.models.deepseek_v4.nvidia.model": _dsv4_selector,
     "vllm.models.deepseek_v41.nvidia.model": _dsv41_selector,
+    "vllm.models.deepseek_v4.nvidia.dspark": _dspark_context_insert,
 }
 
 

@@ -72,8 +72,9 @@ def check_supported(vllm_config: VllmConfig) -> None:
     spec = vllm_config.speculative_config
     if spec is not None and spec.use_dspark():
         raise ValueError(
-            f"--attention-backend {BACKEND_NAME} does not support DSpark speculation "
-            "(non-causal draft windows); MTP speculation works."
+            f"--attention-backend {BACKEND_NAME} does not serve DSpark speculation yet (its "
+            "draft steps are not verified in a server); use MTP speculation, or leave "
+            "--attention-backend unset for vLLM's own backend."
         )
 
 

@@ -1,0 +1,116 @@
+"""Host time of one eager sparse-decode call: what each attention layer costs the CPU in a step
+that runs outside CUDA graphs (every mixed prefill + decode step, layer by layer).
+
+``python -m dsv4_attn.bench host [--batches 1 64] [--formats fp8_ds_mla nvfp4] [--reps 2000]
+[--json PATH]``
+
+V4-Flash's decode shape (64 heads, a 128-slot window + 512 compressed entries, one token per
+request), the split-KV partials in a caller's workspace as the serving layer passes them. Per
+row, the CPU time from a call's start to its return (the GPU idle before each call, so no launch
+waits on a full queue), median of ``--reps`` calls, for:
+
+* ``ops_us`` — :func:`dsv4_attn.ops.sparse_attention` (``check_values=False``): the public entry,
+  which validates every argument and picks the kernel; a serving layer's first decode call;
+* ``direct_us`` — :func:`dsv4_attn.kernels.sparse_decode.sparse_attention`: the serving layer's
+  later calls, once its first ran the kernel;
+* ``flashmla_us`` — FlashMLA's ``flash_mla_with_kvcache`` on the same fp8 bytes, its plan made
+  once (as vLLM makes it per step): the anchor, in the same process (fp8 rows only).
+
+Device time is not measured here (``bench decode`` does that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from dsv4_attn import ops
+from dsv4_attn.bench import anchors
+from dsv4_attn.bench.timing import format_table, write_json
+from dsv4_attn.kv_cache import KVFormat
+from dsv4_attn.testing import make_decode_case
+
+__all__ = ["COLUMNS", "host_us", "main"]
+
+HEADS, WINDOW, EXTRA = 64, 128, 512  # V4-Flash
+COLUMNS = [
+    ("fmt", "format", "s"),
+    ("batch", "b", "d"),
+    ("ops_us", "ops (us)", ".1f"),
+    ("direct_us", "direct (us)", ".1f"),
+    ("flashmla_us", "FlashMLA (us)", ".1f"),
+    ("direct_vs_flashmla", "FlashMLA/direct", ".2f"),
+]
+
+
+def host_us(call: Callable[[], object], reps: int, warmup: int = 50) -> float:
+    """Median CPU time of ``call`` in microseconds, the device synchronized before each call
+    (an empty queue: the time is the host's own work and its launches, not a wait)."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def _row(fmt: KVFormat, batch: int, reps: int, flash_mla) -> dict:
+    from dsv4_attn.kernels import sparse_decode
+
+    case = make_decode_case(batch, HEADS, fmt, WINDOW, EXTRA, device="cuda", seed=batch)
+    out = torch.empty_like(case.q)
+    lse = torch.empty(batch, HEADS, dtype=torch.float32, device="cuda")
+    shapes = sparse_decode.workspace_shapes(batch, HEADS, WINDOW + EXTRA, case.q.device)
+    workspace = None
+    if shapes is not None:  # exact shapes, as the serving layer's scratch
+        workspace = tuple(torch.empty(shape, dtype=dtype, device="cuda")
+                          for shape, dtype in zip(shapes, sparse_decode.WORKSPACE_DTYPES,
+                                                  strict=True))  # fmt: skip
+    args = case.args()
+
+    def public() -> None:
+        ops.sparse_attention(*args, out=out, lse=lse, workspace=workspace, check_values=False)
+
+    def direct() -> None:
+        sparse_decode.sparse_attention(*args, out=out, lse=lse, workspace=workspace)
+
+    public()
+    if ops.last_dispatch() != ops.Dispatch("cutedsl", None):
+        raise SystemExit(f"the kernel does not run this case: {ops.last_dispatch()}")
+    row = {"fmt": fmt.value, "batch": batch, "heads": HEADS, "window": WINDOW, "extra": EXTRA,
+           "ops_us": host_us(public, reps), "direct_us": host_us(direct, reps)}  # fmt: skip
+    if flash_mla is not None and fmt is KVFormat.FP8_DS_MLA:
+        row["flashmla_us"] = host_us(anchors.flashmla_sparse_decode(flash_mla, case, 1), reps)
+        row["direct_vs_flashmla"] = row["flashmla_us"] / row["direct_us"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dsv4_attn.bench host")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--formats", nargs="+", default=["fp8_ds_mla", "nvfp4"])
+    parser.add_argument("--reps", type=int, default=2000)
+    parser.add_argument("--json", default="bench_host.json")
+    args = parser.parse_args(argv)
+    formats = [KVFormat.parse(f) for f in args.formats]
+    if not torch.cuda.is_available():
+        raise SystemExit("the host benchmark launches the CUDA kernels: no CUDA device found")
+    flash_mla = anchors.import_flash_mla()
+    rows = [_row(fmt, b, args.reps, flash_mla) for fmt in formats for b in args.batches]
+    write_json(args.json, "host", None, rows)
+    print(f"device: {torch.cuda.get_device_name()}; host time per eager call, median of "
+          f"{args.reps}; V4-Flash {HEADS} heads, window {WINDOW} + {EXTRA} entries")  # fmt: skip
+    print(format_table(rows, COLUMNS))
+    print(f"json: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
