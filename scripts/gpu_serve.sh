@@ -20,6 +20,8 @@
 #   bash scripts/gpu_serve.sh fp8       # ... --attention-backend DSV4_NVFP4 --kv-cache-dtype fp8
 #   bash scripts/gpu_serve.sh nvfp4     # ... --attention-backend DSV4_NVFP4 (NVFP4: auto)
 #   bash scripts/gpu_serve.sh compare   # agreement table, tokens/s, preemptions, prefix hits
+#   bash scripts/gpu_serve.sh mtp S     # server S (vllm, fp8, nvfp4) again with MTP speculation
+#                                       #   (MTP_TOKENS, default 1), compared with its own round
 #   bash scripts/gpu_serve.sh capacity  # the KV capacity each server reports at equal memory
 #                                       #   (vLLM's backend, fp8, NVFP4; default flags, one server
 #                                       #   at a time, stopped once it has reported)
@@ -59,7 +61,7 @@ export PYTHONUNBUFFERED=1
 . /tmp/dsv4_env.sh
 SITE=/tmp/site
 CKPT=/tmp/dsv4_tiny_ckpt
-PARTS="prepare|tests|sanitize|bench|vllm|fp8|nvfp4|compare|capacity|startup|control|soak|real"
+PARTS="prepare|tests|sanitize|bench|vllm|fp8|nvfp4|compare|mtp|capacity|startup|control|soak|real"
 PART=${1:?usage: gpu_serve.sh $PARTS}
 
 launch() {  # name port [vllm serve args...]: start a server in its own session, log in $OUT
@@ -195,6 +197,22 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
   compare)
     python3 -m dsv4_attn.e2e.serve_check compare "$OUT/serve_vllm.json" "$OUT/serve_fp8.json" \
       "$OUT/serve_nvfp4.json" --json "$OUT/serve_compare.json"
+    ;;
+  mtp)
+    # The same rounds with MTP speculation (the checkpoint's MTP layer, MTP_TOKENS (1) draft
+    # tokens per step; ${2:-fp8} picks the server: vllm, fp8 or nvfp4), then its greedy tokens
+    # against the same server without speculation (run that part first).
+    name=${2:-fp8}; spec="{\"method\": \"mtp\", \"num_speculative_tokens\": ${MTP_TOKENS:-1}}"
+    case $name in
+      vllm) extra=() ;;
+      fp8) extra=(--attention-backend DSV4_NVFP4 --kv-cache-dtype fp8) ;;
+      nvfp4) extra=(--attention-backend DSV4_NVFP4) ;;
+      *) echo "unknown server $name" >&2; exit 2 ;;
+    esac
+    serve_round "${name}_mtp" 8104 "${extra[@]}" --speculative-config "$spec"
+    [ -f "$OUT/serve_$name.json" ] && python3 -m dsv4_attn.e2e.serve_check compare \
+      "$OUT/serve_$name.json" "$OUT/serve_${name}_mtp.json" \
+      --json "$OUT/serve_${name}_mtp_compare.json"
     ;;
   capacity)
     # vLLM's "GPU KV cache size" of each server, at the same --gpu-memory-utilization and no

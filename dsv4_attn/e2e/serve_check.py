@@ -2,8 +2,9 @@
 
 ``scripts/gpu_serve.sh`` drives it on the GPU machine; the pieces are:
 
-* ``python -m dsv4_attn.e2e.serve_check checkpoint DIR`` — write the tiny 64-head checkpoint
-  vLLM loads as it is (:func:`dsv4_attn.e2e.tiny_model.save_vllm_checkpoint`);
+* ``python -m dsv4_attn.e2e.serve_check checkpoint DIR [--mtp-layers N]`` — write the tiny
+  64-head checkpoint vLLM loads as it is, with N (default 1) MTP draft layers
+  (:func:`dsv4_attn.e2e.tiny_model.save_vllm_checkpoint`);
 * ``python -m dsv4_attn.e2e.serve_check query --name N --port P --out FILE`` — wait for a running
   server and send the fixed request set of :func:`request_plan` (greedy, token-id prompts, top-2
   logprobs), phase by phase; save every response and the server's preemption and prefix-cache
@@ -330,6 +331,8 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     ckpt = sub.add_parser("checkpoint", help="write the tiny checkpoint vLLM serves")
     ckpt.add_argument("directory")
+    ckpt.add_argument("--mtp-layers", type=int, default=1,
+                      help="MTP draft layers in the checkpoint (0: none)")  # fmt: skip
     q = sub.add_parser("query", help="send the request set to a running server")
     q.add_argument("--name", required=True)
     q.add_argument("--port", type=int, required=True)
@@ -346,7 +349,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "checkpoint":
         from dsv4_attn.e2e.tiny_model import save_vllm_checkpoint
 
-        print(f"checkpoint: {save_vllm_checkpoint(args.directory)}")
+        if args.mtp_layers < 0:
+            raise SystemExit(f"--mtp-layers must be >= 0, got {args.mtp_layers}")
+        path = save_vllm_checkpoint(args.directory, mtp_layers=args.mtp_layers)
+        print(f"checkpoint: {path}")
     elif args.command == "query":
         server = Server(args.port, args.model)
         waited = server.wait(args.wait, args.pid)

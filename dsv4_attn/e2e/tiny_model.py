@@ -37,6 +37,7 @@ __all__ = [
     "V4_FIXED",
     "VLLM_SPEC",
     "TinySpec",
+    "add_mtp_layers",
     "build_model",
     "build_tiny_model",
     "compressed_rope",
@@ -125,7 +126,8 @@ V4_FIXED = dict(
 )
 """``DeepseekV4Config`` fields every model of this package shares with V4-Flash (one KV head of
 512 with 64 RoPE dims, a 128-token window, ratios 4 and 128, 128-dim indexer heads,
-hyper-connections of 4, RoPE thetas), plus no MTP layer and no end-of-sequence token."""
+hyper-connections of 4, RoPE thetas), plus no end-of-sequence token and no MTP layer in the
+transformers model (the vLLM checkpoint gets its MTP layers from :func:`add_mtp_layers`)."""
 
 
 def compressed_rope(original_max_positions: int) -> dict:
@@ -239,12 +241,75 @@ _VLLM_KEY_RENAMES = (
 )
 
 
-def save_vllm_checkpoint(path: str | Path, spec: TinySpec = VLLM_SPEC) -> Path:
+def save_vllm_checkpoint(path: str | Path, spec: TinySpec = VLLM_SPEC, mtp_layers: int = 1) -> Path:
     """Write the tiny model as a checkpoint ``vllm serve PATH --skip-tokenizer-init`` loads as
-    it is (:func:`write_vllm_checkpoint`). transformers cannot read this one back (other names);
-    :func:`load_or_build` keeps its own. Returns the directory."""
+    it is (:func:`write_vllm_checkpoint`), with ``mtp_layers`` MTP draft layers
+    (:func:`add_mtp_layers`; vLLM reads them only with ``--speculative-config`` method
+    ``mtp``). transformers cannot read this one back (other names); :func:`load_or_build`
+    keeps its own. Returns the directory."""
     path = write_vllm_checkpoint(path, build_tiny_model(spec))
+    if mtp_layers:
+        add_mtp_layers(path, mtp_layers, spec.seed)
     (path / _SPEC_FILE).write_text(json.dumps(asdict(spec), indent=1) + "\n")
+    return path
+
+
+def add_mtp_layers(path: str | Path, num_layers: int = 1, seed: int = 0) -> Path:
+    """Give the vLLM checkpoint at ``path`` ``num_layers`` MTP draft layers, named as
+    DeepSeek-V4 checkpoints name them (``mtp.{i}.*``, vLLM's ``DeepSeekV4MTP`` loader) and
+    written to ``mtp.safetensors``; ``num_nextn_predict_layers`` in config.json says so.
+
+    vLLM builds each MTP layer as a sliding-window decoder layer (no compressor) plus its own
+    input norms and projections (``enorm``, ``hnorm``, ``e_proj``, ``h_proj``), hyper-connection
+    head (``hc_head_*``), output norm and head, and for the first layer the token embedding.
+    The decoder weights start from the checkpoint's first sliding-window layer and the rest
+    from the model's own embedding, head and norms, each moved by seeded noise of its own scale
+    (no tensor equals one the main model has: a loader that reads the wrong one is caught)."""
+    from safetensors.torch import load_file, save_file
+
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+    path = Path(path)
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    weights: dict[str, torch.Tensor] = {}
+    for weights_file in sorted(path.glob("model*.safetensors")):
+        weights.update(load_file(str(weights_file)))
+    sliding = config["layer_types"].index("sliding_attention")
+    prefix = f"model.layers.{sliding}."
+    hidden = config["hidden_size"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def moved(tensor: torch.Tensor) -> torch.Tensor:
+        scale = tensor.float().std() if tensor.numel() > 1 else tensor.float().abs().mean()
+        noise = torch.randn(tensor.shape, generator=gen) * (0.5 * float(scale) + 1e-3)
+        return (tensor.float() + noise).to(tensor.dtype)
+
+    def projection() -> torch.Tensor:
+        return (torch.randn(hidden, hidden, generator=gen) * hidden**-0.5).to(torch.bfloat16)
+
+    mtp: dict[str, torch.Tensor] = {}
+    for i in range(num_layers):
+        for key, tensor in weights.items():
+            if key.startswith(prefix):
+                mtp[f"mtp.{i}.{key.removeprefix(prefix)}"] = moved(tensor)
+        mtp[f"mtp.{i}.enorm.weight"] = moved(weights["model.norm.weight"])
+        mtp[f"mtp.{i}.hnorm.weight"] = moved(weights["model.norm.weight"])
+        mtp[f"mtp.{i}.e_proj.weight"] = projection()
+        mtp[f"mtp.{i}.h_proj.weight"] = projection()
+        for part in ("fn", "base", "scale"):
+            mtp[f"mtp.{i}.hc_head_{part}"] = moved(weights[f"model.hc_head_{part}"])
+        mtp[f"mtp.{i}.norm.weight"] = moved(weights["model.norm.weight"])
+        mtp[f"mtp.{i}.head.weight"] = moved(weights["head.weight"])
+    mtp["mtp.0.emb.tok_emb.weight"] = moved(weights["model.embed_tokens.weight"])
+    save_file(mtp, str(path / "mtp.safetensors"), metadata={"format": "pt"})
+    index_file = path / "model.safetensors.index.json"
+    if index_file.exists():
+        index = json.loads(index_file.read_text())
+        index["weight_map"].update(dict.fromkeys(mtp, "mtp.safetensors"))
+        index_file.write_text(json.dumps(index, indent=1) + "\n")
+    config["num_nextn_predict_layers"] = num_layers
+    config_file.write_text(json.dumps(config, indent=1) + "\n")
     return path
 
 
