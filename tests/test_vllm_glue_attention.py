@@ -336,6 +336,53 @@ def test_decode_goes_straight_to_the_kernel_once_the_first_call_ran_it(
         assert direct["window"].fmt is direct["extra"].fmt is layer.kv_format
 
 
+def spec_builders(layer, tokens_per_request: int) -> Builders:
+    """The layer's builders as a server speculating ``tokens_per_request - 1`` tokens makes
+    them: vLLM's split counts requests of up to that many tokens as decodes."""
+    builders = Builders(layer)
+    builders.swa.decode_threshold = tokens_per_request
+    if builders.compressed is not None:
+        builders.compressed.decode_threshold = tokens_per_request
+    return builders
+
+
+@pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
+@pytest.mark.parametrize("ratio", vt.RATIOS)
+def test_spec_decode_steps_run_every_token_through_the_decode_path(kv_dtype, ratio, monkeypatch):
+    """An MTP verification step: every request brings 1 + 2 tokens, a uniform batch vLLM
+    counts as decodes. All of them go through the decode path (no prefill chunk), each token
+    with its own causal window and compressed entries, and match the float64 reference."""
+    model = vt.tiny_model(kv_dtype)
+    layer = model.layers[ratio]
+    gen = torch.Generator().manual_seed(50 + ratio + len(kv_dtype))
+    poison(model, gen)
+    batch = vt.make_batch(gen, [3, 130, 300, 1029], [3] * 4, padding=2, num_blocks=300)
+    write_step_rows(layer, batch, gen)
+    with torch.no_grad():
+        layer.attn_sink[: vt.NUM_HEADS] = torch.randn(vt.NUM_HEADS, generator=gen)
+    T, H = batch.num_tokens, layer.padded_heads
+    q = (torch.randn(T, H, 512, generator=gen) * 0.5).to(torch.bfloat16)
+    local_topk = None
+    if ratio == 4:
+        local_topk = vt.random_local_topk(gen, batch, vt.INDEX_TOPK)
+        model.topk_indices_buffer[:T] = local_topk
+    metadata = spec_builders(layer, 3).build(batch)
+    swa = metadata[layer.swa_cache_layer.prefix]
+    assert (swa.num_decodes, swa.num_prefills, swa.num_decode_tokens) == (4, 0, T)
+
+    def no_prefill(*args, **kwargs):
+        raise AssertionError("a spec-decode step took the prefill path")
+
+    monkeypatch.setattr(layer, "_forward_prefill", no_prefill)
+    out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16)
+    with set_forward_context(metadata, model.vllm_config):
+        layer.forward_mqa(q, None, batch.swa_cm.positions, out)
+    ref = expected_output(layer, batch, q, local_topk)
+    real = len(batch.positions())
+    assert (out[real:] == 0).all()
+    torch.testing.assert_close(out.double(), ref, rtol=2**-7, atol=1e-3 * ref.abs().max())
+
+
 @pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
 def test_a_dspark_draft_block_attends_to_the_whole_block(kv_dtype, monkeypatch):
     """A DSpark draft step (non-causal metadata) through a SWA layer: every token of a block

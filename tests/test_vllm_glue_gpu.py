@@ -209,30 +209,43 @@ def _check_inserted_rows(layer, batch, kv, positions) -> None:
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize(("ratio", "schedule"), LAYER_SCHEDULES)
-def test_decode_step_replays_in_a_cuda_graph(profiled, kv_dtype, ratio, schedule, monkeypatch):
+@pytest.mark.parametrize("tokens", [1, 3], ids=["decode", "mtp2"])
+def test_decode_step_replays_in_a_cuda_graph(
+    profiled, kv_dtype, ratio, schedule, tokens, monkeypatch
+):
     """As vLLM's FULL decode graphs: the step is captured once; later steps rebuild the metadata
     (the balanced plan included) into the builders' buffers (and the runner's input buffers),
-    then replay."""
-    from tests.test_vllm_glue_attention import Builders, poison, write_step_rows
+    then replay. ``mtp2``: MTP verification steps, 1 + 2 tokens per request (a uniform batch
+    the builders count as decodes, as with --speculative-config num_speculative_tokens 2)."""
+    from tests.test_vllm_glue_attention import (
+        expected_output,
+        poison,
+        spec_builders,
+        write_step_rows,
+    )
 
     _use_schedule(schedule, monkeypatch)
     model = profiled(kv_dtype)
     layer = model.layers[ratio]
-    builders = Builders(layer)
+    builders = spec_builders(layer, tokens)
     gen = torch.Generator().manual_seed(100 + ratio)
     poison(model, gen)
-    runner = _RunnerBuffers(num_reqs=5, num_tokens=7)
-    first = vt.make_batch(gen, [900, 17, 300, 128, 2], [1] * 5, padding=2, num_blocks=300)
-    second = vt.make_batch(gen, [40, 1200, 3, 513, 260], [1] * 5, padding=2, num_blocks=300)
-    q_in = torch.zeros(7, layer.n_local_heads, 512, dtype=torch.bfloat16, device="cuda")
-    kv_in = torch.zeros(7, 512, dtype=torch.bfloat16, device="cuda")
-    out = torch.zeros(7, layer.padded_heads, 512, dtype=torch.bfloat16, device="cuda")
+    T = 5 * tokens + 2  # two padding rows
+    runner = _RunnerBuffers(num_reqs=5, num_tokens=T)
+    first = vt.make_batch(gen, [900, 17, 300, 128, 3], [tokens] * 5, padding=2, num_blocks=300)
+    second = vt.make_batch(gen, [40, 1200, 3, 513, 260], [tokens] * 5, padding=2,
+                           num_blocks=300)  # fmt: skip
+    q_in = torch.zeros(T, layer.n_local_heads, 512, dtype=torch.bfloat16, device="cuda")
+    kv_in = torch.zeros(T, 512, dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros(T, layer.padded_heads, 512, dtype=torch.bfloat16, device="cuda")
+
+    picks = {}  # a CSA step's indexer picks, for the reference
 
     def prepare(batch):
         runner.load(batch)
         write_step_rows(layer, batch, gen)
         if ratio == 4:
-            topk = vt.random_local_topk(gen, batch, vt.INDEX_TOPK)
+            picks[id(batch)] = topk = vt.random_local_topk(gen, batch, vt.INDEX_TOPK)
             model.topk_indices_buffer[: batch.num_tokens] = topk.cuda()
         q, kv = _inputs(layer, batch, gen)
         q_in.copy_(q)
@@ -262,11 +275,16 @@ def test_decode_step_replays_in_a_cuda_graph(profiled, kv_dtype, ratio, schedule
     torch.cuda.synchronize()
     replayed = out.clone()
     out.fill_(float("nan"))
-    _step(layer, model, metadata_again, q_in, kv_in, runner.positions, out)
+    q_padded = _step(layer, model, metadata_again, q_in, kv_in, runner.positions, out)
     torch.cuda.synchronize()
     assert torch.isfinite(replayed.float()).all()
     assert torch.equal(replayed, out), "the replay differs from the eager step"
-    assert (replayed[5:] == 0).all()  # padding rows
+    ref = expected_output(layer, second, q_padded, picks.get(id(second)))
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < 1e-2, f"relative error {float(err):.3g} against the float64 reference"
+    assert (replayed[5 * tokens :] == 0).all()  # padding rows
+    swa = metadata_again[layer.swa_cache_layer.prefix]
+    assert (swa.num_decode_tokens, swa.num_prefills) == (T, 0)  # all through the decode path
 
 
 class _RunnerBuffers:
