@@ -132,6 +132,22 @@ def expected_output(layer, batch, q, local_topk) -> torch.Tensor:
     return out
 
 
+def step_inputs(model, layer, batch: vt.Batch, gen: torch.Generator):
+    """A step's random inputs: rows at every slot its tokens see, random sinks, q (bf16
+    ``[T, padded_heads, 512]``) and, for a CSA layer, the indexer's picks in the model's top-k
+    buffer. Returns ``(q, picks or None)``."""
+    write_step_rows(layer, batch, gen)
+    with torch.no_grad():
+        layer.attn_sink[: vt.NUM_HEADS] = torch.randn(vt.NUM_HEADS, generator=gen)
+    T, H = batch.num_tokens, layer.padded_heads
+    q = (torch.randn(T, H, 512, generator=gen) * 0.5).to(torch.bfloat16)
+    local_topk = None
+    if layer.compress_ratio == 4:
+        local_topk = vt.random_local_topk(gen, batch, vt.INDEX_TOPK)
+        model.topk_indices_buffer[:T] = local_topk
+    return q, local_topk
+
+
 BATCHES = {
     "mixed": ([5, 300, 129], [1, 3, 129]),
     "chunked_prefill_long": ([1300, 700], [1, 90]),
@@ -162,15 +178,8 @@ def test_forward_mqa_matches_reference(kv_dtype, ratio, batch_name, chunk_rows, 
     seq_lens, query_lens = BATCHES[batch_name]
     batch = vt.make_batch(gen, seq_lens, query_lens, padding=2, num_blocks=300)
     poison(model, gen)
-    write_step_rows(layer, batch, gen)
-    with torch.no_grad():
-        layer.attn_sink[: vt.NUM_HEADS] = torch.randn(vt.NUM_HEADS, generator=gen)
+    q, local_topk = step_inputs(model, layer, batch, gen)
     T, H = batch.num_tokens, layer.padded_heads
-    q = (torch.randn(T, H, 512, generator=gen) * 0.5).to(torch.bfloat16)
-    local_topk = None
-    if ratio == 4:
-        local_topk = vt.random_local_topk(gen, batch, vt.INDEX_TOPK)
-        model.topk_indices_buffer[:T] = local_topk
     output = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16)
 
     with set_forward_context(build_metadata(layer, batch), model.vllm_config):
@@ -357,15 +366,8 @@ def test_spec_decode_steps_run_every_token_through_the_decode_path(kv_dtype, rat
     gen = torch.Generator().manual_seed(50 + ratio + len(kv_dtype))
     poison(model, gen)
     batch = vt.make_batch(gen, [3, 130, 300, 1029], [3] * 4, padding=2, num_blocks=300)
-    write_step_rows(layer, batch, gen)
-    with torch.no_grad():
-        layer.attn_sink[: vt.NUM_HEADS] = torch.randn(vt.NUM_HEADS, generator=gen)
+    q, local_topk = step_inputs(model, layer, batch, gen)
     T, H = batch.num_tokens, layer.padded_heads
-    q = (torch.randn(T, H, 512, generator=gen) * 0.5).to(torch.bfloat16)
-    local_topk = None
-    if ratio == 4:
-        local_topk = vt.random_local_topk(gen, batch, vt.INDEX_TOPK)
-        model.topk_indices_buffer[:T] = local_topk
     metadata = spec_builders(layer, 3).build(batch)
     swa = metadata[layer.swa_cache_layer.prefix]
     assert (swa.num_decodes, swa.num_prefills, swa.num_decode_tokens) == (4, 0, T)
