@@ -34,6 +34,8 @@
 #                                       #   through every phase, preemption included, CONTROL_REPS
 #                                       #   (3) times; also with CUDA_LAUNCH_BLOCKING=1, and with
 #                                       #   the plugin installed (three servers side by side)
+#   bash scripts/gpu_serve.sh batch "P [A]" ...  # those parts in turn, detached from the call;
+#   bash scripts/gpu_serve.sh collect   #   collect: what they wrote so far, as $OUT/batch.tgz
 #   bash scripts/gpu_serve.sh real L    # V4-Flash-shaped checkpoint (dsv4_attn.e2e.real_shapes)
 #                                       #   and vllm bench serve of the three servers on layout L
 #                                       #   (tp1, tp2, tp4, dp2ep, dp4ep: dsv4_attn.e2e.bench_serve)
@@ -62,6 +64,8 @@ export PYTHONUNBUFFERED=1
 SITE=/tmp/site
 CKPT=/tmp/dsv4_tiny_ckpt
 PARTS="prepare|tests|sanitize|bench|vllm|fp8|nvfp4|compare|mtp|capacity|startup|control|soak|real"
+PARTS="$PARTS|batch|collect"
+BATCH=/tmp/dsv4_batch
 PART=${1:?usage: gpu_serve.sh $PARTS}
 
 launch() {  # name port [vllm serve args...]: start a server in its own session, log in $OUT
@@ -333,6 +337,36 @@ Server; Server($((port + i)), '').wait(600)" || echo "server soak_$name did not 
       ${BENCH_PROFILE:+--profile "$BENCH_PROFILE"} \
       --out "$OUT/bench_serve" 2>&1 \
       | tee "$OUT/bench.log"
+    ;;
+  batch)
+    # bash scripts/gpu_serve.sh batch "PART [ARG]" ...: the parts one after another, detached
+    # from the call (a device call may end, the machine stays while calls keep coming), each
+    # with its own OUT under $BATCH; `collect` returns what is there so far.
+    shift
+    mkdir -p "$BATCH"
+    : > "$BATCH/plan.txt"
+    for part in "$@"; do echo "$part" >> "$BATCH/plan.txt"; done
+    setsid bash -c '
+      n=0
+      while read -r part; do
+        n=$((n + 1)); dir=$0/$(printf %02d "$n")_${part// /_}; mkdir -p "$dir"
+        echo "$(date +%T) start: $part" >> "$0/batch.log"
+        OUT=$dir bash scripts/gpu_serve.sh $part > "$dir/part.log" 2>&1
+        rc=$?
+        echo "$(date +%T) end: $part, exit $rc" >> "$0/batch.log"
+      done < "$0/plan.txt"
+      echo "$(date +%T) batch done" >> "$0/batch.log"' "$BATCH" > /dev/null 2>&1 < /dev/null &
+    echo "batch of $# parts started; poll with: bash scripts/gpu_serve.sh collect"
+    ;;
+  collect)
+    # The batch so far as $OUT/batch.tgz (traces and memory snapshots stay on the machine:
+    # their summaries are in the parts' JSON), and the tail of its log and of the part running.
+    tail -5 "$BATCH/batch.log"
+    running=$(ls -d "$BATCH"/[0-9]*_* 2>/dev/null | tail -1)
+    [ -n "$running" ] && tail -5 "$running/part.log"
+    tar czf "$OUT/batch.tgz" --exclude='*.pt.trace.json*' --exclude='*.pickle' \
+      -C "$(dirname "$BATCH")" "$(basename "$BATCH")"
+    ls -la "$OUT/batch.tgz"
     ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
