@@ -33,7 +33,7 @@ from dsv4_attn.index_checks import (
 )
 from dsv4_attn.log import get_logger
 
-__all__ = ["BACKENDS", "fmha", "sparse_prefill"]
+__all__ = ["BACKENDS", "check_output_tensor", "fmha", "sparse_prefill"]
 
 logger = get_logger(__name__)
 
@@ -398,8 +398,8 @@ def sparse_prefill(
     """
     _check_backend(backend)
     scale = _validate_sparse(q, kv, indices, lens, sink, scale, check_values)
-    _check_into("out", out, tuple(q.shape), q.dtype, q.device)
-    _check_into("lse", lse, tuple(q.shape[:2]), torch.float32, q.device)
+    check_output_tensor("out", out, tuple(q.shape), q.dtype, q.device)
+    check_output_tensor("lse", lse, tuple(q.shape[:2]), torch.float32, q.device)
     if backend == "reference":
         result, result_lse = reference.sparse_attention(
             q, kv, *sanitized_lists(indices, lens, kv.shape[0]), sink, scale
@@ -427,15 +427,21 @@ def sparse_prefill(
     return _into(out, result), _into(lse, result_lse)
 
 
-def _check_into(name: str, tensor, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
-    """A caller's output tensor must be exactly what the kernel writes: contiguous, this shape,
-    dtype and device."""
+def check_output_tensor(name: str, tensor: object, shape: tuple[int, ...], dtype: torch.dtype,
+                        device: torch.device) -> None:  # fmt: skip
+    """A caller's output tensor (or None) must be exactly what the kernel writes: a contiguous
+    ``shape`` tensor of ``dtype`` on ``device``; ValueError naming ``name`` and both otherwise.
+    Shared by every entry point that writes into given tensors."""
     if tensor is not None and (
         not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape
         or tensor.dtype != dtype or tensor.device != device or not tensor.is_contiguous()
     ):  # fmt: skip
+        got = type(tensor).__name__
+        if isinstance(tensor, torch.Tensor):
+            got = f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
+            got += "" if tensor.is_contiguous() else " (not contiguous)"
         raise ValueError(f"{name} must be a contiguous {shape} {dtype} tensor on {device}, "
-                         f"got {_shape(tensor)}")  # fmt: skip
+                         f"got {got}")  # fmt: skip
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:

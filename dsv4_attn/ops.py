@@ -24,7 +24,7 @@ import torch
 
 from dsv4_attn import fallback, kv_cache, reference
 from dsv4_attn.dispatch_log import log_fallback_once
-from dsv4_attn.fmha_ops import fmha, sparse_prefill
+from dsv4_attn.fmha_ops import check_output_tensor, fmha, sparse_prefill
 from dsv4_attn.index_checks import check_index_lists, check_index_values, sanitized_lists
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.log import get_logger
@@ -90,17 +90,6 @@ def _checked_scope(name: str, scope: object, T: int, device: torch.device,
     return scope if fmt is scope.fmt else dataclasses.replace(scope, fmt=fmt)
 
 
-def _check_out(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype,
-               device: torch.device) -> None:  # fmt: skip
-    if t is None:
-        return
-    if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
-        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{name} must be {dtype} {shape}, got {got}")
-    if t.device != device or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous tensor on {device}")
-
-
 def _validate(q, window, sink, scale, extra, out, lse, check_values):
     """The validated ``(window, extra)``; ValueError naming the first bad argument."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != HEAD_DIM:
@@ -125,8 +114,8 @@ def _validate(q, window, sink, scale, extra, out, lse, check_values):
             raise ValueError(f"sink is on {sink.device} but q is on {q.device}")
     if not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
         raise ValueError(f"scale must be a positive finite float, got {scale!r}")
-    _check_out("out", out, (T, H, HEAD_DIM), torch.bfloat16, q.device)
-    _check_out("lse", lse, (T, H), torch.float32, q.device)
+    check_output_tensor("out", out, (T, H, HEAD_DIM), torch.bfloat16, q.device)
+    check_output_tensor("lse", lse, (T, H), torch.float32, q.device)
     return window, extra
 
 

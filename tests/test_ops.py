@@ -80,8 +80,8 @@ BAD = [
     ({"sink": torch.zeros(7)}, "sink must be \\[H=8\\]"),
     ({"scale": -1.0}, "scale must be a positive finite float, got -1.0"),
     ({"window_fmt": "int4"}, "unknown KV-cache format 'int4'"),
-    ({"out": torch.zeros(3, 8, 512)}, "out must be torch.bfloat16 \\(3, 8, 512\\)"),
-    ({"lse": torch.zeros(3, 7)}, "lse must be torch.float32 \\(3, 8\\)"),
+    ({"out": torch.zeros(3, 8, 512)}, r"out must be a contiguous \(3, 8, 512\) torch.bfloat16"),
+    ({"lse": torch.zeros(3, 7)}, r"lse must be a contiguous \(3, 8\) torch.float32 .* \(3, 7\)"),
 ]
 
 
