@@ -5,12 +5,13 @@ indexer, the compressor and the output projection are vLLM's; this class supplie
 platform subclass owns (vLLM's ``forward_mqa`` contract):
 
 * :meth:`~DSV4NVFP4Attention.forward_mqa` writes ``output`` in place with
-  :func:`dsv4_attn.ops.sparse_attention` (the CuTeDSL kernel on Hopper), every token with its own
-  window and compressed entries (:mod:`.metadata`); all its scratch (index lists, split
-  partials, gathered prefill rows, the log-sum-exp) comes from vLLM's workspace manager and is
-  reserved at its peak in the profiling run, so vLLM's memory profile counts it. A later request
-  above that reservation raises: vLLM would grow its workspace by freeing the buffer that
-  captured CUDA graphs still use;
+  :func:`dsv4_attn.ops.sparse_attention` (the CuTeDSL kernel on Hopper; once the first decode
+  call ran it, later ones call the kernel's entry directly, without the public checks), every
+  token with its own window and compressed entries (:mod:`.metadata`); all its scratch (index
+  lists, split partials, gathered prefill rows, the log-sum-exp) comes from vLLM's workspace
+  manager and is reserved at its peak in the profiling run, so vLLM's memory profile counts it.
+  A later request above that reservation raises: vLLM would grow its workspace by freeing the
+  buffer that captured CUDA graphs still use;
 * the KV-cache format from ``--kv-cache-dtype`` (:mod:`.kv_spec`): with NVFP4 it swaps in the NVFP4
   SWA spec and writers (:mod:`.writers`); with fp8 it keeps vLLM's fp8_ds_mla layout and writers;
 * head padding: only up to the next head count the kernel supports
