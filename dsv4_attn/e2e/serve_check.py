@@ -120,14 +120,20 @@ class Server:
         process ``pid`` exits first."""
         start = time.time()
         while time.time() - start < seconds:
-            try:
-                urllib.request.urlopen(self.base + "/health", timeout=2).read()
+            if self.healthy(timeout=2):
                 return time.time() - start
-            except Exception:
-                if pid is not None and not _alive(pid):
-                    raise RuntimeError(f"the server (pid {pid}) exited before it came up") from None
-                time.sleep(2)
+            if pid is not None and not _alive(pid):
+                raise RuntimeError(f"the server (pid {pid}) exited before it came up")
+            time.sleep(2)
         raise TimeoutError(f"server at {self.base} not up after {seconds:.0f} s")
+
+    def healthy(self, timeout: float = 10) -> bool:
+        """Whether the server answers ``/health`` within ``timeout`` seconds."""
+        try:
+            urllib.request.urlopen(self.base + "/health", timeout=timeout).read()
+            return True
+        except Exception:
+            return False
 
     def complete(self, request: Request) -> dict:
         body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.max_tokens,

@@ -183,13 +183,6 @@ def soak(args: argparse.Namespace) -> dict:
             tokens, error = _send(server, request)
             tally.add(request, tokens, error)
 
-    def healthy() -> bool:
-        try:
-            urllib.request.urlopen(server.base + "/health", timeout=10).read()
-            return True
-        except Exception:
-            return False
-
     def report(complete: bool) -> dict:
         try:
             after = server.counters()
@@ -210,7 +203,7 @@ def soak(args: argparse.Namespace) -> dict:
             "new_tokens": tally.new_tokens,
             "counters": {k: after[k] - before.get(k, 0.0) for k in after},
             "gpu_memory_mib": list(memory),
-            "healthy_after": healthy(),
+            "healthy_after": server.healthy(),
         }
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True)
@@ -220,7 +213,7 @@ def soak(args: argparse.Namespace) -> dict:
     while any(t.is_alive() for t in threads):
         time.sleep(min(args.sample_seconds, max(1.0, deadline[0] - time.time())))
         if time.time() < deadline[0]:
-            if not healthy():  # a dead server answers every request at once: stop counting
+            if not server.healthy():  # a dead server answers every request at once: stop counting
                 died_at.append(round(time.time() - start, 1))
                 deadline[0] = time.time()
                 print(f"{died_at[0]:6.0f} s  the server stopped answering /health", flush=True)

@@ -146,6 +146,22 @@ def _window_span(tokens: TokenMap, window: int) -> tuple[torch.Tensor, torch.Ten
     return start, torch.where(tokens.valid, tokens.pos - start + 1, 0)
 
 
+def _span_slots(
+    tokens: TokenMap,
+    block_table: torch.Tensor,
+    block_size: int,
+    start: torch.Tensor,
+    lens: torch.Tensor,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots ``int32 [T, width]`` of each token's positions ``start .. start + lens - 1`` in
+    increasing order, -1 padded, and ``lens`` as int32 (``lens <= width``)."""
+    offsets = torch.arange(width, device=tokens.pos.device)
+    use = offsets[None, :] < lens[:, None]
+    slots = _slots(block_table, tokens.req, start[:, None] + offsets, block_size, use)
+    return slots.int(), lens.int()
+
+
 def window_lengths(tokens: TokenMap, window: int) -> torch.Tensor:
     """int64 ``[T]``: how many positions of ``max(0, pos - window + 1) .. pos`` a token sees
     (0 for invalid tokens)."""
@@ -157,11 +173,8 @@ def window_slots(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SWA slots ``int32 [T, window]`` of positions ``max(0, pos - window + 1) .. pos`` in
     increasing order, -1 padded, and their count ``int32 [T]``."""
-    offsets = torch.arange(window, device=tokens.pos.device)
     start, lens = _window_span(tokens, window)
-    use = offsets[None, :] < lens[:, None]
-    slots = _slots(block_table, tokens.req, start[:, None] + offsets, block_size, use)
-    return slots.int(), lens.int()
+    return _span_slots(tokens, block_table, block_size, start, lens, window)
 
 
 def block_window_slots(
@@ -190,10 +203,7 @@ def block_window_slots(
     prefix = seq - (qsl[1:] - qsl[:-1])[tokens.req]
     start = (prefix - window).clamp(min=0)
     lens = torch.where(tokens.valid, (seq - start).clamp(min=0, max=width), 0)
-    offsets = torch.arange(width, device=device)
-    use = offsets[None, :] < lens[:, None]
-    slots = _slots(block_table, tokens.req, start[:, None] + offsets, block_size, use)
-    return slots.int(), lens.int()
+    return _span_slots(tokens, block_table, block_size, start, lens, width)
 
 
 def visible_entry_counts(tokens: TokenMap, compress_ratio: int) -> torch.Tensor:
