@@ -20,8 +20,8 @@
 #   bash scripts/gpu_serve.sh fp8       # ... --attention-backend DSV4_NVFP4 --kv-cache-dtype fp8
 #   bash scripts/gpu_serve.sh nvfp4     # ... --attention-backend DSV4_NVFP4 (NVFP4: auto)
 #   bash scripts/gpu_serve.sh compare   # agreement table, tokens/s, preemptions, prefix hits
-#   bash scripts/gpu_serve.sh mtp S     # server S (vllm, fp8, nvfp4) again with MTP speculation
-#                                       #   (MTP_TOKENS, default 1), compared with its own round
+#   bash scripts/gpu_serve.sh mtp S [K] # server S (vllm, fp8, nvfp4) again with MTP speculation
+#                                       #   (K draft tokens, default 1), compared with its own round
 #   bash scripts/gpu_serve.sh capacity  # the KV capacity each server reports at equal memory
 #                                       #   (vLLM's backend, fp8, NVFP4; default flags, one server
 #                                       #   at a time, stopped once it has reported)
@@ -35,7 +35,9 @@
 #                                       #   (3) times; also with CUDA_LAUNCH_BLOCKING=1, and with
 #                                       #   the plugin installed (three servers side by side)
 #   bash scripts/gpu_serve.sh batch "P [A]" ...  # those parts in turn, detached from the call;
-#   bash scripts/gpu_serve.sh collect   #   collect: what they wrote so far, as $OUT/batch.tgz
+#   bash scripts/gpu_serve.sh collect   #   collect: what they wrote since the last collect
+#                                       #   ($OUT/NN_part.tgz per part)
+#   bash scripts/gpu_serve.sh wait P... #   a batch part: until servers answer on ports P
 #   bash scripts/gpu_serve.sh real L    # V4-Flash-shaped checkpoint (dsv4_attn.e2e.real_shapes)
 #                                       #   and vllm bench serve of the three servers on layout L
 #                                       #   (tp1, tp2, tp4, dp2ep, dp4ep: dsv4_attn.e2e.bench_serve)
@@ -64,8 +66,8 @@ export PYTHONUNBUFFERED=1
 SITE=/tmp/site
 CKPT=/tmp/dsv4_tiny_ckpt
 PARTS="prepare|tests|sanitize|bench|vllm|fp8|nvfp4|compare|mtp|capacity|startup|control|soak|real"
-PARTS="$PARTS|batch|collect"
-BATCH=/tmp/dsv4_batch
+PARTS="$PARTS|batch|collect|wait"
+BATCH=${BATCH:-/tmp/dsv4_batch}  # another BATCH runs a second batch beside the first
 PART=${1:?usage: gpu_serve.sh $PARTS}
 
 launch() {  # name port [vllm serve args...]: start a server in its own session, log in $OUT
@@ -203,20 +205,22 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
       "$OUT/serve_nvfp4.json" --json "$OUT/serve_compare.json"
     ;;
   mtp)
-    # The same rounds with MTP speculation (the checkpoint's MTP layer, MTP_TOKENS (1) draft
-    # tokens per step; ${2:-fp8} picks the server: vllm, fp8 or nvfp4), then its greedy tokens
-    # against the same server without speculation (run that part first).
-    name=${2:-fp8}; spec="{\"method\": \"mtp\", \"num_speculative_tokens\": ${MTP_TOKENS:-1}}"
+    # The same rounds with MTP speculation (the checkpoint's MTP layer, ${3:-1} draft tokens per
+    # step; ${2:-fp8} picks the server: vllm, fp8 or nvfp4), then its greedy tokens against the
+    # same server without speculation where that round ran first in this $OUT.
+    name=${2:-fp8}; tokens=${3:-1}
+    spec="{\"method\": \"mtp\", \"num_speculative_tokens\": $tokens}"
     case $name in
       vllm) extra=() ;;
       fp8) extra=(--attention-backend DSV4_NVFP4 --kv-cache-dtype fp8) ;;
       nvfp4) extra=(--attention-backend DSV4_NVFP4) ;;
       *) echo "unknown server $name" >&2; exit 2 ;;
     esac
-    serve_round "${name}_mtp" 8104 "${extra[@]}" --speculative-config "$spec"
-    [ -f "$OUT/serve_$name.json" ] && python3 -m dsv4_attn.e2e.serve_check compare \
-      "$OUT/serve_$name.json" "$OUT/serve_${name}_mtp.json" \
-      --json "$OUT/serve_${name}_mtp_compare.json"
+    serve_round "${name}_mtp$tokens" 8104 "${extra[@]}" --speculative-config "$spec"
+    if [ -f "$OUT/serve_$name.json" ]; then
+      python3 -m dsv4_attn.e2e.serve_check compare "$OUT/serve_$name.json" \
+        "$OUT/serve_${name}_mtp$tokens.json" --json "$OUT/serve_${name}_mtp${tokens}_compare.json"
+    fi
     ;;
   capacity)
     # vLLM's "GPU KV cache size" of each server, at the same --gpu-memory-utilization and no
@@ -359,14 +363,31 @@ Server; Server($((port + i)), '').wait(600)" || echo "server soak_$name did not 
     echo "batch of $# parts started; poll with: bash scripts/gpu_serve.sh collect"
     ;;
   collect)
-    # The batch so far as $OUT/batch.tgz (traces and memory snapshots stay on the machine:
-    # their summaries are in the parts' JSON), and the tail of its log and of the part running.
+    # What the batch wrote so far: $OUT/batch_log.txt, and one $OUT/NN_part.tgz per part that
+    # is running or ended since the last collect (a returned file has a size limit; traces and
+    # memory snapshots stay on the machine: their summaries are in the parts' JSON).
     tail -5 "$BATCH/batch.log"
-    running=$(ls -d "$BATCH"/[0-9]*_* 2>/dev/null | tail -1)
-    [ -n "$running" ] && tail -5 "$running/part.log"
-    tar czf "$OUT/batch.tgz" --exclude='*.pt.trace.json*' --exclude='*.pickle' \
-      -C "$(dirname "$BATCH")" "$(basename "$BATCH")"
-    ls -la "$OUT/batch.tgz"
+    cp "$BATCH/batch.log" "$OUT/batch_log.txt"
+    for dir in "$BATCH"/[0-9]*_*; do
+      [ -d "$dir" ] && [ ! -f "$dir/.collected" ] || continue
+      part=$(basename "$dir")
+      ended=0; grep -q "end: $(sed -n "$((10#${part%%_*}))p" "$BATCH/plan.txt")," \
+        "$BATCH/batch.log" && ended=1
+      [ "$ended" = 1 ] || tail -5 "$dir/part.log"
+      tar czf "$OUT/$part.tgz" --exclude='*.pt.trace.json*' --exclude='*.pickle' \
+        --exclude=.collected -C "$BATCH" "$part"
+      [ "$ended" = 1 ] && touch "$dir/.collected"
+    done
+    ls -la "$OUT"
+    ;;
+  wait)
+    # bash scripts/gpu_serve.sh wait PORT...: until a server answers /health on each port (a
+    # batch part that must not start while those servers profile their memory)
+    shift
+    for port in "$@"; do
+      python3 -c "from dsv4_attn.e2e.serve_check import Server; Server($port, '').wait(900)" \
+        || { echo "no server on port $port" >&2; exit 1; }
+    done
     ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac

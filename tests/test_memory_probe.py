@@ -85,26 +85,56 @@ def test_cli_prints_the_summary_of_a_dumped_snapshot(tmp_path, capsys):
 
 @pytest.mark.gpu
 def test_gpu_probe_traces_a_new_segment_to_its_caller(tmp_path):
-    """On CUDA: after record, an allocation bigger than anything cached maps a new segment,
-    and the dump names this test's function (a file under no package the probe looks for, so
-    the innermost frame) with at least the tensor's size."""
+    """On CUDA: after record, an allocation bigger than any free cached block maps a new
+    segment, and the dump names this test's function (a file under no package the probe looks
+    for, so the innermost frame) with at least the tensor's size. Earlier tests in the process
+    may leave segments partly in use, which empty_cache keeps: the size is chosen above their
+    largest free block."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    torch.cuda.empty_cache()  # nothing cached that the tensor below could reuse
+    torch.cuda.empty_cache()
+    free_blocks = [
+        block["size"]
+        for segment in torch.cuda.memory._snapshot()["segments"]
+        for block in segment["blocks"]
+        if block["state"] == "inactive"
+    ]
+    size = max([96 * MIB, *(b + 2 * MIB for b in free_blocks)])
     probe = MemoryProbe()
     probe.dsv4_memory_record()
     try:
         before = probe.dsv4_memory_stats()
-        big = torch.empty(96 * MIB, dtype=torch.uint8, device="cuda")
+        big = torch.empty(size, dtype=torch.uint8, device="cuda")
         after = probe.dsv4_memory_stats()
         so_far = probe.dsv4_memory_growth()
     finally:
         growth = probe.dsv4_memory_dump(str(tmp_path / "snap_{rank}.pickle"))
-    assert after["allocated_mib"] - before["allocated_mib"] >= 96
+    size_mib = size / MIB - 0.1  # the probe rounds to 0.1 MiB
+    assert after["allocated_mib"] - before["allocated_mib"] >= size_mib
     assert after["peak_allocated_mib"] >= after["allocated_mib"]
     assert growth["snapshot"].endswith("snap_0.pickle")
-    assert growth["mapped_mib"] >= 96 and so_far["mapped_mib"] >= 96
+    assert growth["mapped_mib"] >= size_mib and so_far["mapped_mib"] >= size_mib
     top = growth["growth_by_site"][0]
     assert "test_gpu_probe_traces_a_new_segment_to_its_caller" in top["site"]
-    assert top["mib"] >= 96
+    assert top["mib"] >= size_mib
     del big
+
+
+def test_record_keeps_only_segment_events_where_torch_can(monkeypatch):
+    """The history is a ring: with every block event in it, a soak's early segments fall out
+    within minutes. The probe asks torch to skip block events, and records everything on a
+    torch without ``skip_actions`` rather than fail."""
+    calls = []
+
+    def record(**kwargs):
+        calls.append(kwargs)
+        if "skip_actions" in kwargs and len(calls) > 1:
+            raise TypeError("unexpected keyword argument 'skip_actions'")
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
+    MemoryProbe().dsv4_memory_record("500")
+    assert calls[0]["max_entries"] == 500
+    assert set(calls[0]["skip_actions"]) == {"alloc", "free_requested", "free_completed"}
+    MemoryProbe().dsv4_memory_record("500")  # the second call plays an older torch
+    assert "skip_actions" not in calls[-1] and calls[-1]["max_entries"] == 500

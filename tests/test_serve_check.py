@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from dsv4_attn.e2e import serve_check
 from dsv4_attn.e2e.serve_check import NEAR_TIE, compare, compare_one, request_plan
 
@@ -48,3 +50,44 @@ def test_throughput_is_the_median_of_the_timed_runs():
     record = {"phases": {"single": {"tok_per_s": 5.0}, **phases}}
     assert serve_check.throughput(record) == 1000.0
     assert serve_check.throughput({"phases": {"single": {"tok_per_s": 5.0}}}) is None
+
+
+def test_acceptance_reads_vllms_own_spec_decode_counters():
+    """The counters come from vLLM's own Prometheus metrics class, rendered as /metrics
+    renders them: two draft positions, two phases of a round."""
+    import prometheus_client
+    from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
+
+    before = set(prometheus_client.REGISTRY._collector_to_names)
+    spec = SpecDecodingProm(
+        SimpleNamespace(num_speculative_tokens=2), ["model_name", "engine"], {0: ["m", "0"]}
+    )
+    try:
+        pages = []
+        for drafts, accepted_per_pos in ((10, [6, 3]), (30, [12, 5])):
+            stats = SpecDecodingStats.new(2)
+            stats.num_drafts, stats.num_draft_tokens = drafts, 2 * drafts
+            stats.num_accepted_tokens = sum(accepted_per_pos)
+            stats.num_accepted_tokens_per_pos = accepted_per_pos
+            spec.observe(stats)
+            pages.append(serve_check.parse_counters(prometheus_client.generate_latest().decode()))
+    finally:
+        for collector in set(prometheus_client.REGISTRY._collector_to_names) - before:
+            prometheus_client.REGISTRY.unregister(collector)
+    first, second = pages
+    assert first["vllm:spec_decode_num_drafts_total"] == 10
+    assert second["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == 6 + 3 + 12 + 5
+    record = {
+        "phases": {
+            "single": {"counters": first},
+            "preemption": {"counters": {k: second[k] - first.get(k, 0) for k in second}},
+        }
+    }
+    assert serve_check.acceptance(record) == {
+        "drafts": 40,
+        "draft_tokens": 80,
+        "accepted_tokens": 26,
+        "rate": round(26 / 80, 4),
+        "mean_length": round(1 + 26 / 40, 4),
+    }
+    assert serve_check.acceptance({"phases": {"single": {"counters": {}}}}) is None

@@ -13,7 +13,8 @@ every worker gains four methods that vLLM's development endpoint ``POST /collect
 * ``dsv4_memory_stats()`` — the torch caching allocator's allocated, reserved and peak-allocated
   MiB of the worker's GPU, and the device's used MiB (``cudaMemGetInfo``);
 * ``dsv4_memory_record(max_entries)`` — resets the peak and starts torch's allocation history
-  (Python stacks) so that every later segment the allocator maps is traced to its caller;
+  (Python stacks, segment events only) so that every later segment the allocator maps is traced
+  to its caller;
 * ``dsv4_memory_dump(path)`` — writes torch's snapshot (``path`` with ``{rank}`` replaced) and
   returns :func:`segment_growth` of it: the reserved memory added since ``dsv4_memory_record``,
   grouped by the first frame in vLLM's or this package's code;
@@ -36,6 +37,8 @@ __all__ = ["MemoryProbe", "growth_site", "segment_growth"]
 MIB = float(1 << 20)
 # Frames of these packages name the caller of an allocation; torch's own frames do not.
 CALLER_PACKAGES = ("dsv4_attn/", "vllm/")
+# Allocator events of blocks inside segments; the probe summarises segment events only.
+BLOCK_ACTIONS = ["alloc", "free_requested", "free_completed"]
 
 
 class MemoryProbe:
@@ -54,7 +57,15 @@ class MemoryProbe:
 
     def dsv4_memory_record(self, max_entries: str = "100000") -> None:
         torch.cuda.reset_peak_memory_stats()
-        torch.cuda.memory._record_memory_history(max_entries=int(max_entries), stacks="python")
+        # The history is a ring of max_entries events. A serving step allocates and frees
+        # hundreds of blocks, so a ring of every event forgets within minutes the segments
+        # mapped early in a soak; only segment events are kept where torch can skip the rest.
+        try:
+            torch.cuda.memory._record_memory_history(
+                max_entries=int(max_entries), stacks="python", skip_actions=BLOCK_ACTIONS
+            )
+        except TypeError:  # a torch without skip_actions
+            torch.cuda.memory._record_memory_history(max_entries=int(max_entries), stacks="python")
 
     def dsv4_memory_growth(self, top: str = "6") -> dict:
         """:func:`segment_growth` so far; the history keeps recording."""

@@ -175,15 +175,44 @@ class Server:
         return json.loads(body)["results"] if body else []
 
     def counters(self) -> dict[str, float]:
-        """vLLM's preemption and prefix-cache counters from /metrics (summed over labels)."""
-        text = urllib.request.urlopen(self.base + "/metrics", timeout=10).read().decode()
-        totals: dict[str, float] = {}
-        for line in text.splitlines():
-            match = re.match(r"^(vllm:[a-z_]*(?:preempt|prefix_cache)[a-z_]*)(?:\{.*\})? (\S+)$",
-                             line)  # fmt: skip
-            if match:
-                totals[match[1]] = totals.get(match[1], 0.0) + float(match[2])
-        return totals
+        """:func:`parse_counters` of the server's /metrics."""
+        return parse_counters(
+            urllib.request.urlopen(self.base + "/metrics", timeout=10).read().decode()
+        )
+
+
+COUNTER = re.compile(
+    r"^(vllm:[a-z_]*(?:preempt|prefix_cache|spec_decode)[a-z_]*)(?:\{.*\})? (\S+)$"
+)
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """vLLM's preemption, prefix-cache and speculative-decoding counters of a /metrics page
+    (Prometheus text), each summed over its labels (engines, draft positions)."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        match = COUNTER.match(line)
+        if match:
+            totals[match[1]] = totals.get(match[1], 0.0) + float(match[2])
+    return totals
+
+
+def acceptance(record: dict) -> dict | None:
+    """Speculative decoding over every phase of ``record``: drafts, draft tokens, accepted
+    tokens, the acceptance rate (accepted / draft tokens) and the mean acceptance length
+    (1 + accepted / drafts, vLLM's figure); None for a server without speculation."""
+    totals = dict.fromkeys(("drafts", "draft_tokens", "accepted_tokens"), 0.0)
+    for phase in record["phases"].values():
+        counters = phase.get("counters", {})
+        for key in totals:
+            totals[key] += counters.get(f"vllm:spec_decode_num_{key}_total", 0.0)
+    if not totals["drafts"]:
+        return None
+    return {
+        **{key: int(value) for key, value in totals.items()},
+        "rate": round(totals["accepted_tokens"] / totals["draft_tokens"], 4),
+        "mean_length": round(1 + totals["accepted_tokens"] / totals["drafts"], 4),
+    }
 
 
 def _alive(pid: int) -> bool:
@@ -298,6 +327,7 @@ def print_comparison(names: list[str], records: list[dict]) -> dict:
             "errors": len(record["errors"]),
             "preemptions": _counter(record, "preemption", "vllm:num_preemptions_total"),
             "prefix_cache_hits": _counter(record, "prefix", "vllm:prefix_cache_hits_total"),
+            "speculation": acceptance(record),
         }
         if record is not ref:
             entry["agreement"] = compare(ref, record)
@@ -313,6 +343,11 @@ def print_comparison(names: list[str], records: list[dict]) -> dict:
         print(f"{name:>10}: throughput {entry['throughput_tok_per_s']} tok/s, errors "
               f"{entry['errors']}, preemptions {entry['preemptions']}, prefix-cache hits "
               f"{entry['prefix_cache_hits']}")  # fmt: skip
+        if entry["speculation"]:
+            spec = entry["speculation"]
+            print(f"{name:>10}: {spec['drafts']} drafts, {spec['accepted_tokens']} of "
+                  f"{spec['draft_tokens']} draft tokens accepted ({spec['rate']:.1%}), mean "
+                  f"acceptance length {spec['mean_length']}")  # fmt: skip
     return report
 
 
