@@ -22,6 +22,9 @@
 #   bash scripts/gpu_serve.sh compare   # agreement table, tokens/s, preemptions, prefix hits
 #   bash scripts/gpu_serve.sh mtp S [K] # server S (vllm, fp8, nvfp4) again with MTP speculation
 #                                       #   (K draft tokens, default 1), compared with its own round
+#   bash scripts/gpu_serve.sh spec S M K # server S on the draftable checkpoint without and with
+#                                       #   speculation M (mtp, dspark), K draft tokens: greedy
+#                                       #   agreement and acceptance (vLLM's spec-decode counters)
 #   bash scripts/gpu_serve.sh capacity  # the KV capacity each server reports at equal memory
 #                                       #   (vLLM's backend, fp8, NVFP4; default flags, one server
 #                                       #   at a time, stopped once it has reported)
@@ -65,10 +68,22 @@ export PYTHONUNBUFFERED=1
 . /tmp/dsv4_env.sh
 SITE=/tmp/site
 CKPT=/tmp/dsv4_tiny_ckpt
-PARTS="prepare|tests|sanitize|bench|vllm|fp8|nvfp4|compare|mtp|capacity|startup|control|soak|real"
+DRAFTABLE=/tmp/dsv4_draftable_ckpt  # layers scaled down, an MTP layer that drafts well
+DSPARK=/tmp/dsv4_dspark_ckpt  # the same model with a DSpark draft that drafts well
+PARTS="prepare|tests|sanitize|bench|vllm|fp8|nvfp4|compare|mtp|spec|capacity|startup|control"
+PARTS="$PARTS|soak|real"
 PARTS="$PARTS|batch|collect|wait"
 BATCH=${BATCH:-/tmp/dsv4_batch}  # another BATCH runs a second batch beside the first
 PART=${1:?usage: gpu_serve.sh $PARTS}
+
+backend_args() {  # server (vllm, fp8, nvfp4): its attention flags, into the array `extra`
+  case $1 in
+    vllm) extra=() ;;
+    fp8) extra=(--attention-backend DSV4_NVFP4 --kv-cache-dtype fp8) ;;
+    nvfp4) extra=(--attention-backend DSV4_NVFP4) ;;
+    *) echo "unknown server $1 (vllm, fp8, nvfp4)" >&2; exit 2 ;;
+  esac
+}
 
 launch() {  # name port [vllm serve args...]: start a server in its own session, log in $OUT
   local name=$1 port=$2; shift 2
@@ -168,6 +183,8 @@ case "$PART" in
     python3 -c "import dsv4_attn.kernels.sparse_decode, dsv4_attn.fused.kv_writers, vllm; \
 print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     python3 -m dsv4_attn.e2e.serve_check checkpoint "$CKPT"
+    python3 -m dsv4_attn.e2e.serve_check checkpoint "$DRAFTABLE" --draftable
+    python3 -m dsv4_attn.e2e.serve_check checkpoint "$DSPARK" --draftable --dspark
     ;;
   tests)
     VLLM_TARGET_DEVICE=cuda timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
@@ -210,17 +227,37 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     # same server without speculation where that round ran first in this $OUT.
     name=${2:-fp8}; tokens=${3:-1}
     spec="{\"method\": \"mtp\", \"num_speculative_tokens\": $tokens}"
-    case $name in
-      vllm) extra=() ;;
-      fp8) extra=(--attention-backend DSV4_NVFP4 --kv-cache-dtype fp8) ;;
-      nvfp4) extra=(--attention-backend DSV4_NVFP4) ;;
-      *) echo "unknown server $name" >&2; exit 2 ;;
-    esac
+    backend_args "$name"
     serve_round "${name}_mtp$tokens" 8104 "${extra[@]}" --speculative-config "$spec"
     if [ -f "$OUT/serve_$name.json" ]; then
       python3 -m dsv4_attn.e2e.serve_check compare "$OUT/serve_$name.json" \
         "$OUT/serve_${name}_mtp$tokens.json" --json "$OUT/serve_${name}_mtp${tokens}_compare.json"
     fi
+    ;;
+  spec)
+    # Speculative decoding measured: server ${2:-fp8} (vllm, fp8, nvfp4) on the draftable
+    # checkpoint, without and with ${3:-mtp} speculation (${4:-1} draft tokens), side by side
+    # (the second starts once the first is up: vLLM's memory profiling must not see another
+    # process release memory); then their greedy agreement and the acceptance of the drafts.
+    name=${2:-fp8}; method=${3:-mtp}; tokens=${4:-1}
+    backend_args "$name"
+    spec="{\"method\": \"$method\", \"num_speculative_tokens\": $tokens}"
+    case $method in
+      mtp) CKPT=$DRAFTABLE ;;
+      # DSV4_NVFP4 refuses DSpark until a server has verified it; this part is that check.
+      dspark) CKPT=$DSPARK; export DSV4_ATTN_EXPERIMENTAL_DSPARK=1 ;;
+      *) echo "unknown speculation $method (mtp, dspark)" >&2; exit 2 ;;
+    esac
+    export SERVE_MEM=${SPEC_MEM:-0.3}
+    serve_round "${name}_plain" 8105 "${extra[@]}" > "$OUT/round_plain.log" 2>&1 &
+    python3 -c "from dsv4_attn.e2e.serve_check import Server; Server(8105, '').wait(600)" \
+      || echo "server ${name}_plain did not come up"
+    serve_round "${name}_$method$tokens" 8106 "${extra[@]}" --speculative-config "$spec" \
+      > "$OUT/round_spec.log" 2>&1 &
+    wait
+    tail -4 "$OUT/round_plain.log" "$OUT/round_spec.log"
+    python3 -m dsv4_attn.e2e.serve_check compare "$OUT/serve_${name}_plain.json" \
+      "$OUT/serve_${name}_$method$tokens.json" --json "$OUT/spec_compare.json"
     ;;
   capacity)
     # vLLM's "GPU KV cache size" of each server, at the same --gpu-memory-utilization and no
@@ -298,12 +335,7 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     fi
     gpus=$(nvidia-smi -L | wc -l); port=8140; i=0
     for name in "${names[@]}"; do
-      case $name in
-        vllm) extra=() ;;
-        fp8) extra=(--attention-backend DSV4_NVFP4 --kv-cache-dtype fp8) ;;
-        nvfp4) extra=(--attention-backend DSV4_NVFP4) ;;
-        *) echo "unknown soak server $name" >&2; exit 2 ;;
-      esac
+      backend_args "$name"
       gpu=0; [ "$gpus" -ge "${#names[@]}" ] && gpu=$i
       CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=$gpu SERVE_MEM=${SOAK_MEM:-0.25} \
         launch "soak_$name" $((port + i)) "${extra[@]}" "${probe[@]}"

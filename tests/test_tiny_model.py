@@ -89,94 +89,34 @@ def test_vllm_loader_takes_every_weight():
         torch.testing.assert_close(params[param_name].float(), weights[ckpt_name].float())
 
 
-@functools.cache
-def mtp_model():
-    """vLLM's DeepSeek-V4 MTP draft (``DeepSeekV4MTP``, CUDA model code built on the CPU with
-    this package's attention layer) for the checkpoint with its MTP layer, filled by its own
-    ``load_weights`` from every tensor of the checkpoint (vLLM's registry maps the MTP
-    architecture to a refusal on the CPU platform, so it is built directly)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.models.deepseek_v4.nvidia.mtp import DeepSeekV4MTP
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    vt._distributed_ready()
-    mtp = {"method": "mtp", "num_speculative_tokens": 1}
-    args = EngineArgs(model=checkpoint(), skip_tokenizer_init=True, enforce_eager=True,
-                      max_model_len=vt.MAX_MODEL_LEN, max_num_seqs=4,
-                      attention_backend="DSV4_NVFP4", speculative_config=mtp)  # fmt: skip
-    config = args.create_engine_config()
-    draft = config.speculative_config.draft_model_config
-    assert draft.architectures == ["DeepSeekV4MTPModel"]
-
-    class _NoStream:  # the predictor makes aux CUDA streams in __init__
-        def __init__(self, *args, **kwargs) -> None:
-            pass
-
-    saved = torch.cuda.Stream
-    torch.cuda.Stream = _NoStream  # type: ignore[misc]
-    try:
-        with set_current_vllm_config(config), vt._cpu_events(), \
-                set_default_torch_dtype(draft.dtype):  # fmt: skip
-            model = DeepSeekV4MTP(vllm_config=config, prefix="model")
-    finally:
-        torch.cuda.Stream = saved  # type: ignore[misc]
-    with set_current_vllm_config(config):
-        loaded = model.load_weights(iter(checkpoint_weights().items()))
-    return model, loaded
+def test_layer_output_scale_must_be_a_fraction():
+    for bad in (0, -0.5, 1.5, True, "0.1"):
+        with pytest.raises(ValueError, match=r"layer_output_scale must be in \(0, 1\]"):
+            TinySpec(layer_output_scale=bad)
 
 
-def checkpoint_weights() -> dict[str, torch.Tensor]:
-    weights = {}
-    for path in sorted(Path(checkpoint()).glob("*.safetensors")):
-        weights.update(load_file(str(path)))
-    return weights
+def test_the_draftable_model_mostly_predicts_its_bigram():
+    """With its layers' outputs scaled down, the served model's greedy next token is its
+    bigram (:func:`bigram_table`: the token its embedding alone predicts) at most but not all
+    positions of a random sequence: a draft of the bigram is accepted often, and attention
+    still matters. The table is what the model with every layer output zeroed predicts at
+    each position of the sequence."""
+    from dsv4_attn.e2e.tiny_model import (
+        DRAFTABLE_SPEC,
+        _layer_outputs,
+        bigram_table,
+        build_tiny_model,
+    )
 
-
-def test_checkpoint_has_one_mtp_layer_by_default():
-    config = json.loads(Path(checkpoint(), "config.json").read_text())
-    assert config["num_nextn_predict_layers"] == 1
-    index = Path(checkpoint(), "model.safetensors.index.json")
-    names = checkpoint_weights()
-    assert "mtp.0.e_proj.weight" in names and "mtp.0.attn.wq_a.weight" in names
-    assert not any(k.startswith("mtp.1.") for k in names)
-    assert not any(".compressor." in k for k in names if k.startswith("mtp."))  # SWA layer
-    if index.exists():
-        assert json.loads(index.read_text())["weight_map"]["mtp.0.e_proj.weight"] == (
-            "mtp.safetensors"
-        )
-
-
-def test_vllm_mtp_loader_takes_every_draft_weight():
-    """Every parameter of vLLM's MTP draft comes from the checkpoint (its loader raises on a
-    name it cannot place), and holds the checkpoint's tensor, none of the main model's."""
-    model, loaded = mtp_model()
-    params = dict(model.named_parameters())
-    assert set(loaded) == set(params)
-    weights = checkpoint_weights()
-    config = json.loads(Path(checkpoint(), "config.json").read_text())
-    layer = f"model.layers.{config['num_hidden_layers']}"  # the first MTP layer's index
-    checks = {
-        "mtp.0.e_proj.weight": f"{layer}.e_proj.weight",
-        "mtp.0.hnorm.weight": f"{layer}.hnorm.weight",
-        "mtp.0.hc_head_fn": f"{layer}.hc_head_fn",
-        "mtp.0.norm.weight": f"{layer}.shared_head.norm.weight",
-        "mtp.0.head.weight": f"{layer}.shared_head.head.weight",
-        "mtp.0.attn.kv_norm.weight": f"{layer}.mtp_block.attn.kv_norm.weight",
-        "mtp.0.attn.attn_sink": f"{layer}.mtp_block.attn.attn_sink",
-        "mtp.0.emb.tok_emb.weight": "model.embed_tokens.weight",
-    }
-    for ckpt_name, param_name in checks.items():
-        torch.testing.assert_close(params[param_name].float(), weights[ckpt_name].float())
-    sliding = config["layer_types"].index("sliding_attention")
-    main_sink = weights[f"model.layers.{sliding}.attn.attn_sink"]
-    assert not torch.equal(weights["mtp.0.attn.attn_sink"], main_sink)
-    assert not torch.equal(weights["mtp.0.head.weight"], weights["head.weight"])
-
-
-def test_add_mtp_layers_refuses_a_bad_count(tmp_path):
-    from dsv4_attn.e2e.tiny_model import add_mtp_layers
-
-    for bad in (0, -1, 1.5):
-        with pytest.raises(ValueError, match="num_layers must be a positive int"):
-            add_mtp_layers(tmp_path, bad)
+    model = build_tiny_model(DRAFTABLE_SPEC)
+    ids = torch.randint(1, DRAFTABLE_SPEC.vocab_size, (1, 320),
+                        generator=torch.Generator().manual_seed(7))  # fmt: skip
+    table = bigram_table(model)
+    assert table.shape == (DRAFTABLE_SPEC.vocab_size,) and table.dtype == torch.int64
+    with torch.no_grad():
+        greedy = model(ids).logits.argmax(-1)
+        for weight in _layer_outputs(model):
+            weight.zero_()
+        assert torch.equal(model(ids).logits.argmax(-1), table[ids])
+    agreement = (greedy == table[ids]).float().mean().item()
+    assert 0.45 < agreement < 0.85, agreement

@@ -684,6 +684,19 @@ def test_unsupported_configurations_are_refused(change, message):
     check_supported(vt.engine_config())  # the tiny model itself is fine
 
 
+def test_dspark_is_served_only_when_opted_in(monkeypatch):
+    """DSpark is refused with a message naming the opt-in; with it, the check passes."""
+    from dsv4_attn.vllm_glue.support import EXPERIMENTAL_DSPARK_ENV
+
+    config = vt.engine_config()
+    config.speculative_config = SimpleNamespace(use_dspark=lambda: True)
+    monkeypatch.delenv(EXPERIMENTAL_DSPARK_ENV, raising=False)
+    with pytest.raises(ValueError, match=f"DSpark .*\\({EXPERIMENTAL_DSPARK_ENV}=1"):
+        check_supported(config)
+    monkeypatch.setenv(EXPERIMENTAL_DSPARK_ENV, "1")
+    check_supported(config)
+
+
 @pytest.mark.parametrize("setting", [{"enable_dbo": True}, {"ubatch_size": 2}])
 def test_micro_batching_is_refused_by_vllms_own_switch(setting):
     """Dual-batch overlap as vLLM's config reports it (``use_ubatching``; vLLM's CPU platform

@@ -17,6 +17,7 @@ locked, as in a server. Per layer kind and cache format:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -70,18 +71,40 @@ def profiled(workspace):
     reservation raises (vLLM's lock, and before it the layer's own check)."""
     from dsv4_attn.vllm_glue.balanced import SCHEDULE_ENV
 
+    dspark_models = {}
     with pytest.MonkeyPatch.context() as env:
         env.setenv(SCHEDULE_ENV, "balanced")
         for kv_dtype in KV_DTYPES:
             _profile(vt.tiny_model(kv_dtype))
+        _use_dspark_width(env)
+        for kv_dtype in KV_DTYPES:
+            dspark_models[kv_dtype] = vt.tiny_model(kv_dtype)
+            _profile(dspark_models[kv_dtype])
     workspace.lock_workspace()
 
-    def build(kv_dtype: str):
+    def build(kv_dtype: str, dspark: bool = False):
+        """A profiled model; ``dspark``: one built and profiled as a DSpark server's, with
+        window lists :data:`DSPARK_WIDTH` wide (one per cache format, for one test)."""
+        if dspark:
+            return dspark_models.pop(kv_dtype)
         model = vt.tiny_model(kv_dtype)
         _profile(model)
         return model
 
     return build
+
+
+DSPARK_TOKENS = 4
+DSPARK_WIDTH = 192  # vLLM's list width for a 128-token window and 4 draft tokens, rounded to 64
+
+
+def _use_dspark_width(env) -> None:
+    """Layers and builders made from here on size their window lists as a DSpark server's
+    (:data:`DSPARK_WIDTH`; the tiny config has no DSpark draft model to derive it from)."""
+    from dsv4_attn.vllm_glue import attention, metadata
+
+    for module in (attention, metadata):
+        env.setattr(module, "dspark_window_width", lambda config, window: DSPARK_WIDTH)
 
 
 def _use_schedule(schedule: str, monkeypatch) -> None:
@@ -207,6 +230,33 @@ def _check_inserted_rows(layer, batch, kv, positions) -> None:
         assert ((got[:, :448].float().view(-1, 7, 64) - blocks).abs() <= bound).all()
 
 
+def _capture(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``step`` once eagerly (the warm-up vLLM makes), then captured in a CUDA graph."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    return graph
+
+
+def _replay_then_eager(graph, step: Callable[[], torch.Tensor], out: torch.Tensor):
+    """Replays ``graph`` and runs ``step`` eagerly on the same inputs, each into a poisoned
+    ``out``; asserts the replay is finite and equal to the eager step. Returns the replayed
+    output and what ``step`` returned."""
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = out.clone()
+    out.fill_(float("nan"))
+    result = step()
+    torch.cuda.synchronize()
+    assert torch.isfinite(replayed.float()).all()
+    assert torch.equal(replayed, out), "the replay differs from the eager step"
+    return replayed, result
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize(("ratio", "schedule"), LAYER_SCHEDULES)
 @pytest.mark.parametrize("tokens", [1, 3], ids=["decode", "mtp2"])
@@ -253,12 +303,7 @@ def test_decode_step_replays_in_a_cuda_graph(
         return builders.build(runner.batch(batch))
 
     metadata = prepare(first)
-    _step(layer, model, metadata, q_in, kv_in, runner.positions, out)  # warm-up, as vLLM
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _step(layer, model, metadata, q_in, kv_in, runner.positions, out)
-    torch.cuda.synchronize()
+    graph = _capture(lambda: _step(layer, model, metadata, q_in, kv_in, runner.positions, out))
 
     metadata_again = prepare(second)
     for key, md in metadata_again.items():  # same buffers as the captured step
@@ -270,21 +315,85 @@ def test_decode_step_replays_in_a_cuda_graph(
     if plan is not None:  # a new plan (other counts) where the graph reads it
         for name in ("part_plan", "token_plan"):
             assert getattr(plan, name).data_ptr() == getattr(plan_again, name).data_ptr()
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    replayed = out.clone()
-    out.fill_(float("nan"))
-    q_padded = _step(layer, model, metadata_again, q_in, kv_in, runner.positions, out)
-    torch.cuda.synchronize()
-    assert torch.isfinite(replayed.float()).all()
-    assert torch.equal(replayed, out), "the replay differs from the eager step"
+    replayed, q_padded = _replay_then_eager(
+        graph, lambda: _step(layer, model, metadata_again, q_in, kv_in, runner.positions, out), out
+    )
     ref = expected_output(layer, second, q_padded, picks.get(id(second)))
     err = (out.double() - ref).norm() / ref.norm()
     assert err < 1e-2, f"relative error {float(err):.3g} against the float64 reference"
     assert (replayed[5 * tokens :] == 0).all()  # padding rows
     swa = metadata_again[layer.swa_cache_layer.prefix]
     assert (swa.num_decode_tokens, swa.num_prefills) == (T, 0)  # all through the decode path
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_dspark_draft_step_replays_in_a_cuda_graph(profiled, kv_dtype, monkeypatch):
+    """A DSpark draft step (non-causal metadata: every token of a block sees the window before
+    the block and the whole block) through a sliding-window layer, as FULL graphs run it:
+    captured once, rebuilt into the builder's buffers for another batch, replayed; equal to
+    the eager step and to the float64 reference on exactly the block's rows."""
+    import dataclasses
+
+    from dsv4_attn import kv_cache, reference
+    from tests.test_vllm_glue_attention import poison, spec_builders, write_step_rows
+
+    model = profiled(kv_dtype, dspark=True)
+    _use_dspark_width(monkeypatch)
+    layer = model.layers[1]
+    builder = spec_builders(layer, DSPARK_TOKENS).swa
+    gen = torch.Generator().manual_seed(300 + len(kv_dtype))
+    poison(model, gen)
+    with torch.no_grad():
+        layer.attn_sink[: vt.NUM_HEADS] = torch.randn(vt.NUM_HEADS, generator=gen).cuda()
+    R = 4
+    T = R * DSPARK_TOKENS + 2  # two padding rows
+    runner = _RunnerBuffers(num_reqs=R, num_tokens=T)
+    first = vt.make_batch(gen, [4, 131, 300, 133], [DSPARK_TOKENS] * R, padding=2,
+                          num_blocks=300)  # fmt: skip
+    second = vt.make_batch(gen, [700, 9, 128, 260], [DSPARK_TOKENS] * R, padding=2,
+                           num_blocks=300)  # fmt: skip
+    q_in = torch.zeros(T, layer.n_local_heads, 512, dtype=torch.bfloat16, device="cuda")
+    kv_in = torch.zeros(T, 512, dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros(T, layer.padded_heads, 512, dtype=torch.bfloat16, device="cuda")
+    prefix = layer.swa_cache_layer.prefix
+
+    def prepare(batch):
+        runner.load(batch)
+        write_step_rows(layer, batch, gen, back=vt.WINDOW)
+        q, kv = _inputs(layer, batch, gen)
+        q_in.copy_(q)
+        kv_in.copy_(kv)
+        cm = dataclasses.replace(runner.batch(batch).swa_cm, causal=False)
+        return {prefix: builder.build(0, cm)}
+
+    metadata = prepare(first)
+    assert metadata[prefix].swa_indices.shape[1] == DSPARK_WIDTH
+    graph = _capture(lambda: _step(layer, model, metadata, q_in, kv_in, runner.positions, out))
+
+    metadata_again = prepare(second)
+    for name in ("swa_indices", "swa_lens", "slot_mapping"):
+        again, captured = getattr(metadata_again[prefix], name), getattr(metadata[prefix], name)
+        assert again.data_ptr() == captured.data_ptr(), name
+    replayed, q_padded = _replay_then_eager(
+        graph, lambda: _step(layer, model, metadata_again, q_in, kv_in, runner.positions, out), out
+    )
+
+    spans = [range(max(0, s - DSPARK_TOKENS - vt.WINDOW), s) for s in second.seq_lens]
+    token_req = [r for r, _ in second.positions()]
+    slots = torch.tensor([vt.padded([vt.slot(second.swa_block_table, r, p, vt.SWA_BLOCK)
+                                     for p in spans[r]], DSPARK_WIDTH)
+                          for r in token_req])  # fmt: skip
+    rows = kv_cache.read(layer.swa_pages(), slots.flatten().cuda(), layer.kv_format, vt.SWA_BLOCK)
+    local = torch.arange(slots.numel()).view(slots.shape)
+    real = len(token_req)
+    ref, _ = reference.sparse_attention(
+        q_padded[:real].cpu(), rows.cpu(), torch.where(slots >= 0, local, -1),
+        torch.tensor([len(spans[r]) for r in token_req]), layer.attn_sink.detach().cpu(),
+        layer.scale,
+    )  # fmt: skip
+    err = (out[:real].double().cpu() - ref).norm() / ref.norm()
+    assert err < 1e-2, f"relative error {float(err):.3g} against the float64 reference"
+    assert (replayed[real:] == 0).all()  # padding rows
 
 
 class _RunnerBuffers:

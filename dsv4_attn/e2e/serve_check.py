@@ -374,6 +374,17 @@ def main(argv: list[str] | None = None) -> None:
     ckpt.add_argument("directory")
     ckpt.add_argument("--mtp-layers", type=int, default=1,
                       help="MTP draft layers in the checkpoint (0: none)")  # fmt: skip
+    ckpt.add_argument(
+        "--draftable",
+        action="store_true",
+        help="layers scaled down and a draft that predicts the embedding's next token "
+        "(tiny_model.DRAFTABLE_SPEC): for measuring speculation",
+    )
+    ckpt.add_argument(
+        "--dspark",
+        action="store_true",
+        help="the DSpark draft instead of MTP layers (one checkpoint holds one of them)",
+    )
     q = sub.add_parser("query", help="send the request set to a running server")
     q.add_argument("--name", required=True)
     q.add_argument("--port", type=int, required=True)
@@ -388,11 +399,13 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--json")
     args = parser.parse_args(argv)
     if args.command == "checkpoint":
-        from dsv4_attn.e2e.tiny_model import save_vllm_checkpoint
+        from dsv4_attn.e2e.tiny_model import DRAFTABLE_SPEC, VLLM_SPEC, save_vllm_checkpoint
 
         if args.mtp_layers < 0:
             raise SystemExit(f"--mtp-layers must be >= 0, got {args.mtp_layers}")
-        path = save_vllm_checkpoint(args.directory, mtp_layers=args.mtp_layers)
+        spec = DRAFTABLE_SPEC if args.draftable else VLLM_SPEC
+        mtp_layers = 0 if args.dspark else args.mtp_layers
+        path = save_vllm_checkpoint(args.directory, spec, mtp_layers, dspark=args.dspark)
         print(f"checkpoint: {path}")
     elif args.command == "query":
         server = Server(args.port, args.model)

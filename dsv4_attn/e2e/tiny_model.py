@@ -33,11 +33,12 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "DRAFTABLE_SPEC",
     "LAYER_TYPES",
     "V4_FIXED",
     "VLLM_SPEC",
     "TinySpec",
-    "add_mtp_layers",
+    "bigram_table",
     "build_model",
     "build_tiny_model",
     "compressed_rope",
@@ -66,6 +67,9 @@ class TinySpec:
     the one the Hopper kernels are built for). ``seed`` seeds every random weight.
     ``index_heads``: the Lightning Indexer's heads (16 for the harness: with fewer, exact ties at
     the top-k cut appear; vLLM's DeepGEMM indexer kernel takes 32 or 64 only).
+    ``layer_output_scale`` multiplies every layer's output projections (attention and experts):
+    below 1 the residual stream stays close to the token's embedding, so the next token depends
+    mostly on the current one and a draft layer can predict it (:data:`DRAFTABLE_SPEC`).
     """
 
     seed: int = 0
@@ -74,8 +78,12 @@ class TinySpec:
     hidden_size: int = 256
     index_topk: int = 16
     index_heads: int = 16
+    layer_output_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        scale = self.layer_output_scale
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 0 < scale <= 1:
+            raise ValueError(f"layer_output_scale must be in (0, 1], got {scale!r}")
         for name in ("seed", "num_heads", "vocab_size", "hidden_size", "index_topk",
                      "index_heads"):  # fmt: skip
             value = getattr(self, name)
@@ -127,7 +135,8 @@ V4_FIXED = dict(
 """``DeepseekV4Config`` fields every model of this package shares with V4-Flash (one KV head of
 512 with 64 RoPE dims, a 128-token window, ratios 4 and 128, 128-dim indexer heads,
 hyper-connections of 4, RoPE thetas), plus no end-of-sequence token and no MTP layer in the
-transformers model (the vLLM checkpoint gets its MTP layers from :func:`add_mtp_layers`)."""
+transformers model (the vLLM checkpoint gets its draft layers from
+:mod:`dsv4_attn.e2e.draft_weights`)."""
 
 
 def compressed_rope(original_max_positions: int) -> dict:
@@ -167,7 +176,26 @@ def tiny_config(spec: TinySpec):
 
 def build_tiny_model(spec: TinySpec = TinySpec()):
     """A fresh, seeded, random-weight ``DeepseekV4ForCausalLM`` in float32 eval mode (CPU)."""
-    return build_model(tiny_config(spec), spec.seed).float()
+    model = build_model(tiny_config(spec), spec.seed).float()
+    if spec.layer_output_scale != 1:
+        with torch.no_grad():
+            for weight in _layer_outputs(model):
+                weight.mul_(spec.layer_output_scale)
+    return model
+
+
+def _layer_outputs(model) -> list[torch.Tensor]:
+    """The projections through which every layer writes into the residual stream: attention's
+    output projection and the routed and shared experts' down projections."""
+    return [
+        weight
+        for layer in model.model.layers
+        for weight in (
+            layer.self_attn.o_b_proj.weight,
+            layer.mlp.experts.down_proj,
+            layer.mlp.shared_experts.down_proj.weight,
+        )
+    ]
 
 
 def build_model(config, seed: int):
@@ -199,6 +227,22 @@ def build_model(config, seed: int):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()
+
+
+def bigram_table(model) -> torch.Tensor:
+    """``[V]`` int64: the greedy next token after each token when every layer's output is zero
+    (the residual stream is the token's embedding alone): the token that ``model`` predicts
+    from the current token only. For a model with ``layer_output_scale`` < 1 it is the
+    model's own greedy choice at most positions."""
+    import copy
+
+    bare = copy.deepcopy(model)
+    with torch.no_grad():
+        for weight in _layer_outputs(bare):
+            weight.zero_()
+        # Each position sees only its own token once the layers add nothing.
+        tokens = torch.arange(model.config.vocab_size)[None]
+        return bare(tokens).logits[0].argmax(-1)
 
 
 def load_tiny_model(path: str | Path):
@@ -234,6 +278,13 @@ def load_or_build(path: str | Path | None, spec: TinySpec = TinySpec()):
 VLLM_SPEC = TinySpec(num_heads=64, index_heads=64)
 """The tiny model ``vllm serve`` runs: V4-Flash's 64 query heads, 64 indexer heads (DeepGEMM)."""
 
+DRAFTABLE_SPEC = TinySpec(num_heads=64, index_heads=64, layer_output_scale=0.02)
+""":data:`VLLM_SPEC` with its layers' outputs scaled by 0.02: the greedy next token equals the
+one the embedding alone gives ("the bigram") at about 2 of 3 positions, so a draft layer
+that predicts the bigram is accepted about as often as a trained MTP layer is. For measuring
+speculative decoding (acceptance, losslessness with accepted drafts); the attention still
+moves the logits, less than in :data:`VLLM_SPEC`."""
+
 # transformers' save_pretrained names -> the names vLLM 0.33's DeepSeek-V4 loader expects.
 _VLLM_KEY_RENAMES = (
     (re.compile(r"^model\.hc_head\.hc_"), "model.hc_head_"),
@@ -241,75 +292,34 @@ _VLLM_KEY_RENAMES = (
 )
 
 
-def save_vllm_checkpoint(path: str | Path, spec: TinySpec = VLLM_SPEC, mtp_layers: int = 1) -> Path:
+def save_vllm_checkpoint(
+    path: str | Path, spec: TinySpec = VLLM_SPEC, mtp_layers: int = 1, dspark: bool = False
+) -> Path:
     """Write the tiny model as a checkpoint ``vllm serve PATH --skip-tokenizer-init`` loads as
     it is (:func:`write_vllm_checkpoint`), with ``mtp_layers`` MTP draft layers
-    (:func:`add_mtp_layers`; vLLM reads them only with ``--speculative-config`` method
-    ``mtp``). transformers cannot read this one back (other names); :func:`load_or_build`
-    keeps its own. Returns the directory."""
-    path = write_vllm_checkpoint(path, build_tiny_model(spec))
-    if mtp_layers:
-        add_mtp_layers(path, mtp_layers, spec.seed)
+    (:func:`~dsv4_attn.e2e.draft_weights.add_mtp_layers`; vLLM reads them only with
+    ``--speculative-config`` method ``mtp``), or with ``dspark`` the DSpark draft instead
+    (:func:`~dsv4_attn.e2e.draft_weights.add_dspark_layers`, method ``dspark``; both are
+    ``mtp.*`` weights, so ``mtp_layers`` must then be 0). With ``spec.layer_output_scale`` < 1
+    the drafts predict the bigram (:func:`bigram_table`). transformers cannot read this one
+    back (other names); :func:`load_or_build` keeps its own. Returns the directory."""
+    from dsv4_attn.e2e.draft_weights import add_dspark_layers, add_mtp_layers
+
+    if dspark and mtp_layers:
+        raise ValueError(
+            f"a checkpoint holds MTP layers or the DSpark draft, not both (both are mtp.* "
+            f"weights): with dspark, mtp_layers must be 0, got {mtp_layers}"
+        )
+    model = build_tiny_model(spec)
+    path = write_vllm_checkpoint(path, model)
+    draftable = spec.layer_output_scale < 1
+    if dspark:
+        # The bigram of the weights as written (bf16), as vLLM computes with them.
+        bigram = bigram_table(model.float()) if draftable else None
+        add_dspark_layers(path, spec.seed, bigram=bigram)
+    elif mtp_layers:
+        add_mtp_layers(path, mtp_layers, spec.seed, drafts_bigram=draftable)
     (path / _SPEC_FILE).write_text(json.dumps(asdict(spec), indent=1) + "\n")
-    return path
-
-
-def add_mtp_layers(path: str | Path, num_layers: int = 1, seed: int = 0) -> Path:
-    """Give the vLLM checkpoint at ``path`` ``num_layers`` MTP draft layers, named as
-    DeepSeek-V4 checkpoints name them (``mtp.{i}.*``, vLLM's ``DeepSeekV4MTP`` loader) and
-    written to ``mtp.safetensors``; ``num_nextn_predict_layers`` in config.json says so.
-
-    vLLM builds each MTP layer as a sliding-window decoder layer (no compressor) plus its own
-    input norms and projections (``enorm``, ``hnorm``, ``e_proj``, ``h_proj``), hyper-connection
-    head (``hc_head_*``), output norm and head, and for the first layer the token embedding.
-    The decoder weights start from the checkpoint's first sliding-window layer and the rest
-    from the model's own embedding, head and norms, each moved by seeded noise of its own scale
-    (no tensor equals one the main model has: a loader that reads the wrong one is caught)."""
-    from safetensors.torch import load_file, save_file
-
-    if not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
-    path = Path(path)
-    config_file = path / "config.json"
-    config = json.loads(config_file.read_text())
-    weights: dict[str, torch.Tensor] = {}
-    for weights_file in sorted(path.glob("model*.safetensors")):
-        weights.update(load_file(str(weights_file)))
-    sliding = config["layer_types"].index("sliding_attention")
-    prefix = f"model.layers.{sliding}."
-    hidden = config["hidden_size"]
-    gen = torch.Generator().manual_seed(seed)
-
-    def moved(tensor: torch.Tensor) -> torch.Tensor:
-        scale = tensor.float().std() if tensor.numel() > 1 else tensor.float().abs().mean()
-        noise = torch.randn(tensor.shape, generator=gen) * (0.5 * float(scale) + 1e-3)
-        return (tensor.float() + noise).to(tensor.dtype)
-
-    def projection() -> torch.Tensor:
-        return (torch.randn(hidden, hidden, generator=gen) * hidden**-0.5).to(torch.bfloat16)
-
-    mtp: dict[str, torch.Tensor] = {}
-    for i in range(num_layers):
-        for key, tensor in weights.items():
-            if key.startswith(prefix):
-                mtp[f"mtp.{i}.{key.removeprefix(prefix)}"] = moved(tensor)
-        mtp[f"mtp.{i}.enorm.weight"] = moved(weights["model.norm.weight"])
-        mtp[f"mtp.{i}.hnorm.weight"] = moved(weights["model.norm.weight"])
-        mtp[f"mtp.{i}.e_proj.weight"] = projection()
-        mtp[f"mtp.{i}.h_proj.weight"] = projection()
-        for part in ("fn", "base", "scale"):
-            mtp[f"mtp.{i}.hc_head_{part}"] = moved(weights[f"model.hc_head_{part}"])
-        mtp[f"mtp.{i}.norm.weight"] = moved(weights["model.norm.weight"])
-        mtp[f"mtp.{i}.head.weight"] = moved(weights["head.weight"])
-    mtp["mtp.0.emb.tok_emb.weight"] = moved(weights["model.embed_tokens.weight"])
-    save_file(mtp, str(path / "mtp.safetensors"), metadata={"format": "pt"})
-    index_file = path / "model.safetensors.index.json"
-    if index_file.exists():
-        index = json.loads(index_file.read_text())
-        index["weight_map"].update(dict.fromkeys(mtp, "mtp.safetensors"))
-        index_file.write_text(json.dumps(index, indent=1) + "\n")
-    config["num_nextn_predict_layers"] = num_layers
-    config_file.write_text(json.dumps(config, indent=1) + "\n")
     return path
 
 

@@ -23,6 +23,7 @@ from dsv4_attn.vllm_glue import BACKEND_NAME
 
 __all__ = [
     "ALLOW_FALLBACK_ENV",
+    "EXPERIMENTAL_DSPARK_ENV",
     "check_serving_device",
     "check_supported",
     "kernel_stack_error",
@@ -34,6 +35,9 @@ logger = init_logger(LOGGER_PREFIX + __name__)  # vLLM's, with its *_once method
 
 ALLOW_FALLBACK_ENV = "DSV4_ATTN_ALLOW_FALLBACK"
 """Set to 1 to serve with the torch fallback where the Hopper kernels cannot run."""
+
+EXPERIMENTAL_DSPARK_ENV = "DSV4_ATTN_EXPERIMENTAL_DSPARK"
+"""Set to 1 to serve DSpark speculation before it is verified in a server (for its tests)."""
 
 _SUPPORTED = "NVIDIA Hopper GPUs (sm_90: H100, H200)"
 
@@ -71,10 +75,17 @@ def check_supported(vllm_config: VllmConfig) -> None:
         )
     spec = vllm_config.speculative_config
     if spec is not None and spec.use_dspark():
-        raise ValueError(
-            f"--attention-backend {BACKEND_NAME} does not serve DSpark speculation yet (its "
-            "draft steps are not verified in a server); use MTP speculation, or leave "
-            "--attention-backend unset for vLLM's own backend."
+        if os.environ.get(EXPERIMENTAL_DSPARK_ENV) != "1":
+            raise ValueError(
+                f"--attention-backend {BACKEND_NAME} does not serve DSpark speculation yet (its "
+                "draft steps are not verified in a server); use MTP speculation, or leave "
+                f"--attention-backend unset for vLLM's own backend ({EXPERIMENTAL_DSPARK_ENV}=1 "
+                "serves it unverified, for testing)."
+            )
+        logger.warning_once(
+            "%s=1: serving DSpark speculation through %s, not yet verified in a server",
+            EXPERIMENTAL_DSPARK_ENV,
+            BACKEND_NAME,
         )
 
 
