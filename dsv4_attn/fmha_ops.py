@@ -284,9 +284,17 @@ def fmha(
             from dsv4_attn.kernels import fmha as kernel
 
             out, lse = kernel.run_dense(
-                qp, kp, vp, cu_q.to(torch.int32), cu_k.to(torch.int32), max_seqlen_q,
-                causal, window, sink, scale,
-            )  # fmt: skip
+                qp,
+                kp,
+                vp,
+                cu_q.to(torch.int32),
+                cu_k.to(torch.int32),
+                max_seqlen_q,
+                causal,
+                window,
+                sink,
+                scale,
+            )
         elif backend == "cutedsl":
             raise ValueError(f"backend='cutedsl' cannot run this case: {reason}")
         else:
@@ -427,21 +435,26 @@ def sparse_prefill(
     return _into(out, result), _into(lse, result_lse)
 
 
-def check_output_tensor(name: str, tensor: object, shape: tuple[int, ...], dtype: torch.dtype,
-                        device: torch.device) -> None:  # fmt: skip
+def check_output_tensor(
+    name: str, tensor: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> None:
     """A caller's output tensor (or None) must be exactly what the kernel writes: a contiguous
     ``shape`` tensor of ``dtype`` on ``device``; ValueError naming ``name`` and both otherwise.
     Shared by every entry point that writes into given tensors."""
     if tensor is not None and (
-        not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape
-        or tensor.dtype != dtype or tensor.device != device or not tensor.is_contiguous()
-    ):  # fmt: skip
+        not isinstance(tensor, torch.Tensor)
+        or tuple(tensor.shape) != shape
+        or tensor.dtype != dtype
+        or tensor.device != device
+        or not tensor.is_contiguous()
+    ):
         got = type(tensor).__name__
         if isinstance(tensor, torch.Tensor):
             got = f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
             got += "" if tensor.is_contiguous() else " (not contiguous)"
-        raise ValueError(f"{name} must be a contiguous {shape} {dtype} tensor on {device}, "
-                         f"got {got}")  # fmt: skip
+        raise ValueError(
+            f"{name} must be a contiguous {shape} {dtype} tensor on {device}, got {got}"
+        )
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:

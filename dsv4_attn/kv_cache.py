@@ -1,10 +1,10 @@
 """Paged KV-cache formats for DeepSeek-V4 attention rows, and torch codecs for them.
 
-A DeepSeek-V4 KV row is 512 values: 448 "nope" values followed by 64 RoPE values (DESIGN.md §3).
-A cache is a ``uint8`` tensor ``[num_blocks, page_bytes_or_more]`` (row stride may exceed the page
-size, as in vLLM's packed pages); slot ``s`` is token ``s % block_size`` of block
-``s // block_size``. Every format keeps a page as *all data rows first, then all scale rows*, so a
-kernel can bulk-copy the data rows of a tile and, separately, their scales.
+A DeepSeek-V4 KV row is 512 values: 448 "nope" values followed by 64 RoPE values (docs/design.md
+§2). A cache is a ``uint8`` tensor ``[num_blocks, page_bytes_or_more]`` (row stride may exceed the
+page size, as in vLLM's packed pages); slot ``s`` is token ``s % block_size`` of block ``s //
+block_size``. Every format keeps a page as *all data rows first, then all scale rows*, so a kernel
+can bulk-copy the data rows of a tile and, separately, their scales.
 
 ``FP8_DS_MLA`` (584 B/token) — byte-for-byte vLLM's ``fp8_ds_mla`` (FlashMLA "MODEL1"):
     data row, 576 B:  [0, 448)    448 x float8_e4m3fn, nope value i / 2^(e_{i//64} - 127)

@@ -63,8 +63,9 @@ def last_dispatch() -> Dispatch | None:
     return _last_dispatch
 
 
-def _checked_scope(name: str, scope: object, T: int, device: torch.device,
-                   check_values: bool) -> KVScope:  # fmt: skip
+def _checked_scope(
+    name: str, scope: object, T: int, device: torch.device, check_values: bool
+) -> KVScope:
     """``scope`` validated (ValueError naming ``name`` and the bad field), format parsed."""
     if not isinstance(scope, KVScope):
         raise ValueError(f"{name} must be a dsv4_attn.scope.KVScope, got {type(scope).__name__}")

@@ -4,7 +4,7 @@ Everything else in this package (kernels, the SDPA fallback, the vLLM glue) is c
 :func:`sparse_attention` here, never against each other. It computes in float64 and favours
 clarity over speed; it is meant for tests and for small inputs.
 
-The math (one query token ``t``, head ``h``; DESIGN.md §2):
+The math (one query token ``t``, head ``h``; docs/design.md §1):
 
     s_j   = scale * <q[t, h], kv_j>                      over the candidate rows j of both scopes
     lse   = log(sum_j exp(s_j))                          natural log, sink excluded
@@ -256,9 +256,14 @@ def dense_attention(
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float64, device=q.device)
     for b in range(len(cq) - 1):
         o, s = _one_sequence(
-            q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]],
-            causal, window, sink, scale,
-        )  # fmt: skip
+            q[cq[b] : cq[b + 1]],
+            k[ck[b] : ck[b + 1]],
+            v[ck[b] : ck[b + 1]],
+            causal,
+            window,
+            sink,
+            scale,
+        )
         out[cq[b] : cq[b + 1]] = o
         lse[cq[b] : cq[b + 1]] = s
     return out, lse

@@ -53,8 +53,9 @@ def random_cache(
     total = num_blocks * block_size
     for start in range(0, total, _FILL_CHUNK):
         slots = torch.arange(start, min(total, start + _FILL_CHUNK))
-        kv_cache.write(cache, slots.to(device), random_rows(len(slots), generator, device), fmt,
-                       block_size)  # fmt: skip
+        kv_cache.write(
+            cache, slots.to(device), random_rows(len(slots), generator, device), fmt, block_size
+        )
     return cache
 
 
@@ -182,16 +183,20 @@ def poison_lists(
     T, K = indices.shape
     info = torch.iinfo(indices.dtype)
     bad_ids = torch.tensor([-2, -1000, info.min, limit, limit + 5, info.max], dtype=torch.int64)
-    bad_lens = torch.tensor([-7, -1, K + 1, K + 37, torch.iinfo(lens.dtype).min,
-                             torch.iinfo(lens.dtype).max], dtype=torch.int64)  # fmt: skip
+    bad_lens = torch.tensor(
+        [-7, -1, K + 1, K + 37, torch.iinfo(lens.dtype).min, torch.iinfo(lens.dtype).max],
+        dtype=torch.int64,
+    )
     pick_id = bad_ids[torch.randint(0, len(bad_ids), (T, K), generator=gen)]
     pick_len = bad_lens[torch.randint(0, len(bad_lens), (T,), generator=gen)]
     id_mask = torch.rand(T, K, generator=gen) < 0.125
     len_mask = torch.rand(T, generator=gen) < 0.25
     poisoned_ids = torch.where(id_mask, pick_id, indices.cpu().long())
     poisoned_lens = torch.where(len_mask, pick_len, lens.cpu().long())
-    return (poisoned_ids.to(indices.dtype).to(indices.device),
-            poisoned_lens.to(lens.dtype).to(lens.device))  # fmt: skip
+    return (
+        poisoned_ids.to(indices.dtype).to(indices.device),
+        poisoned_lens.to(lens.dtype).to(lens.device),
+    )
 
 
 def poisoned_scope(scope: KVScope, gen: torch.Generator) -> tuple[KVScope, KVScope]:
@@ -201,5 +206,6 @@ def poisoned_scope(scope: KVScope, gen: torch.Generator) -> tuple[KVScope, KVSco
     limit = scope.cache.shape[0] * scope.block_size
     indices, lens = poison_lists(scope.indices, scope.lens, limit, gen)
     clean = sanitized_lists(indices, lens, limit)
-    return replace(scope, indices=indices, lens=lens), replace(scope, indices=clean[0],
-                                                               lens=clean[1])  # fmt: skip
+    return replace(scope, indices=indices, lens=lens), replace(
+        scope, indices=clean[0], lens=clean[1]
+    )

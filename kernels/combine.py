@@ -199,17 +199,25 @@ class SplitCombine:
                         src = opart_row + Int64(chunk + j0 + k) * split_bytes
                         used = Int32(cutlass.select_(w > 0.0, Int32(1), Int32(0)))
                         loads = self.cols_per_lane * 2 // load_bytes
-                        values.append([word for q in range(loads) for word in
-                                       ptx_ops.ld_global_vec_if(src + load_bytes * q, used,
-                                                                load_bytes // 4)])  # fmt: skip
+                        values.append(
+                            [
+                                word
+                                for q in range(loads)
+                                for word in ptx_ops.ld_global_vec_if(
+                                    src + load_bytes * q, used, load_bytes // 4
+                                )
+                            ]
+                        )
                     # A load without weight left zeros (w * 0 = 0, never w * garbage).
                     for w, words in zip(weights, values, strict=True):
                         for i, word in enumerate(words):
                             lo, hi = ptx_ops.f16x2_to_f32(word)
                             acc[2 * i] = acc[2 * i] + w * lo
                             acc[2 * i + 1] = acc[2 * i + 1] + w * hi
-            packed = [ptx_ops.cvt_bf16x2_f32(acc[2 * i] * factor, acc[2 * i + 1] * factor)
-                      for i in range(self.cols_per_lane // 2)]  # fmt: skip
+            packed = [
+                ptx_ops.cvt_bf16x2_f32(acc[2 * i] * factor, acc[2 * i + 1] * factor)
+                for i in range(self.cols_per_lane // 2)
+            ]
             dst = mO.iterator.toint() + (Int64(row) * HEAD_DIM + column) * 2
             if const_expr(self.cols_per_lane == 4):
                 ptx_ops.st_global_v2_b32(dst, packed[0], packed[1])

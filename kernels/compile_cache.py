@@ -295,8 +295,13 @@ class CompileCache:
         (none where the disk cache held them all)."""
         start = time.perf_counter()
         compiled = build()
-        logger.info("dsv4_attn: compiled %s %r in %.1f s (%s)", self.name, key,
-                    time.perf_counter() - start, where)  # fmt: skip
+        logger.info(
+            "dsv4_attn: compiled %s %r in %.1f s (%s)",
+            self.name,
+            key,
+            time.perf_counter() - start,
+            where,
+        )
         return compiled
 
     def __contains__(self, key: Hashable) -> bool:

@@ -1,10 +1,10 @@
 """Host interface of the Hopper FMHA kernel: variants, compile cache, shape checks, launch.
 
 :class:`FmhaVariant` names every compile-time parameter of :class:`~.fmha_sm90.FmhaSm90`; one
-compiled function exists per variant (``cute.compile`` has no disk cache in CuTeDSL 4.8, so the
-cache is this process's dict). Compilation uses fake tensors with symbolic sizes and TVM-FFI, so
-it needs no GPU (``CUTE_DSL_ARCH=sm_90a``) and the compiled function takes ``torch.Tensor``
-arguments directly on the current CUDA stream.
+compiled function exists per variant, kept in a :class:`~.compile_cache.CompileCache` (this
+process's memory plus the on-disk kernel cache, docs/design.md §4.4). Compilation uses fake
+tensors with symbolic sizes and TVM-FFI for ``--gpu-arch sm_90a``, so it needs no GPU, and the
+compiled function takes ``torch.Tensor`` arguments directly on the current CUDA stream.
 
 Entry points used by :mod:`dsv4_attn.fmha_ops`:
 

@@ -10,24 +10,23 @@ rows), warpgroups 1 and 2 compute. Two mainloops share the producer, the masks a
   ``S = Q K^T`` from shared memory, ``O += P V`` with P straight from registers (RS wgmma).
   Either intra-warpgroup pipelining (the next tile's QK is in flight during this tile's softmax
   and PV) or a strict ping-pong of the two warpgroups on the tensor cores (named barriers).
-* **column split** (head_dim 512; DESIGN.md §5): a ``64 x 512`` fp32 output is half the register
-  file and a wgmma has N <= 256, so the CTA owns 64 query rows (dense: positions of one head;
-  gather: 64 heads of one token) and each warpgroup owns 256 output columns (multi-PV-tile).
+* **column split** (head_dim 512; docs/design.md §4.2): a ``64 x 512`` fp32 output is half the
+  register file and a wgmma has N <= 256, so the CTA owns 64 query rows (dense: positions of one
+  head; gather: 64 heads of one token) and each warpgroup owns 256 output columns (multi-PV-tile).
   KV is consumed in steps of two 64-row tiles a and b; warpgroup 1 (the lead) computes ``S_a``,
-  warpgroup 2 (the follower) ``S_b``, staggered: the lead's softmax runs against its own
-  running max while the follower's QK runs, the follower merges the two maxima while the lead's
-  PV runs; each multiplies its own P tile from registers and the other's through shared memory
-  (SMEM-P), both with its half of V, and the lead issues the next step's QK behind its last
-  PV. Maxima are lazy (they move only by more than 2^8). K and V are the same rows (MQA latent,
-  DeepSeek-V4), so one tile of shared memory serves as both; it is split into four 32 KB column
-  halves (aL, aR, bL, bR) with their own barriers so that the producer refills a half as soon
-  as its last reader is done. Gathered rows come by ``cp.async``, 8 threads per 128-byte
-  swizzle-atom row; Q is loaded evict-first and O stored streaming, so K/V rows stay in L2.
-  The gathered kernel is persistent: one CTA per SM walks its share of the (token, head block)
-  items, the barrier phases running on across them; the next item's Q is loaded as soon as
-  the last QK of the current one is done and its first rows stream in during the last PVs,
-  so a CTA's start-up (Q, index lists, first rows) hides behind the previous item's end. Its
-  O leaves through each warp's rows of the P tiles, not Q's buffer.
+  warpgroup 2 (the follower) ``S_b``, staggered: the lead's softmax runs against its own running max
+  while the follower's QK runs, the follower merges the two maxima while the lead's PV runs; each
+  multiplies its own P tile from registers and the other's through shared memory (SMEM-P), both with
+  its half of V, and the lead issues the next step's QK behind its last PV. Maxima are lazy (they
+  move only by more than 2^8). K and V are the same rows (MQA latent, DeepSeek-V4), so one tile of
+  shared memory serves as both; it is split into four 32 KB column halves (aL, aR, bL, bR) with
+  their own barriers so that the producer refills a half as soon as its last reader is done.
+  Gathered rows come by ``cp.async``, 8 threads per 128-byte swizzle-atom row; Q is loaded
+  evict-first and O stored streaming, so K/V rows stay in L2. The gathered kernel is persistent: one
+  CTA per SM walks its share of the (token, head block) items, the barrier phases running on across
+  them; the next item's Q is loaded as soon as the last QK of the current one is done and its first
+  rows stream in during the last PVs, so a CTA's start-up (Q, index lists, first rows) hides behind
+  the previous item's end. Its O leaves through each warp's rows of the P tiles, not Q's buffer.
 
 Semantics (checked against ``dsv4_attn.reference``): ``s = scale * <q, k>``; masked or invalid
 keys are dropped; ``lse = log(sum exp(s))`` (natural log, sink excluded, ``-inf`` with no valid
@@ -270,9 +269,12 @@ class FmhaSm90:
                 self.dtype, self.tile_n, warpgroup.OperandMajorMode.K, warpgroups=warpgroups
             )
             tiled_mma_pv = fu.warpgroup_mma(
-                self.dtype, D, warpgroup.OperandMajorMode.MN, a_in_registers=True,
+                self.dtype,
+                D,
+                warpgroup.OperandMajorMode.MN,
+                a_in_registers=True,
                 warpgroups=warpgroups,
-            )  # fmt: skip
+            )
             tiled_mma_pv_rs = None
             SharedStorage = self._shared_storage_rows(sQ_layout, sK_layout, sV_layout)
 
@@ -434,18 +436,46 @@ class FmhaSm90:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.regs_producer)
                 self._produce_gather(
-                    mQ, mKV, mIndices, mLens, tma_atom_q, sQ, storage, sK_layout, mbar_q,
-                    mbar_q_empty, mbar_full, mbar_empty, warp_idx, tidx,
-                )  # fmt: skip
+                    mQ,
+                    mKV,
+                    mIndices,
+                    mLens,
+                    tma_atom_q,
+                    sQ,
+                    storage,
+                    sK_layout,
+                    mbar_q,
+                    mbar_q_empty,
+                    mbar_full,
+                    mbar_empty,
+                    warp_idx,
+                    tidx,
+                )
             else:
                 cute.arch.setmaxregister_increase(self.regs_mma)
                 # No dense tile: the items (token, head block) come from the lists.
                 self._consume_split(
-                    tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage, sK_layout,
-                    sP_layout, mbar_q, mbar_q_empty, mbar_full, mbar_empty, mO, mLSE, mSink,
-                    (mIndices, Int32(mKV.shape[0])), mLens, scale_log2, window, None,
+                    tiled_mma_qk,
+                    tiled_mma_pv,
+                    tiled_mma_pv_rs,
+                    sQ,
+                    storage,
+                    sK_layout,
+                    sP_layout,
+                    mbar_q,
+                    mbar_q_empty,
+                    mbar_full,
+                    mbar_empty,
+                    mO,
+                    mLSE,
+                    mSink,
+                    (mIndices, Int32(mKV.shape[0])),
+                    mLens,
+                    scale_log2,
+                    window,
+                    None,
                     tidx - _THREADS_PER_WG,
-                )  # fmt: skip
+                )
         else:
             # ---- this CTA's tile and KV range (identical in every thread) --------------------
             # Longest (causal) tiles first: reverse the m order.
@@ -466,35 +496,103 @@ class FmhaSm90:
                     cute.arch.setmaxregister_decrease(self.regs_producer)
                     if const_expr(self.split_cols):
                         self._produce_split(
-                            mQ, mK, tma_atom_q, tma_atom_k, sQ, storage, sK_layout, mbar_q,
-                            mbar_full, mbar_empty, q_row0, q_l, offset_k, head_kv, n_min,
-                            n_max, warp_idx,
-                        )  # fmt: skip
+                            mQ,
+                            mK,
+                            tma_atom_q,
+                            tma_atom_k,
+                            sQ,
+                            storage,
+                            sK_layout,
+                            mbar_q,
+                            mbar_full,
+                            mbar_empty,
+                            q_row0,
+                            q_l,
+                            offset_k,
+                            head_kv,
+                            n_min,
+                            n_max,
+                            warp_idx,
+                        )
                     else:
                         self._produce_rows(
-                            mQ, mK, mV, tma_atom_q, tma_atom_k, tma_atom_v, sQ, storage,
-                            sK_layout, sV_layout, mbar_q, mbar_k_full, mbar_k_empty,
-                            mbar_v_full, mbar_v_empty, q_row0, q_l, offset_k, head_kv,
-                            n_min, n_max, warp_idx,
-                        )  # fmt: skip
+                            mQ,
+                            mK,
+                            mV,
+                            tma_atom_q,
+                            tma_atom_k,
+                            tma_atom_v,
+                            sQ,
+                            storage,
+                            sK_layout,
+                            sV_layout,
+                            mbar_q,
+                            mbar_k_full,
+                            mbar_k_empty,
+                            mbar_v_full,
+                            mbar_v_empty,
+                            q_row0,
+                            q_l,
+                            offset_k,
+                            head_kv,
+                            n_min,
+                            n_max,
+                            warp_idx,
+                        )
                 else:
                     cute.arch.setmaxregister_increase(self.regs_mma)
                     ctidx = tidx - _THREADS_PER_WG
                     if const_expr(self.split_cols):
                         self._consume_split(
-                            tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage,
-                            sK_layout, sP_layout, mbar_q, None, mbar_full,
-                            mbar_empty, mO, mLSE, mSink, (None, None), mLens, scale_log2, window,
+                            tiled_mma_qk,
+                            tiled_mma_pv,
+                            tiled_mma_pv_rs,
+                            sQ,
+                            storage,
+                            sK_layout,
+                            sP_layout,
+                            mbar_q,
+                            None,
+                            mbar_full,
+                            mbar_empty,
+                            mO,
+                            mLSE,
+                            mSink,
+                            (None, None),
+                            mLens,
+                            scale_log2,
+                            window,
                             (m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min, n_max),
                             ctidx,
-                        )  # fmt: skip
+                        )
                     else:
                         self._consume_rows(
-                            tiled_mma_qk, tiled_mma_pv, sQ, storage, sK_layout, sV_layout,
-                            mbar_q, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty, mO,
-                            mLSE, mSink, scale_log2, window, m_block, q_row0, q_l, row_limit,
-                            seqlen_q, seqlen_k, n_min, n_max, ctidx,
-                        )  # fmt: skip
+                            tiled_mma_qk,
+                            tiled_mma_pv,
+                            sQ,
+                            storage,
+                            sK_layout,
+                            sV_layout,
+                            mbar_q,
+                            mbar_k_full,
+                            mbar_k_empty,
+                            mbar_v_full,
+                            mbar_v_empty,
+                            mO,
+                            mLSE,
+                            mSink,
+                            scale_log2,
+                            window,
+                            m_block,
+                            q_row0,
+                            q_l,
+                            row_limit,
+                            seqlen_q,
+                            seqlen_k,
+                            n_min,
+                            n_max,
+                            ctidx,
+                        )
 
     # ---- KV range and masks ------------------------------------------------------------------
     @cute.jit
@@ -555,9 +653,12 @@ class FmhaSm90:
             (0, 0),
         )
         tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+            tma_atom_q,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sQ, 0, 2),
             cute.group_modes(gQ, 0, 2),
-        )  # fmt: skip
+        )
         fu.mbar_expect_tx(mbar_q, 0, self.q_bytes)
         # Q is read by this CTA only: evict it first, so that the K/V rows other CTAs read again
         # stay in L2.
@@ -567,10 +668,30 @@ class FmhaSm90:
 
     @cute.jit
     def _produce_rows(
-        self, mQ, mK, mV, tma_atom_q, tma_atom_k, tma_atom_v, sQ, storage, sK_layout, sV_layout,
-        mbar_q, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty, q_row0, q_l, offset_k,
-        head_kv, n_min, n_max, warp_idx,
-    ):  # fmt: skip
+        self,
+        mQ,
+        mK,
+        mV,
+        tma_atom_q,
+        tma_atom_k,
+        tma_atom_v,
+        sQ,
+        storage,
+        sK_layout,
+        sV_layout,
+        mbar_q,
+        mbar_k_full,
+        mbar_k_empty,
+        mbar_v_full,
+        mbar_v_empty,
+        q_row0,
+        q_l,
+        offset_k,
+        head_kv,
+        n_min,
+        n_max,
+        warp_idx,
+    ):
         """TMA producer of the row split: Q once, then K and V tiles from ``n_max - 1`` down."""
         if warp_idx == 0:
             self._load_q(mQ, tma_atom_q, sQ, mbar_q, q_row0, q_l)
@@ -584,13 +705,19 @@ class FmhaSm90:
                 cute.domain_offset((offset_k, 0), mV[None, None, head_kv]), tile, (None, 0)
             )
             tKsK, tKgK = cpasync.tma_partition(
-                tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                tma_atom_k,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sK, 0, 2),
                 cute.group_modes(gK, 0, 2),
-            )  # fmt: skip
+            )
             tVsV, tVgV = cpasync.tma_partition(
-                tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                tma_atom_v,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sV, 0, 2),
                 cute.group_modes(gV, 0, 2),
-            )  # fmt: skip
+            )
             for i in cutlass.range(n_max - n_min, unroll=1):
                 n_block = n_max - 1 - i
                 stage = i % self.num_stages
@@ -598,23 +725,50 @@ class FmhaSm90:
                 fu.mbar_wait(mbar_k_empty, stage, phase ^ 1)
                 fu.mbar_expect_tx(mbar_k_full, stage, self.k_bytes)
                 cute.copy(
-                    tma_atom_k, tKgK[None, n_block], tKsK[None, stage],
+                    tma_atom_k,
+                    tKgK[None, n_block],
+                    tKsK[None, stage],
                     tma_bar_ptr=mbar_k_full + stage,
-                )  # fmt: skip
+                )
                 fu.mbar_wait(mbar_v_empty, stage, phase ^ 1)
                 fu.mbar_expect_tx(mbar_v_full, stage, self.k_bytes)
                 cute.copy(
-                    tma_atom_v, tVgV[None, n_block], tVsV[None, stage],
+                    tma_atom_v,
+                    tVgV[None, n_block],
+                    tVsV[None, stage],
                     tma_bar_ptr=mbar_v_full + stage,
-                )  # fmt: skip
+                )
 
     # ---- row-split consumer --------------------------------------------------------------------
     @cute.jit
     def _consume_rows(
-        self, tiled_mma_qk, tiled_mma_pv, sQ, storage, sK_layout, sV_layout, mbar_q,
-        mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty, mO, mLSE, mSink, scale_log2,
-        window, m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min, n_max, ctidx,
-    ):  # fmt: skip
+        self,
+        tiled_mma_qk,
+        tiled_mma_pv,
+        sQ,
+        storage,
+        sK_layout,
+        sV_layout,
+        mbar_q,
+        mbar_k_full,
+        mbar_k_empty,
+        mbar_v_full,
+        mbar_v_empty,
+        mO,
+        mLSE,
+        mSink,
+        scale_log2,
+        window,
+        m_block,
+        q_row0,
+        q_l,
+        row_limit,
+        seqlen_q,
+        seqlen_k,
+        n_min,
+        n_max,
+        ctidx,
+    ):
         wg = cute.arch.make_warp_uniform(ctidx // _THREADS_PER_WG)  # which 64 rows of the tile
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
@@ -642,10 +796,29 @@ class FmhaSm90:
         fu.mbar_wait(mbar_q, 0, 0)
         if num_blocks > 0:
             args = (
-                tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_o, shape_s, t_coord, row_max,
-                row_sum, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty, scale_log2,
-                window, m_block, seqlen_q, seqlen_k, n_max, num_blocks, wg,
-            )  # fmt: skip
+                tiled_mma_qk,
+                tiled_mma_pv,
+                tSrQ,
+                tSrK,
+                tOrVt,
+                acc_o,
+                shape_s,
+                t_coord,
+                row_max,
+                row_sum,
+                mbar_k_full,
+                mbar_k_empty,
+                mbar_v_full,
+                mbar_v_empty,
+                scale_log2,
+                window,
+                m_block,
+                seqlen_q,
+                seqlen_k,
+                n_max,
+                num_blocks,
+                wg,
+            )
             if const_expr(self.intra_wg_overlap):
                 self._mainloop_rows_overlap(*args)
             else:
@@ -663,10 +836,30 @@ class FmhaSm90:
 
     @cute.jit
     def _mainloop_rows_pingpong(
-        self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_o, shape_s, t_coord, row_max,
-        row_sum, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty, scale_log2, window,
-        m_block, seqlen_q, seqlen_k, n_max, num_blocks, wg,
-    ):  # fmt: skip
+        self,
+        tiled_mma_qk,
+        tiled_mma_pv,
+        tSrQ,
+        tSrK,
+        tOrVt,
+        acc_o,
+        shape_s,
+        t_coord,
+        row_max,
+        row_sum,
+        mbar_k_full,
+        mbar_k_empty,
+        mbar_v_full,
+        mbar_v_empty,
+        scale_log2,
+        window,
+        m_block,
+        seqlen_q,
+        seqlen_k,
+        n_max,
+        num_blocks,
+        wg,
+    ):
         """Tiles ``n_max - 1`` down to ``n_max - num_blocks``; warpgroups alternate strictly:
         each issues [PV of tile i, QK of tile i + 1] while the other runs its softmax."""
         row0 = m_block * self.tile_m
@@ -677,30 +870,92 @@ class FmhaSm90:
             )
         self._sched_wait(wg)
         self._rows_block(
-            tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_o, shape_s, t_coord,
-            row_max, row_sum, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty,
-            Int32(0), n_max - 1, True, scale_log2, window, m_block, row0, seqlen_q,
-            seqlen_k, wg, True,
-        )  # fmt: skip
+            tiled_mma_qk,
+            tiled_mma_pv,
+            tSrQ,
+            tSrK,
+            tOrVt,
+            acc_o,
+            shape_s,
+            t_coord,
+            row_max,
+            row_sum,
+            mbar_k_full,
+            mbar_k_empty,
+            mbar_v_full,
+            mbar_v_empty,
+            Int32(0),
+            n_max - 1,
+            True,
+            scale_log2,
+            window,
+            m_block,
+            row0,
+            seqlen_q,
+            seqlen_k,
+            wg,
+            True,
+        )
         for i in cutlass.range(1, num_blocks, unroll=1):
             n_block = n_max - 1 - i
             needs_mask = self._block_needs_mask(m_block, n_block, seqlen_q, seqlen_k, window)
             self._rows_block(
-                tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_o, shape_s, t_coord,
-                row_max, row_sum, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty,
-                i, n_block, needs_mask, scale_log2, window, m_block, row0, seqlen_q,
-                seqlen_k, wg, False,
-            )  # fmt: skip
+                tiled_mma_qk,
+                tiled_mma_pv,
+                tSrQ,
+                tSrK,
+                tOrVt,
+                acc_o,
+                shape_s,
+                t_coord,
+                row_max,
+                row_sum,
+                mbar_k_full,
+                mbar_k_empty,
+                mbar_v_full,
+                mbar_v_empty,
+                i,
+                n_block,
+                needs_mask,
+                scale_log2,
+                window,
+                m_block,
+                row0,
+                seqlen_q,
+                seqlen_k,
+                wg,
+                False,
+            )
         # Hand warpgroup 2 its turn for its last PV (warpgroup 1 always moves first).
         if wg == 0:
             self._sched_arrive_other(wg)
 
     @cute.jit
     def _mainloop_rows_overlap(
-        self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_o, shape_s, t_coord, row_max,
-        row_sum, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty, scale_log2, window,
-        m_block, seqlen_q, seqlen_k, n_max, num_blocks, wg,
-    ):  # fmt: skip
+        self,
+        tiled_mma_qk,
+        tiled_mma_pv,
+        tSrQ,
+        tSrK,
+        tOrVt,
+        acc_o,
+        shape_s,
+        t_coord,
+        row_max,
+        row_sum,
+        mbar_k_full,
+        mbar_k_empty,
+        mbar_v_full,
+        mbar_v_empty,
+        scale_log2,
+        window,
+        m_block,
+        seqlen_q,
+        seqlen_k,
+        n_max,
+        num_blocks,
+        wg,
+    ):
         """Intra-warpgroup pipelining: S of tile i + 1 is computed while P_i V_i runs, so the
         softmax of tile i + 1 overlaps this warpgroup's own PV. O starts at zero and always
         accumulates; it is rescaled to the new row max once PV_i has completed."""
@@ -711,8 +966,9 @@ class FmhaSm90:
         fu.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, 0], True)
         warpgroup.wait_group(0)
         fu.mbar_arrive_one_per_warp(mbar_k_empty, 0)
-        self._apply_mask(acc_s, t_coord, row0, (n_max - 1) * self.tile_n, seqlen_q, seqlen_k,
-                         window)  # fmt: skip
+        self._apply_mask(
+            acc_s, t_coord, row0, (n_max - 1) * self.tile_n, seqlen_q, seqlen_k, window
+        )
         self._online_softmax(acc_s, row_max, row_sum, scale_log2, True)
         acc_p = fu.acc_as_operand_a(acc_s)
         tOrP = cute.make_rmem_tensor(acc_p.layout.shape, self.dtype)
@@ -771,11 +1027,33 @@ class FmhaSm90:
 
     @cute.jit
     def _rows_block(
-        self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_o, shape_s, t_coord, row_max,
-        row_sum, mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty, i, n_block, needs_mask,
-        scale_log2, window, m_block, row0, seqlen_q, seqlen_k, wg,
+        self,
+        tiled_mma_qk,
+        tiled_mma_pv,
+        tSrQ,
+        tSrK,
+        tOrVt,
+        acc_o,
+        shape_s,
+        t_coord,
+        row_max,
+        row_sum,
+        mbar_k_full,
+        mbar_k_empty,
+        mbar_v_full,
+        mbar_v_empty,
+        i,
+        n_block,
+        needs_mask,
+        scale_log2,
+        window,
+        m_block,
+        row0,
+        seqlen_q,
+        seqlen_k,
+        wg,
         is_first: cutlass.Constexpr[bool],
-    ):  # fmt: skip
+    ):
         """One KV tile of the row split: S = Q K^T, mask, online softmax, O += P V.
 
         On entry this warpgroup holds the tensor-core turn (it waited on its scheduler
@@ -948,9 +1226,25 @@ class FmhaSm90:
 
     @cute.jit
     def _produce_split(
-        self, mQ, mK, tma_atom_q, tma_atom_k, sQ, storage, sKV_half_layout, mbar_q, mbar_full,
-        mbar_empty, q_row0, q_l, offset_k, head_kv, n_min, n_max, warp_idx,
-    ):  # fmt: skip
+        self,
+        mQ,
+        mK,
+        tma_atom_q,
+        tma_atom_k,
+        sQ,
+        storage,
+        sKV_half_layout,
+        mbar_q,
+        mbar_full,
+        mbar_empty,
+        q_row0,
+        q_l,
+        offset_k,
+        head_kv,
+        n_min,
+        n_max,
+        warp_idx,
+    ):
         """Dense column split: one warp loads Q, then the KV halves by TMA."""
         if warp_idx == 0:
             self._load_q(mQ, tma_atom_q, sQ, mbar_q, q_row0, q_l)
@@ -961,9 +1255,12 @@ class FmhaSm90:
                 (None, None),
             )
             tKsK, tKgK = cpasync.tma_partition(
-                tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sKVh, 0, 2),
+                tma_atom_k,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sKVh, 0, 2),
                 cute.group_modes(gK, 0, 2),
-            )  # fmt: skip
+            )
             for step in cutlass.range(cute.ceil_div(n_max - n_min, 2), unroll=1):
                 phase = step & 1
                 for j in cutlass.range_constexpr(4):
@@ -974,9 +1271,11 @@ class FmhaSm90:
                     fu.mbar_wait(mbar_empty, buffer, phase ^ 1)
                     fu.mbar_expect_tx(mbar_full, buffer, self.k_bytes)
                     cute.copy(
-                        tma_atom_k, tKgK[None, tile, col_half], tKsK[None, buffer],
+                        tma_atom_k,
+                        tKgK[None, tile, col_half],
+                        tKsK[None, buffer],
                         tma_bar_ptr=mbar_full + buffer,
-                    )  # fmt: skip
+                    )
 
     def _num_gather_items(self, mQ):
         """(token, head block) work items of the gathered kernel (``mQ``: Q or O as ``(H, D,
@@ -997,9 +1296,22 @@ class FmhaSm90:
 
     @cute.jit
     def _produce_gather(
-        self, mQ, mKV, mIndices, mLens, tma_atom_q, sQ, storage, sKV_half_layout, mbar_q,
-        mbar_q_empty, mbar_full, mbar_empty, warp_idx, tidx,
-    ):  # fmt: skip
+        self,
+        mQ,
+        mKV,
+        mIndices,
+        mLens,
+        tma_atom_q,
+        sQ,
+        storage,
+        sKV_half_layout,
+        mbar_q,
+        mbar_q_empty,
+        mbar_full,
+        mbar_empty,
+        warp_idx,
+        tidx,
+    ):
         """Producer of the persistent gathered kernel: for each item of this CTA, Q by TMA (as
         soon as the previous item's last QK is done) and the rows of its lists by ``cp.async``
         (as soon as a half is free: the next item's first rows stream in during the last PVs).
@@ -1072,10 +1384,28 @@ class FmhaSm90:
 
     @cute.jit
     def _consume_split(
-        self, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sQ, storage, sKV_half_layout,
-        sP_layout, mbar_q, mbar_q_empty, mbar_full, mbar_empty, mO, mLSE,
-        mSink, gather_lists, mLens, scale_log2, window, dense_tile, ctidx,
-    ):  # fmt: skip
+        self,
+        tiled_mma_qk,
+        tiled_mma_pv,
+        tiled_mma_pv_rs,
+        sQ,
+        storage,
+        sKV_half_layout,
+        sP_layout,
+        mbar_q,
+        mbar_q_empty,
+        mbar_full,
+        mbar_empty,
+        mO,
+        mLSE,
+        mSink,
+        gather_lists,
+        mLens,
+        scale_log2,
+        window,
+        dense_tile,
+        ctidx,
+    ):
         """Compute warpgroups of the column split: set up, then per item (gathered: each item
         of this persistent CTA; dense: the CTA's tile) the staggered mainloop and the store.
 
@@ -1121,8 +1451,25 @@ class FmhaSm90:
         row_max = cute.make_rmem_tensor(num_rows, Float32)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
         s_sum = storage.row_sum.get_tensor(cute.make_layout((rows, 2, 2)))
-        item_args = (ops, acc_s, acc_o, row_max, row_sum, s_sum, thr_mma_qk, st_atom, sQ, sP,
-                     mbar_q, mO, mLSE, mSink, gather_lists, scale_log2, window)  # fmt: skip
+        item_args = (
+            ops,
+            acc_s,
+            acc_o,
+            row_max,
+            row_sum,
+            s_sum,
+            thr_mma_qk,
+            st_atom,
+            sQ,
+            sP,
+            mbar_q,
+            mO,
+            mLSE,
+            mSink,
+            gather_lists,
+            scale_log2,
+            window,
+        )
         if const_expr(self.gather):
             num_items = self._num_gather_items(mO)
             width = cute.size(gather_lists[0].shape[1])
@@ -1134,24 +1481,70 @@ class FmhaSm90:
                 token, item_row0, item_rows, num_keys = self._gather_item(mO, mLens, width, item)
                 num_steps = cute.ceil_div(num_keys, 2 * self.tile_n)
                 self._split_item(
-                    *item_args, Int32(0), item_row0, token, item_rows, Int32(0), num_keys,
-                    Int32(0), num_steps, steps_done, parity, ctidx,
-                )  # fmt: skip
+                    *item_args,
+                    Int32(0),
+                    item_row0,
+                    token,
+                    item_rows,
+                    Int32(0),
+                    num_keys,
+                    Int32(0),
+                    num_steps,
+                    steps_done,
+                    parity,
+                    ctidx,
+                )
                 steps_done += num_steps
                 parity ^= 1
         else:
             m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min, n_max = dense_tile
             self._split_item(
-                *item_args, m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min,
-                cute.ceil_div(n_max - n_min, 2), Int32(0), Int32(0), ctidx,
-            )  # fmt: skip
+                *item_args,
+                m_block,
+                q_row0,
+                q_l,
+                row_limit,
+                seqlen_q,
+                seqlen_k,
+                n_min,
+                cute.ceil_div(n_max - n_min, 2),
+                Int32(0),
+                Int32(0),
+                ctidx,
+            )
 
     @cute.jit
     def _split_item(
-        self, ops, acc_s, acc_o, row_max, row_sum, s_sum, thr_mma_qk, st_atom, sQ, sP, mbar_q,
-        mO, mLSE, mSink, gather_lists, scale_log2, window, m_block, q_row0, q_l, row_limit,
-        seqlen_q, seqlen_k, n_min, num_steps, steps_done, parity, ctidx,
-    ):  # fmt: skip
+        self,
+        ops,
+        acc_s,
+        acc_o,
+        row_max,
+        row_sum,
+        s_sum,
+        thr_mma_qk,
+        st_atom,
+        sQ,
+        sP,
+        mbar_q,
+        mO,
+        mLSE,
+        mSink,
+        gather_lists,
+        scale_log2,
+        window,
+        m_block,
+        q_row0,
+        q_l,
+        row_limit,
+        seqlen_q,
+        seqlen_k,
+        n_min,
+        num_steps,
+        steps_done,
+        parity,
+        ctidx,
+    ):
         """One 64-row output tile: wait for its Q, run the mainloop (barrier phases continue
         from ``steps_done``), combine the row sums, normalise and store O and the LSE."""
         wg = cute.arch.make_warp_uniform(ctidx // _THREADS_PER_WG)
@@ -1169,9 +1562,23 @@ class FmhaSm90:
             if num_steps == 0:  # no QK: Q's buffer is free at once
                 fu.mbar_arrive_one_per_warp(ops.mbar_q_empty, 0)
         loop_args = (
-            ops, acc_s, acc_o, row_max, row_sum, gather_lists, scale_log2, window, m_block * rows,
-            q_l, seqlen_q, seqlen_k, n_min, num_steps, steps_done, lane,
-        )  # fmt: skip
+            ops,
+            acc_s,
+            acc_o,
+            row_max,
+            row_sum,
+            gather_lists,
+            scale_log2,
+            window,
+            m_block * rows,
+            q_l,
+            seqlen_q,
+            seqlen_k,
+            n_min,
+            num_steps,
+            steps_done,
+            lane,
+        )
         if wg == 0:
             self._split_mainloop_lead(*loop_args)
         else:
@@ -1252,8 +1659,11 @@ class FmhaSm90:
                 if row < row_limit:
                     ptx_ops.st_global_cs_v4_b32(
                         o_base + Int64(row) * row_stride * 2 + j * self.tile_n * 2,
-                        v[0], v[1], v[2], v[3],
-                    )  # fmt: skip
+                        v[0],
+                        v[1],
+                        v[2],
+                        v[3],
+                    )
             cute.arch.sync_warp()  # the next chunk's stmatrix overwrites these rows
 
     # The two compute warpgroups run staggered so that one's softmax overlaps the other's MMAs:
@@ -1267,9 +1677,24 @@ class FmhaSm90:
     # max) and rescales O, the row sum and the P tile it hands over once the follower has merged.
     @cute.jit
     def _split_mainloop_lead(
-        self, ops, acc_s, acc_o, row_max, row_sum, gather_lists, scale_log2, window, row0, q_l,
-        seqlen_q, seqlen_k, n_min, num_steps, steps_done, lane,
-    ):  # fmt: skip
+        self,
+        ops,
+        acc_s,
+        acc_o,
+        row_max,
+        row_sum,
+        gather_lists,
+        scale_log2,
+        window,
+        row0,
+        q_l,
+        seqlen_q,
+        seqlen_k,
+        n_min,
+        num_steps,
+        steps_done,
+        lane,
+    ):
         """Warpgroup 0 of the column split: S of tile a, output columns 0..255 (halves 0, 2)."""
         num_rows = cute.size(row_max)
         c_mn = fu.acc_as_mn(ops.t_coord)
@@ -1330,9 +1755,24 @@ class FmhaSm90:
 
     @cute.jit
     def _split_mainloop_follow(
-        self, ops, acc_s, acc_o, row_max, row_sum, gather_lists, scale_log2, window, row0, q_l,
-        seqlen_q, seqlen_k, n_min, num_steps, steps_done, lane,
-    ):  # fmt: skip
+        self,
+        ops,
+        acc_s,
+        acc_o,
+        row_max,
+        row_sum,
+        gather_lists,
+        scale_log2,
+        window,
+        row0,
+        q_l,
+        seqlen_q,
+        seqlen_k,
+        n_min,
+        num_steps,
+        steps_done,
+        lane,
+    ):
         """Warpgroup 1 of the column split: S of tile b, output columns 256..511 (halves 3, 1)."""
         num_rows = cute.size(row_max)
         c_mn = fu.acc_as_mn(ops.t_coord)
@@ -1405,9 +1845,15 @@ class FmhaSm90:
 
         def issue(buffer):
             fu.wgmma(
-                ops.mma_qk, acc_s, ops.tSrQ, ops.tSrK[None, None, None, buffer], half in (0, 3),
-                col_half * k_half, (col_half + 1) * k_half, b_shift=-col_half * k_half,
-            )  # fmt: skip
+                ops.mma_qk,
+                acc_s,
+                ops.tSrQ,
+                ops.tSrK[None, None, None, buffer],
+                half in (0, 3),
+                col_half * k_half,
+                (col_half + 1) * k_half,
+                b_shift=-col_half * k_half,
+            )
 
         self._on_half_buffer(half, phase, issue)
 
@@ -1417,9 +1863,12 @@ class FmhaSm90:
 
         def issue(buffer):
             fu.wgmma(
-                ops.mma_pv_rs, acc_o, fu.acc_as_operand_a(r_p),
-                ops.tOrV_rs[None, None, None, buffer], False,
-            )  # fmt: skip
+                ops.mma_pv_rs,
+                acc_o,
+                fu.acc_as_operand_a(r_p),
+                ops.tOrV_rs[None, None, None, buffer],
+                False,
+            )
 
         self._on_half_buffer(half, phase, issue)
 
@@ -1431,9 +1880,12 @@ class FmhaSm90:
 
         def issue(buffer):
             fu.wgmma(
-                ops.mma_pv, acc_o, ops.tOrP[None, None, None, p_tile],
-                ops.tOrV[None, None, None, buffer], False,
-            )  # fmt: skip
+                ops.mma_pv,
+                acc_o,
+                ops.tOrP[None, None, None, p_tile],
+                ops.tOrV[None, None, None, buffer],
+                False,
+            )
 
         self._on_half_buffer(half, phase, issue)
 

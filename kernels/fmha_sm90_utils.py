@@ -37,9 +37,15 @@ def warpgroup_mma(dtype, n: int, b_major, *, a_in_registers: bool = False, warpg
     ``Q K^T``, MN for ``P V``)."""
     a_source = warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM
     return sm90_helpers.make_trivial_tiled_mma(
-        dtype, dtype, warpgroup.OperandMajorMode.K, b_major, Float32, (warpgroups, 1, 1), (64, n),
+        dtype,
+        dtype,
+        warpgroup.OperandMajorMode.K,
+        b_major,
+        Float32,
+        (warpgroups, 1, 1),
+        (64, n),
         a_source=a_source,
-    )  # fmt: skip
+    )
 
 
 # ----------------------------------------------------------------------------------------------

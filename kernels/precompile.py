@@ -50,8 +50,11 @@ accept (``get_supported_kernel_block_sizes``)."""
 DEEPSEEK_V4_RATIOS = (1, 4, 128)
 """Compression ratios of DeepSeek-V4's layer kinds: window only, CSA, HCA."""
 _CSA_RATIO = 4
-_FORMATS = {"auto": (KVFormat.NVFP4,), "fp8": (KVFormat.FP8_DS_MLA,),
-            "all": (KVFormat.NVFP4, KVFormat.FP8_DS_MLA)}  # fmt: skip
+_FORMATS = {
+    "auto": (KVFormat.NVFP4,),
+    "fp8": (KVFormat.FP8_DS_MLA,),
+    "all": (KVFormat.NVFP4, KVFormat.FP8_DS_MLA),
+}
 
 
 def decode_variants(
@@ -126,9 +129,12 @@ def main(argv: list[str] | None = None) -> None:
         description="Compile every kernel a DSV4_NVFP4 server of DeepSeek-V4 uses into the "
         "kernel disk cache.",
     )
-    parser.add_argument("--kv-cache-dtype", choices=sorted(_FORMATS), default="all",
-                        help="the server's --kv-cache-dtype (auto = NVFP4); all: both formats "
-                        "(default)")  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=sorted(_FORMATS),
+        default="all",
+        help="the server's --kv-cache-dtype (auto = NVFP4); all: both formats (default)",
+    )
     parser.add_argument(
         "--model",
         help="a checkpoint directory (or its config.json): only the "
@@ -152,8 +158,10 @@ def main(argv: list[str] | None = None) -> None:
             began = time.perf_counter()
             balanced = ratio > _CSA_RATIO  # HCA layers may run the balanced schedule
             compile_layer_kernels(fmt, ratio, SWA_BLOCK_TOKENS, CACHE_BLOCK_TOKENS, balanced)
-            print(f"{time.perf_counter() - began:6.1f} s  {fmt.value:10s} compress ratio {ratio}",
-                  flush=True)  # fmt: skip
+            print(
+                f"{time.perf_counter() - began:6.1f} s  {fmt.value:10s} compress ratio {ratio}",
+                flush=True,
+            )
     print(f"{time.perf_counter() - start:6.1f} s  in all; kernels in {directory}", flush=True)
 
 

@@ -270,9 +270,15 @@ def cp_async_4(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None) -
 def ld_shared_b32(addr: Int32, *, loc=None, ip=None) -> Int32:
     """4-byte shared-memory load (ordered after earlier shared stores and waits)."""
     return _scalar(
-        Int32, T.i32(), [_i32(addr, loc, ip)], "ld.shared.b32 $0, [$1];", "=r,r", loc, ip,
+        Int32,
+        T.i32(),
+        [_i32(addr, loc, ip)],
+        "ld.shared.b32 $0, [$1];",
+        "=r,r",
+        loc,
+        ip,
         side_effects=True,
-    )  # fmt: skip
+    )
 
 
 @dsl_user_op

@@ -40,8 +40,9 @@ def find_cuda_tool(name: str) -> str | None:
         import triton
     except ImportError:
         return None
-    return shutil.which(name, path=os.path.join(os.path.dirname(triton.__file__),
-                                                 "backends", "nvidia", "bin"))  # fmt: skip
+    return shutil.which(
+        name, path=os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    )
 
 
 def disassemble(cubin: bytes, tool: str | None = None) -> str:

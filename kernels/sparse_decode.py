@@ -52,14 +52,14 @@ __all__ = [
 ]
 
 SUPPORTED_HEAD_COUNTS = (8, 16, 32, 64, 128)
-# Split-KV limits (from a sweep of forced split counts on the H100, BENCHMARKS.md 2026-11-23c):
-# a split of 64 keys (MIN_SPLIT_TILES, which the kernel also applies) still pays off at T = 2,
-# while past ~32 splits writing and combining the partials (then fp32: 128 KB per split and
-# 64-head block, now half) costs more than the split saves.
+# Split-KV limits (a sweep of forced split counts on the H100, `python -m dsv4_attn.bench
+# decode-splits`): a split of 64 keys (MIN_SPLIT_TILES, which the kernel also applies) still pays
+# off at T = 2, while past ~32 splits writing and combining the partials (64 KB per split and
+# 64-head block as fp16 rows) costs more than the split saves.
 MAX_SPLITS = 32
 MAX_GRID_TOKENS = 65535  # CUDA's limit on a grid's z axis, which carries the tokens
 # The combine merges a (token, head) row with 4 warps below this many rows per SM, else with 1
-# (BENCHMARKS.md, 2026-11-26: the combine's loads in flight).
+# (few rows are latency-bound: four warps a row keep more loads in flight; docs/design.md §4.1.5).
 WIDE_COMBINE_ROWS_PER_SM = 4
 _MAX_PACKED_SLOTS = 1 << 30  # the kernel packs (slot, scope) into one int32
 _FORMATS = {KVFormat.FP8_DS_MLA: "fp8_ds_mla", KVFormat.NVFP4: "nvfp4"}
@@ -70,9 +70,9 @@ _NOT_BALANCED = (None, None, None, None)  # the balanced schedule's partials and
 PARTIAL_DTYPE = torch.float16
 PARTIAL_PAIR_DTYPE = torch.float32
 WORKSPACE_DTYPES = (PARTIAL_DTYPE, PARTIAL_PAIR_DTYPE)
-# When the balanced schedule pays (balanced_pays): from the decode bench against FlashMLA on
-# ragged HCA lists (BENCHMARKS.md, 2026-11-25 and 2026-11-26): window + 2048 entries
-# (256K context), and capacity for at least 480 keys per part.
+# When the balanced schedule pays (balanced_pays; docs/design.md §4.1.6): lists of at least
+# window + 2048 entries (a 256K context) and capacity for at least 480 keys per part, from
+# `python -m dsv4_attn.bench decode --against flashmla` on ragged HCA lists.
 BALANCED_MIN_CAPACITY = 128 + 2048
 BALANCED_MIN_KEYS_PER_PART = 480
 
@@ -167,8 +167,8 @@ def plan_splits(
     :data:`MAX_SPLITS` splits of at least :data:`MIN_SPLIT_TILES` tiles. The grid is sized
     by the capacity; the kernel spreads each token's own tiles over its splits (at most
     ``tiles_per_split`` each), so a token with a shorter list finishes sooner, not on fewer SMs.
-    (The sweep of forced split counts in BENCHMARKS.md, 2026-11-26, finds this choice
-    within 0-1.2 us of the best at T = 2-64.)
+    (``python -m dsv4_attn.bench decode-splits`` sweeps forced split counts: this choice is
+    within 0-1.2 us of the best at T = 2-64; docs/design.md §4.1.5.)
     """
     tiles = max(1, math.ceil(key_capacity / BLOCK_N))
     ctas = num_tokens * math.ceil(num_heads / BLOCK_H)
@@ -268,9 +268,18 @@ def build_decode_kernel(config):
     if config.balanced:  # slot-major partials [slots, H, 512] and [slots, H, 2], the two plans
         balanced = (_rows(Float16, 2), _partial_pair(2), _plan(4), _plan(5))
     return compile_tvm_ffi(
-        SparseDecodeSm90(config), q, *window, *extra, sink, out, lse, *balanced,
-        Float32(1.0), Int32(1), Int32(1),
-    )  # fmt: skip
+        SparseDecodeSm90(config),
+        q,
+        *window,
+        *extra,
+        sink,
+        out,
+        lse,
+        *balanced,
+        Float32(1.0),
+        Int32(1),
+        Int32(1),
+    )
 
 
 def build_combine_kernel(config):
@@ -278,8 +287,9 @@ def build_combine_kernel(config):
     from dsv4_attn.kernels.combine import SplitCombine
     from dsv4_attn.kernels.compile_cache import compile_tvm_ffi
 
-    return compile_tvm_ffi(SplitCombine(config), *combine_fake_args(config.has_sink,
-                                                                    config.balanced))  # fmt: skip
+    return compile_tvm_ffi(
+        SplitCombine(config), *combine_fake_args(config.has_sink, config.balanced)
+    )
 
 
 def combine_fake_args(has_sink: bool, balanced: bool) -> tuple:
@@ -291,8 +301,14 @@ def combine_fake_args(has_sink: bool, balanced: bool) -> tuple:
     lead = 2 if balanced else 3
     token_plan = _plan(5) if balanced else None
     sink = _fake(Float32, (cute.sym_int(),), (1,), 4) if has_sink else None
-    return (_rows(Float16, lead), _partial_pair(lead), sink, _rows(BFloat16, 2), _lse(2),
-            token_plan)  # fmt: skip
+    return (
+        _rows(Float16, lead),
+        _partial_pair(lead),
+        sink,
+        _rows(BFloat16, 2),
+        _lse(2),
+        token_plan,
+    )
 
 
 @functools.cache
@@ -304,21 +320,36 @@ def _caches():
 
 def decode_config(window, sink, extra, write_partial: bool, balanced: bool = False):
     """The :class:`SparseDecodeConfig` (compile-cache key) of a call."""
-    return _decode_config(window.fmt, window.block_size,
-                          extra.block_size if extra is not None else 0, window.indices.dtype,
-                          window.lens.dtype, sink is not None, write_partial, balanced)  # fmt: skip
+    return _decode_config(
+        window.fmt,
+        window.block_size,
+        extra.block_size if extra is not None else 0,
+        window.indices.dtype,
+        window.lens.dtype,
+        sink is not None,
+        write_partial,
+        balanced,
+    )
 
 
 @functools.cache
-def _decode_config(fmt, block_size, extra_block_size, index_dtype, lens_dtype, has_sink,
-                   write_partial, balanced):  # fmt: skip
+def _decode_config(
+    fmt, block_size, extra_block_size, index_dtype, lens_dtype, has_sink, write_partial, balanced
+):
     # One config object per distinct call structure: an eager call then pays a dict lookup,
     # not a dataclass construction and its hash.
     from dsv4_attn.kernels.sparse_decode_config import SparseDecodeConfig
 
-    return SparseDecodeConfig(_FORMATS[fmt], block_size, extra_block_size,
-                              _INDEX_DTYPES[index_dtype], _INDEX_DTYPES[lens_dtype], has_sink,
-                              write_partial, balanced)  # fmt: skip
+    return SparseDecodeConfig(
+        _FORMATS[fmt],
+        block_size,
+        extra_block_size,
+        _INDEX_DTYPES[index_dtype],
+        _INDEX_DTYPES[lens_dtype],
+        has_sink,
+        write_partial,
+        balanced,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,8 +369,16 @@ def compile_variants(
     decode_cache, combine_cache = _caches()
     outputs = [(False, False), (True, False)] + ([(False, True)] if balanced else [])
     for partial, balanced_variant in outputs:  # (write_partial, balanced)
-        config = SparseDecodeConfig(_FORMATS[fmt], block_size, extra_block_size, "int32", "int32",
-                                    True, partial, balanced_variant)  # fmt: skip
+        config = SparseDecodeConfig(
+            _FORMATS[fmt],
+            block_size,
+            extra_block_size,
+            "int32",
+            "int32",
+            True,
+            partial,
+            balanced_variant,
+        )
         decode_cache.get(config, lambda c=config: build_decode_kernel(c))
     for balanced_combine in (False, True) if balanced else (False,):
         for warps_per_row in (1, 4):
@@ -350,8 +389,7 @@ def compile_variants(
 def workspace_shape(num_splits: int, num_tokens: int, num_heads: int) -> tuple[tuple, tuple]:
     """Shapes of the split-KV workspace: partial outputs (:data:`PARTIAL_DTYPE`) and their
     (lse, row scale) pairs (:data:`PARTIAL_PAIR_DTYPE`)."""
-    return ((num_splits, num_tokens, num_heads, HEAD_DIM),
-            (num_splits, num_tokens, num_heads, 2))  # fmt: skip
+    return ((num_splits, num_tokens, num_heads, HEAD_DIM), (num_splits, num_tokens, num_heads, 2))
 
 
 def resolve_splits(
@@ -459,10 +497,17 @@ def sparse_attention(
     if T > MAX_GRID_TOKENS:  # tokens are the grid's z axis: launch in slices
         for t0 in range(0, T, MAX_GRID_TOKENS):
             t1 = min(T, t0 + MAX_GRID_TOKENS)
-            sparse_attention(q[t0:t1], window.tokens(t0, t1), sink, scale,
-                             extra.tokens(t0, t1) if extra is not None else None,
-                             num_splits=num_splits, out=out[t0:t1], lse=lse[t0:t1],
-                             workspace=workspace)  # fmt: skip
+            sparse_attention(
+                q[t0:t1],
+                window.tokens(t0, t1),
+                sink,
+                scale,
+                extra.tokens(t0, t1) if extra is not None else None,
+                num_splits=num_splits,
+                out=out[t0:t1],
+                lse=lse[t0:t1],
+                workspace=workspace,
+            )
         return out, lse
     capacity = key_capacity(window, extra)
     num_splits, tiles_per_split = resolve_splits(T, H, capacity, q.device, num_splits)
@@ -472,12 +517,36 @@ def sparse_attention(
     scale_log2 = float(scale) * math.log2(math.e)
     extra_args = _extra_args(extra)
     if num_splits == 1:
-        decode(q, window.cache, window.indices, window.lens, *extra_args, sink, out, lse,
-               *_NOT_BALANCED, scale_log2, 1, tiles_per_split)  # fmt: skip
+        decode(
+            q,
+            window.cache,
+            window.indices,
+            window.lens,
+            *extra_args,
+            sink,
+            out,
+            lse,
+            *_NOT_BALANCED,
+            scale_log2,
+            1,
+            tiles_per_split,
+        )
         return out, lse
     o_part, lse_part = _partials(workspace, *workspace_shape(num_splits, T, H), q.device)
-    decode(q, window.cache, window.indices, window.lens, *extra_args, sink, o_part, lse_part,
-           *_NOT_BALANCED, scale_log2, num_splits, tiles_per_split)  # fmt: skip
+    decode(
+        q,
+        window.cache,
+        window.indices,
+        window.lens,
+        *extra_args,
+        sink,
+        o_part,
+        lse_part,
+        *_NOT_BALANCED,
+        scale_log2,
+        num_splits,
+        tiles_per_split,
+    )
     _merge_partials(o_part, lse_part, sink, out, lse, None)
     return out, lse
 
@@ -505,13 +574,12 @@ def balanced_pays(num_tokens: int, key_capacity: int, num_parts: int) -> bool:
     :data:`BALANCED_MIN_CAPACITY` keys, and capacity for :data:`BALANCED_MIN_KEYS_PER_PART`
     keys per part.
 
-    Measured on ragged HCA lists (each request's count uniform in [0, entries]; H100 and H200,
-    CUDA graphs, BENCHMARKS.md 2026-11-25 and 2026-11-26; with fp16 split
-    partials): the balanced schedule wins by 5-40% from 8 tokens at 8192 entries (1M context),
-    from 16 at 4096 and from 32 at 2048, ties or loses below that, and never wins at 1024
-    entries, where a wave of the split launch is short anyway. (Lists all at the capacity lose
-    3-12% balanced, e.g. 1M at 8 tokens 1.41x -> 1.32x FlashMLA; the rule cannot see the
-    counts, and real batches are ragged.)
+    Measured on ragged HCA lists (each request's count uniform in [0, entries]; H100 and H200, CUDA
+    graphs, fp16 split partials; docs/design.md §4.1.6): the balanced schedule wins by 5-40% from 8
+    tokens at 8192 entries (1M context), from 16 at 4096 and from 32 at 2048, ties or loses below
+    that, and never wins at 1024 entries, where a wave of the split launch is short anyway. (Lists
+    all at the capacity lose 3-12% balanced, e.g. 1M at 8 tokens 1.41x -> 1.32x FlashMLA; the rule
+    cannot see the counts, and real batches are ragged.)
     """
     return (
         key_capacity >= BALANCED_MIN_CAPACITY
@@ -606,8 +674,23 @@ def _balanced_attention(q, window, sink, scale, extra, plan, out, lse, workspace
     config = decode_config(window, sink, extra, False, balanced=True)
     decode = decode_cache.get(config, lambda: build_decode_kernel(config))
     scale_log2 = float(scale) * math.log2(math.e)
-    decode(q, window.cache, window.indices, window.lens, *_extra_args(extra), sink, out, lse,
-           o_part, lse_part, plan.part_plan, plan.token_plan, scale_log2, 1, 0)  # fmt: skip
+    decode(
+        q,
+        window.cache,
+        window.indices,
+        window.lens,
+        *_extra_args(extra),
+        sink,
+        out,
+        lse,
+        o_part,
+        lse_part,
+        plan.part_plan,
+        plan.token_plan,
+        scale_log2,
+        1,
+        0,
+    )
     if parts > 1:  # one part cuts no token
         _merge_partials(o_part, lse_part, sink, out, lse, plan.token_plan)
     return out, lse
@@ -636,16 +719,17 @@ def _partials(workspace, o_shape, lse_shape, device) -> tuple[torch.Tensor, torc
     if workspace is not None:
         return _workspace_views(workspace, o_shape, lse_shape)
     shapes = (o_shape, lse_shape)
-    o_part, lse_part = (torch.empty(shape, dtype=dtype, device=device)
-                        for shape, dtype in zip(shapes, WORKSPACE_DTYPES, strict=True))  # fmt: skip
+    o_part, lse_part = (
+        torch.empty(shape, dtype=dtype, device=device)
+        for shape, dtype in zip(shapes, WORKSPACE_DTYPES, strict=True)
+    )
     return o_part, lse_part
 
 
 def _workspace_views(workspace, o_shape, lse_shape) -> tuple[torch.Tensor, torch.Tensor]:
     """Contiguous views of the exact shapes at the start of the caller's workspace tensors."""
     views = []
-    for tensor, shape, dtype in zip(workspace, (o_shape, lse_shape), WORKSPACE_DTYPES,
-                                    strict=True):  # fmt: skip
+    for tensor, shape, dtype in zip(workspace, (o_shape, lse_shape), WORKSPACE_DTYPES, strict=True):
         if tensor.shape == shape and tensor.dtype == dtype and tensor.is_contiguous():
             views.append(tensor)  # the serving layer's scratch comes at the exact shape
             continue

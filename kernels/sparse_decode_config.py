@@ -72,7 +72,8 @@ STAGE_ROW_BYTES = HEAD_DIM * 2 + 16
 # limit; the high end keeps 2^-k normal in fp32 after the combine's division by up to 32
 # splits (rows below 2^-106 keep fewer fp16 bits: the bf16 output there is near its
 # subnormals anyway).
-# Half the bytes of fp32 partials at the same accuracy (``scripts/partials_precision.py``).
+# Half the bytes of fp32 partials at the same accuracy: merged, their worst error is 1.00-1.04x
+# the bf16 rounding (fp32 partials 1.0x, bf16 partials 1.5-1.9x; a CPU emulation of the merge).
 PARTIAL_TOP_LOG2 = 14
 PARTIAL_MIN_LOG2 = -113
 PARTIAL_MAX_LOG2 = 120

@@ -183,9 +183,12 @@ class SparseDecodeProducer:
         slot id is < 2^30 and -1 stays -1) to ``dst``; nothing (zeros) past ``key_end``."""
         elem = self.cfg.index_bytes
         addr = Int64(
-            cutlass.select_(key < n_window, window_ids + Int64(key) * elem,
-                            extra_ids + Int64(key - n_window) * elem)
-        )  # fmt: skip
+            cutlass.select_(
+                key < n_window,
+                window_ids + Int64(key) * elem,
+                extra_ids + Int64(key - n_window) * elem,
+            )
+        )
         present = Int32(cutlass.select_(key < key_end, Int32(4), Int32(0)))
         ptx_ops.cp_async_4(dst, Int64(cutlass.select_(key < key_end, addr, window_ids)), present)
 
@@ -236,13 +239,15 @@ class SparseDecodeProducer:
         elif const_expr(bs & (bs - 1) == 0 and ebs & (ebs - 1) == 0):
             # Both page sizes powers of two: select per scope, no branch.
             is_extra = (packed & 1) == 1
-            shift = Int32(cutlass.select_(is_extra, Int32(ebs.bit_length() - 1),
-                                          Int32(bs.bit_length() - 1)))  # fmt: skip
+            shift = Int32(
+                cutlass.select_(is_extra, Int32(ebs.bit_length() - 1), Int32(bs.bit_length() - 1))
+            )
             mask = Int32(cutlass.select_(is_extra, Int32(ebs - 1), Int32(bs - 1)))
             base = Int64(cutlass.select_(is_extra, ecache_base, cache_base))
             stride = Int64(cutlass.select_(is_extra, epage_stride, page_stride))
-            scales_at = Int32(cutlass.select_(is_extra, Int32(ebs * self.data_row),
-                                              Int32(bs * self.data_row)))  # fmt: skip
+            scales_at = Int32(
+                cutlass.select_(is_extra, Int32(ebs * self.data_row), Int32(bs * self.data_row))
+            )
             pos = slot & mask
             page_base = base + Int64(slot >> shift) * stride
             data_addr = page_base + pos * self.data_row
@@ -263,8 +268,9 @@ class SparseDecodeProducer:
         return data_addr, scale_addr
 
     @cute.jit
-    def copy_key(self, packed, part, parity, unit, cache_base, page_stride, ecache_base,
-                 epage_stride):  # fmt: skip
+    def copy_key(
+        self, packed, part, parity, unit, cache_base, page_stride, ecache_base, epage_stride
+    ):
         """cp.async lane ``part``'s quarter of a key into its raw-slot column at ``unit``.
 
         Chunk d < 7: nope bytes 64d + 16 part .. +15 (FP8) or 32d + 8 part .. +7 (NVFP4, 8
@@ -280,11 +286,13 @@ class SparseDecodeProducer:
         size8 = Int32(cutlass.select_(packed >= 0, Int32(8), Int32(0)))
         for d in cutlass.range_constexpr(7):
             if const_expr(self.is_fp8):
-                ptx_ops.cp_async_16(unit + d * RAW_CHUNK_STRIDE, data_addr + 64 * d + 16 * part,
-                                    size16)  # fmt: skip
+                ptx_ops.cp_async_16(
+                    unit + d * RAW_CHUNK_STRIDE, data_addr + 64 * d + 16 * part, size16
+                )
             else:
-                ptx_ops.cp_async_8(unit + d * RAW_CHUNK_STRIDE, data_addr + 32 * d + 8 * part,
-                                   size8)  # fmt: skip
+                ptx_ops.cp_async_8(
+                    unit + d * RAW_CHUNK_STRIDE, data_addr + 32 * d + 8 * part, size8
+                )
         rope_at = NOPE_DIM if const_expr(self.is_fp8) else NVFP4_NOPE_BYTES
         for c in cutlass.range_constexpr(2):
             ptx_ops.cp_async_16(
@@ -296,8 +304,9 @@ class SparseDecodeProducer:
             ptx_ops.cp_async_8(unit + RAW_SCALE_CHUNK * RAW_CHUNK_STRIDE, scale_addr, size8)
         else:
             for c in cutlass.range_constexpr(2):
-                ptx_ops.cp_async_16(unit + (RAW_SCALE_CHUNK + c) * RAW_CHUNK_STRIDE,
-                                    scale_addr + 16 * c, size16)  # fmt: skip
+                ptx_ops.cp_async_16(
+                    unit + (RAW_SCALE_CHUNK + c) * RAW_CHUNK_STRIDE, scale_addr + 16 * c, size16
+                )
 
     @cute.jit
     def read_nope(self, unit, d):
@@ -313,10 +322,13 @@ class SparseDecodeProducer:
         if const_expr(self.is_fp8):
             scales = ptx_ops.ld_shared_v2(scale_at)
         else:
-            scales = (*ptx_ops.ld_shared_v4(scale_at),
-                      *ptx_ops.ld_shared_v4(scale_at + RAW_CHUNK_STRIDE))  # fmt: skip
-        rope = [ptx_ops.ld_shared_v4(unit + (RAW_ROPE_CHUNK + c) * RAW_CHUNK_STRIDE)
-                for c in range(2)]  # fmt: skip
+            scales = (
+                *ptx_ops.ld_shared_v4(scale_at),
+                *ptx_ops.ld_shared_v4(scale_at + RAW_CHUNK_STRIDE),
+            )
+        rope = [
+            ptx_ops.ld_shared_v4(unit + (RAW_ROPE_CHUNK + c) * RAW_CHUNK_STRIDE) for c in range(2)
+        ]
         return (*scales, *rope[0], *rope[1])
 
     @staticmethod
@@ -365,8 +377,17 @@ class SparseDecodeProducer:
         return (scales[d // 4] >> (8 * (d % 4))) & 0xFF
 
     @cute.jit
-    def store_nope(self, unit, valid, row, part, stage_base, scales, token_scale2,
-                   folded: cutlass.Constexpr[bool]):  # fmt: skip
+    def store_nope(
+        self,
+        unit,
+        valid,
+        row,
+        part,
+        stage_base,
+        scales,
+        token_scale2,
+        folded: cutlass.Constexpr[bool],
+    ):
         """Dequantize the lane's seven nope chunks into K/V stage row ``row`` (zeros if not
         ``valid``); FP8 ``folded``: one multiply per pair (:func:`fp8_folded_scale_bf16x2`).
 

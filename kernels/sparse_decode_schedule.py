@@ -17,7 +17,7 @@ fp16, the bytes of ~3.5 FP8 tiles), more than the imbalance it saves there.
 
 :func:`build_schedule` is the plan's definition, in torch ops on the device from the per-token
 key counts (no host sync: a CUDA graph may capture it): ~50 small kernels, ~0.12 ms on an H100
-even in a CUDA graph (BENCHMARKS.md, 2026-11-25). :mod:`dsv4_attn.fused.decode_schedule`
+even in a CUDA graph (docs/design.md §4.1.6). :mod:`dsv4_attn.fused.decode_schedule`
 computes the same tensors in one Triton program. Either way a caller builds the plan once per
 step and reuses it for every layer with the same counts, as vLLM does with FlashMLA's. Units:
 *tiles* of ``BLOCK_N`` keys; *positions* on the line of all tokens' costs.

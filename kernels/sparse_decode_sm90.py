@@ -241,18 +241,40 @@ class SparseDecodeSm90(SparseDecodeProducer):
         # The epilogue stages the output over Q, the K/V stages and P (not the raw ring, where
         # the producer's last copies may still land).
         staged = BLOCK_H * STAGE_ROW_BYTES
-        assert staged <= 2 * (cute.cosize(sQ_layout) + cute.cosize(sK_layout)
-                              + cute.cosize(sP_layout)), staged  # fmt: skip
+        assert staged <= 2 * (
+            cute.cosize(sQ_layout) + cute.cosize(sK_layout) + cute.cosize(sP_layout)
+        ), staged
         num_heads = mQ.shape[1]
         grid = ((num_heads + BLOCK_H - 1) // BLOCK_H, num_splits, mQ.shape[0])
         if const_expr(self.cfg.balanced):
             grid = ((num_heads + BLOCK_H - 1) // BLOCK_H, mPartPlan.shape[0], 1)
         self.kernel(
-            tma_q, tma_atom_q, mCache, mIdx, mLens, mECache, mEIdx, mELens, mSink, mO, mLse,
-            mOpart, mLsePart, mPartPlan, mTokenPlan, scale_log2, tiles_per_split,
-            sQ_layout, sK_layout, sP_layout, mma_qk_rs, mma_qk_ss, mma_pv_wg0, *mma_pv_wg1,
+            tma_q,
+            tma_atom_q,
+            mCache,
+            mIdx,
+            mLens,
+            mECache,
+            mEIdx,
+            mELens,
+            mSink,
+            mO,
+            mLse,
+            mOpart,
+            mLsePart,
+            mPartPlan,
+            mTokenPlan,
+            scale_log2,
+            tiles_per_split,
+            sQ_layout,
+            sK_layout,
+            sP_layout,
+            mma_qk_rs,
+            mma_qk_ss,
+            mma_pv_wg0,
+            *mma_pv_wg1,
             SharedStorage,
-        ).launch(grid=grid, block=(384, 1, 1), stream=stream, min_blocks_per_mp=1)  # fmt: skip
+        ).launch(grid=grid, block=(384, 1, 1), stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -346,9 +368,25 @@ class SparseDecodeSm90(SparseDecodeProducer):
 
             def produce(t, n_window, key_begin, key_end, n_tiles, slot, g0, done):
                 self.producer(
-                    mCache, mIdx, mECache, mEIdx, sK, sRaw, sIds, key_bias, full_bar, empty_bar,
-                    t, n_window, key_begin, key_end, n_tiles, tidx - 256, g0, done,
-                )  # fmt: skip
+                    mCache,
+                    mIdx,
+                    mECache,
+                    mEIdx,
+                    sK,
+                    sRaw,
+                    sIds,
+                    key_bias,
+                    full_bar,
+                    empty_bar,
+                    t,
+                    n_window,
+                    key_begin,
+                    key_end,
+                    n_tiles,
+                    tidx - 256,
+                    g0,
+                    done,
+                )
 
             self.for_each_item(*items, produce)
         elif wg == 0:
@@ -363,10 +401,28 @@ class SparseDecodeSm90(SparseDecodeProducer):
                         self.load_q(tma_q, tma_atom_q, sQ, q_full_bar, t, head_block)
                 cute.arch.mbarrier_wait(q_full_bar, done % 2)
                 self.consumer_softmax(
-                    outputs, mSink, sQ, sK, sP, key_bias, row_factor, row_stats, full_bar,
-                    empty_bar, mma_qk_rs, mma_qk_ss, mma_pv_wg0, scale_log2,
-                    t, head_block, split, slot, g0, n_tiles, tidx,
-                )  # fmt: skip
+                    outputs,
+                    mSink,
+                    sQ,
+                    sK,
+                    sP,
+                    key_bias,
+                    row_factor,
+                    row_stats,
+                    full_bar,
+                    empty_bar,
+                    mma_qk_rs,
+                    mma_qk_ss,
+                    mma_pv_wg0,
+                    scale_log2,
+                    t,
+                    head_block,
+                    split,
+                    slot,
+                    g0,
+                    n_tiles,
+                    tidx,
+                )
 
             self.for_each_item(*items, softmax)
         else:
@@ -382,10 +438,24 @@ class SparseDecodeSm90(SparseDecodeProducer):
                         cute.arch.barrier(barrier_id=BAR_ITEM, number_of_threads=CTA_THREADS)
                 cute.arch.mbarrier_wait(q_full_bar, done % 2)
                 self.consumer_right(
-                    outputs, mSink, sK, sP, row_factor, row_stats, full_bar, empty_bar,
-                    (mma_pv_mid, mma_pv_right), t, head_block, split, slot, g0,
-                    n_tiles, tidx - 128, sQ,
-                )  # fmt: skip
+                    outputs,
+                    mSink,
+                    sK,
+                    sP,
+                    row_factor,
+                    row_stats,
+                    full_bar,
+                    empty_bar,
+                    (mma_pv_mid, mma_pv_right),
+                    t,
+                    head_block,
+                    split,
+                    slot,
+                    g0,
+                    n_tiles,
+                    tidx - 128,
+                    sQ,
+                )
 
             self.for_each_item(*items, right)
 
@@ -473,8 +543,9 @@ class SparseDecodeSm90(SparseDecodeProducer):
         window_ids, extra_ids = self.id_rows(mIdx, mEIdx, token)
         self.prefetch_id_range(window_ids, first, first + span, window_cap)
         if const_expr(self.cfg.has_extra):
-            self.prefetch_id_range(extra_ids, first - window_cap, first - window_cap + span,
-                                   Int32(mEIdx.shape[1]))  # fmt: skip
+            self.prefetch_id_range(
+                extra_ids, first - window_cap, first - window_cap + span, Int32(mEIdx.shape[1])
+            )
 
     @cute.jit
     def prefetch_id_range(self, ids_row, lo, hi, width):
@@ -527,9 +598,12 @@ class SparseDecodeSm90(SparseDecodeProducer):
         ``q_full_bar`` completes when all 64 KB have landed."""
         gQ = cute.local_tile(tma_q[None, None, token], (BLOCK_H, HEAD_DIM), (head_block, 0))
         tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+            tma_atom_q,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sQ, 0, 2),
             cute.group_modes(gQ, 0, 2),
-        )  # fmt: skip
+        )
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(q_full_bar, BLOCK_H * HEAD_DIM * 2)
         cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=q_full_bar)
@@ -617,8 +691,10 @@ class SparseDecodeSm90(SparseDecodeProducer):
             cute.arch.mbarrier_wait(full_bar + stage, (g // NUM_STAGES) % 2)
             # ---- S = Q K^T, one copy per stage (see qk)
             warpgroup.fence()
-            _on_stage(stage, lambda s: self.qk(mma_qk_rs, mma_qk_ss, acc_s, tSrQ, tSrK,
-                                               tSrQ_rope, tSrK_rope, s))  # fmt: skip
+            _on_stage(
+                stage,
+                lambda s: self.qk(mma_qk_rs, mma_qk_ss, acc_s, tSrQ, tSrK, tSrQ_rope, tSrK_rope, s),
+            )
             # ---- online softmax (log2 domain); invalid keys carry a -inf bias
             tile_max = cute.make_rmem_tensor((2,), Float32)
             tile_max[0] = -math.inf
@@ -685,17 +761,40 @@ class SparseDecodeSm90(SparseDecodeProducer):
                 row_stats[row0 + 8 * h, STAT_SUM] = row_l[h]
                 row_stats[row0 + 8 * h, STAT_MAX] = row_m[h]
         cute.arch.barrier_arrive(barrier_id=BAR_STATS, number_of_threads=MMA_THREADS)
-        self.epilogue(outputs, mSink, [(acc_o, 0)], tidx, 0, row_l, row_m, row_stats,
-                      token, head_block, split, slot, sQ, True)  # fmt: skip
+        self.epilogue(
+            outputs,
+            mSink,
+            [(acc_o, 0)],
+            tidx,
+            0,
+            row_l,
+            row_m,
+            row_stats,
+            token,
+            head_block,
+            split,
+            slot,
+            sQ,
+            True,
+        )
 
     @cute.jit
-    def qk(self, mma_qk_rs, mma_qk_ss, acc_s, tSrQ, tSrK, tSrQ_rope, tSrK_rope,
-           stage: cutlass.Constexpr[int]):  # fmt: skip
+    def qk(
+        self,
+        mma_qk_rs,
+        mma_qk_ss,
+        acc_s,
+        tSrQ,
+        tSrK,
+        tSrQ_rope,
+        tSrK_rope,
+        stage: cutlass.Constexpr[int],
+    ):
         """S = Q K^T over K/V stage ``stage``, then waits. ``stage`` is a constant (the loop
         branches on it) so every B descriptor is an immediate in uniform registers: with a
         runtime stage ptxas builds each descriptor in regular registers and moves it over
         (R2UR) before every HGMMA, which paced QK at ~27 cycles per 64x32x16 HGMMA against
-        16 of tensor work (ncu, v11)."""
+        16 of tensor work (measured with ncu)."""
         atom_qk = cute.make_mma_atom(mma_qk_rs.op)
         atom_qk_rope = cute.make_mma_atom(mma_qk_ss.op)
         atom_qk.set(warpgroup.Field.ACCUMULATE, False)
@@ -704,8 +803,13 @@ class SparseDecodeSm90(SparseDecodeProducer):
             atom_qk.set(warpgroup.Field.ACCUMULATE, True)
         atom_qk_rope.set(warpgroup.Field.ACCUMULATE, True)
         for k in cutlass.range_constexpr(cute.size(tSrQ_rope.shape[2])):
-            cute.gemm(atom_qk_rope, acc_s, tSrQ_rope[None, None, k],
-                      tSrK_rope[None, None, k, stage], acc_s)  # fmt: skip
+            cute.gemm(
+                atom_qk_rope,
+                acc_s,
+                tSrQ_rope[None, None, k],
+                tSrK_rope[None, None, k, stage],
+                acc_s,
+            )
         warpgroup.commit_group()
         warpgroup.wait_group(0)
 
@@ -717,8 +821,9 @@ class SparseDecodeSm90(SparseDecodeProducer):
             atom_pv = cute.make_mma_atom(mma_pv[t].op)
             atom_pv.set(warpgroup.Field.ACCUMULATE, True)
             for k in cutlass.range_constexpr(cute.size(tOrP[t].shape[2])):
-                cute.gemm(atom_pv, accs[t], tOrP[t][None, None, k], tOrV[t][None, None, k, stage],
-                          accs[t])  # fmt: skip
+                cute.gemm(
+                    atom_pv, accs[t], tOrP[t][None, None, k], tOrV[t][None, None, k, stage], accs[t]
+                )
         warpgroup.commit_group()
         warpgroup.wait_group(0)
 
@@ -777,9 +882,12 @@ class SparseDecodeSm90(SparseDecodeProducer):
             if cute.arch.vote_any_sync((f0 != 1.0) | (f1 != 1.0)):
                 _scale_rows(accs, f0, f1)
             warpgroup.fence()
-            _on_stage(stage, lambda s: self.pv(
-                mma_pv, accs, [p[None, None, None, s % NUM_P_BUFFERS] for p in tOrP], tOrV, s
-            ))  # fmt: skip
+            _on_stage(
+                stage,
+                lambda s: self.pv(
+                    mma_pv, accs, [p[None, None, None, s % NUM_P_BUFFERS] for p in tOrP], tOrV, s
+                ),
+            )
             cute.arch.mbarrier_arrive(empty_bar + stage)
             if tile + NUM_P_BUFFERS < n_tiles:
                 cute.arch.barrier_arrive(
@@ -792,9 +900,22 @@ class SparseDecodeSm90(SparseDecodeProducer):
         for h in cutlass.range_constexpr(2):
             row_l[h] = row_stats[row0 + 8 * h, STAT_SUM]
             row_m[h] = row_stats[row0 + 8 * h, STAT_MAX]
-        self.epilogue(outputs, mSink, list(zip(accs, [o for o, _ in WG1_TILES], strict=True)),
-                      tidx, 1, row_l, row_m, row_stats,
-                      token, head_block, split, slot, sQ_staging, False)  # fmt: skip
+        self.epilogue(
+            outputs,
+            mSink,
+            list(zip(accs, [o for o, _ in WG1_TILES], strict=True)),
+            tidx,
+            1,
+            row_l,
+            row_m,
+            row_stats,
+            token,
+            head_block,
+            split,
+            slot,
+            sQ_staging,
+            False,
+        )
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -822,8 +943,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         ``[S, T, H]``, or, balanced, slot ``slot`` of ``[slots, H]`` when ``slot`` >= 0).
         ``outputs``: (mO, mLse, mOpart, mLsePart)."""
         mO, mLse, mOpart, mLsePart = outputs
-        tile = (mSink, accs, tidx, wg, row_l, row_m, row_stats, head_block, sQ_staging,
-                write_lse)  # fmt: skip
+        tile = (mSink, accs, tidx, wg, row_l, row_m, row_stats, head_block, sQ_staging, write_lse)
         if const_expr(self.cfg.balanced):
             # Both warpgroups take the same branch: the slot is the CTA's.
             if slot >= 0:
@@ -851,8 +971,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         ``out_token * num_heads + h`` of ``mO`` (and ``mLse``); ``partial``: fp16 scaled rows,
         ``[lse, k]`` pairs, no sink. ``tile``: the rest of :meth:`epilogue`'s arguments, as it
         packs them."""
-        (mSink, accs, tidx, wg, row_l, row_m, row_stats, head_block, sQ_staging,
-         write_lse) = tile  # fmt: skip
+        (mSink, accs, tidx, wg, row_l, row_m, row_stats, head_block, sQ_staging, write_lse) = tile
         lane = tidx & 31
         row0 = (tidx >> 5) * 16 + (lane >> 2)
         out_base = mO.iterator.toint()
@@ -880,8 +999,12 @@ class SparseDecodeSm90(SparseDecodeProducer):
             warp_row0 = cute.arch.make_warp_uniform((tidx >> 5) * 16)
             if head_block * BLOCK_H + warp_row0 < num_heads:
                 for h in cutlass.range_constexpr(2):
-                    values = [acc_o[j * 4 + h * 2 + v] for acc_o, _ in accs
-                              for j in range(cute.size(acc_o) // 4) for v in range(2)]  # fmt: skip
+                    values = [
+                        acc_o[j * 4 + h * 2 + v]
+                        for acc_o, _ in accs
+                        for j in range(cute.size(acc_o) // 4)
+                        for v in range(2)
+                    ]
                     absmax = quad_max(_largest_magnitude(values)) * factor[h]
                     if (lane & 3) == 0:
                         row_stats[row0 + 8 * h, STAT_ABSMAX + wg] = absmax
@@ -897,17 +1020,18 @@ class SparseDecodeSm90(SparseDecodeProducer):
             # exact), k clamped (see sparse_decode_config); a row of zeros takes the top k.
             k_row = cute.make_rmem_tensor((2,), Float32)
             for h in cutlass.range_constexpr(2):
-                absmax = cute.arch.fmax(row_stats[row0 + 8 * h, STAT_ABSMAX],
-                                        row_stats[row0 + 8 * h, STAT_ABSMAX + 1])  # fmt: skip
+                absmax = cute.arch.fmax(
+                    row_stats[row0 + 8 * h, STAT_ABSMAX], row_stats[row0 + 8 * h, STAT_ABSMAX + 1]
+                )
                 biased = Int32((ptx_ops.f32_to_bits(absmax) >> 23) & 0xFF)
                 k_exp = Int32(127 + PARTIAL_TOP_LOG2) - biased
-                k_exp = cutlass.min(cutlass.max(k_exp, Int32(PARTIAL_MIN_LOG2)),
-                                    Int32(PARTIAL_MAX_LOG2))  # fmt: skip
+                k_exp = cutlass.min(
+                    cutlass.max(k_exp, Int32(PARTIAL_MIN_LOG2)), Int32(PARTIAL_MAX_LOG2)
+                )
                 k_row[h] = Float32(k_exp)
                 factor[h] = factor[h] * ptx_ops.bits_to_f32(Uint32(k_exp + 127) << 23)
             if const_expr(write_lse):
-                self.store_lse(mLse, num_heads, out_token, head_block, row0, lane, lse_nat,
-                               k_row)  # fmt: skip
+                self.store_lse(mLse, num_heads, out_token, head_block, row0, lane, lse_nat, k_row)
         staging = sQ_staging.iterator.toint()  # Q, then the K/V stages and P: ~200 KB
         # wgmma accumulator layout: register 4j + 2h + v holds row (row0 + 8h), column
         # 8j + 2 (lane % 4) + v of the accumulator's columns.

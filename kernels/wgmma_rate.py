@@ -95,10 +95,11 @@ class WgmmaRate:
         if const_expr(self.a_in_registers):
             tCrA = thr.make_fragment_A(thr.partition_shape_A((M, K_TILE)))
             a_load = cute.make_tiled_copy_A(
-                cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
-                                    BFloat16),
+                cute.make_copy_atom(
+                    warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16
+                ),
                 tiled_mma,
-            ).get_slice(wg_tidx)  # fmt: skip
+            ).get_slice(wg_tidx)
             cute.copy(a_load, a_load.partition_S(sA), a_load.retile(tCrA))
         else:
             tCrA = thr.make_fragment_A(thr.partition_A(sA))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check of the sparse-decode kernel (issue 4) on a Hopper machine, from the repo root:
+# One-shot GPU check of the sparse-decode kernel on a Hopper machine, from the repo root:
 #   1. the GPU tests of tests/test_sparse_decode.py (kernel vs the float64 reference, both
 #      launches: by capacity and the balanced schedule) and of the balanced plan's Triton program
 #      (tests/test_fused.py::test_decode_schedule_cuda);

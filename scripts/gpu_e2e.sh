@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU run of the end-to-end check (issue 6) on a Hopper machine, from the repo root:
+# One-shot GPU run of the end-to-end check on a Hopper machine, from the repo root:
 #   1. pytest -m gpu tests/test_e2e.py: the tiny HF DeepSeek-V4 greedy/teacher-forced against
 #      transformers' eager attention, H = 64 and H = 8, every KV format; fp8_ds_mla and nvfp4
 #      must run on the CuTeDSL kernel (bf16 has none and uses the fallback). Each case writes

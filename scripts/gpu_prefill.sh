@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check of the prefill kernels (issue 5) on a Hopper machine, from the repo root:
+# One-shot GPU check of the prefill kernels on a Hopper machine, from the repo root:
 #   1. the GPU tests of tests/test_fmha.py, one process per kernel variant, run side by side with
 #      a time limit each (a hang or crash in one variant cannot take the others down), then
 #      tests/test_fmha_ops.py;

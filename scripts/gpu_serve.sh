@@ -158,15 +158,27 @@ stop_server() {  # name port: every process of the server's session (its engine 
 }
 
 serve_round() {  # name port [vllm serve args...]
-  local name=$1 port=$2
-  launch "$@"
-  cat "$OUT/serve_$name.cmd"
-  local start=$(date +%s)
-  python3 -m dsv4_attn.e2e.serve_check query --name "$name" --port "$port" --model "$CKPT" \
-    --wait 420 --pid "$(cat /tmp/serve_$name.pid)" --out "$OUT/serve_$name.json" \
-    --skip "${SKIP_PHASES:-}" --seed "${PLAN_SEED:-2026}" 2>&1 \
-    | tee "$OUT/query_$name.log"
-  local rc=${PIPESTATUS[0]}
+  local name=$1 port=$2 attempt rc start
+  for attempt in 1 2; do
+    launch "$@"
+    cat "$OUT/serve_$name.cmd"
+    start=$(date +%s)
+    python3 -m dsv4_attn.e2e.serve_check query --name "$name" --port "$port" --model "$CKPT" \
+      --wait 420 --pid "$(cat /tmp/serve_$name.pid)" --out "$OUT/serve_$name.json" \
+      --skip "${SKIP_PHASES:-}" --seed "${PLAN_SEED:-2026}" 2>&1 \
+      | tee "$OUT/query_$name.log"
+    rc=${PIPESTATUS[0]}
+    # vLLM's startup check fails when another process on the GPU frees memory while this
+    # server profiles its own (servers side by side): start it once more.
+    if [ "$rc" -ne 0 ] && [ "$attempt" = 1 ] \
+        && grep -q "Error in memory profiling" "$OUT/serve_$name.log"; then
+      echo "round $name: memory profiling disturbed by another process; starting it again"
+      stop_server "$name" "$port"
+      mv "$OUT/serve_$name.log" "$OUT/serve_${name}_profiling_failed.log"
+      continue
+    fi
+    break
+  done
   echo "round $name: $(( $(date +%s) - start )) s, query exit $rc"
   grep -E "Traceback|Error|error" "$OUT/serve_$name.log" | grep -v -i "warn" | head -8
   grep -E "Capturing CUDA graphs|Graph capturing finished|GPU KV cache size|Maximum concurrency" \
@@ -362,17 +374,35 @@ Server; Server($((port + i)), '').wait(600)" || echo "server soak_$name did not 
     # once), then vllm bench serve of the three servers on layout ${2:-tp1}
     # (dsv4_attn.e2e.bench_serve; BENCH_SERVERS / BENCH_CASES / BENCH_ONLY narrow it,
     # BENCH_GREEDY=1 adds the greedy agreement of the servers, BENCH_PROFILE=CASE a profile of
-    # that case's steps). Long: run it under
+    # that case's steps, BENCH_SPREAD=1 a GPU per server at once). Long: run it under
     # setsid and poll $OUT/bench.log.
     FLASH=/tmp/dsv4_flash_ckpt
     [ -f "$FLASH/tokenizer.json" ] || python3 -m dsv4_attn.e2e.real_shapes "$FLASH" 2>&1 \
       | tail -3 | tee "$OUT/real_shapes.log"
-    VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m dsv4_attn.e2e.bench_serve --model "$FLASH" \
-      --layout "${2:-tp1}" --servers "${BENCH_SERVERS:-vllm,fp8,nvfp4}" \
-      --cases "${BENCH_CASES:-a,b}" --only "${BENCH_ONLY:-}" ${BENCH_GREEDY:+--greedy} \
-      ${BENCH_PROFILE:+--profile "$BENCH_PROFILE"} \
-      --out "$OUT/bench_serve" 2>&1 \
-      | tee "$OUT/bench.log"
+    bench() {  # servers port: bench_serve of those servers on layout ${2:-tp1}
+      VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m dsv4_attn.e2e.bench_serve --model "$FLASH" \
+        --layout "$layout" --servers "$1" --port "$2" \
+        --cases "${BENCH_CASES:-a,b}" --only "${BENCH_ONLY:-}" ${BENCH_GREEDY:+--greedy} \
+        ${BENCH_PROFILE:+--profile "$BENCH_PROFILE"} --out "$OUT/bench_serve"
+    }
+    layout=${2:-tp1}; servers=${BENCH_SERVERS:-vllm,fp8,nvfp4}
+    if [ "${BENCH_SPREAD:-0}" = 1 ]; then
+      # One GPU per server, all at once (layout tp1 on a machine with a GPU per server; set b
+      # needs vLLM's capacity first, so BENCH_CASES=a): each server's figures on its own GPU,
+      # then the greedy agreement of them all.
+      i=0
+      for name in ${servers//,/ }; do
+        CUDA_VISIBLE_DEVICES=$i bench "$name" $((8200 + 20 * i)) > "$OUT/bench_$name.log" 2>&1 &
+        i=$((i + 1)); sleep 20  # staggered: vLLM's memory profiling at startup
+      done
+      wait
+      tail -n 15 "$OUT"/bench_*.log
+      [ -n "${BENCH_GREEDY:-}" ] && python3 -c "from pathlib import Path; \
+from dsv4_attn.e2e.bench_serve import compare_greedy; \
+compare_greedy(Path('$OUT/bench_serve'), '$layout', '$servers'.split(','))"
+    else
+      bench "$servers" 8200 2>&1 | tee "$OUT/bench.log"
+    fi
     ;;
   batch)
     # bash scripts/gpu_serve.sh batch "PART [ARG]" ...: the parts one after another, detached

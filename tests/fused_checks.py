@@ -85,9 +85,16 @@ def check_insert(fused, device, heads: int, padded_heads: int, seed: int) -> Non
         return t.to(device)
 
     q_out = fused.kv_writers.qnorm_rope_nvfp4_insert(
-        dev(q), dev(kv), dev(positions), dev(cos_sin), 1e-6, padded_heads, dev(slots), cache,
+        dev(q),
+        dev(kv),
+        dev(positions),
+        dev(cos_sin),
+        1e-6,
+        padded_heads,
+        dev(slots),
+        cache,
         block_size,
-    )  # fmt: skip
+    )
     assert torch.equal(cache.cpu(), expected), "KV bytes differ from the torch path"
     q_out = q_out.cpu()
     assert q_out.shape == (T, padded_heads, 512)
@@ -103,8 +110,13 @@ def check_gather(fused, device, kind: str, seed: int) -> None:
     block_size, num_blocks, C, width = 16, 12, 3, 40
     cache = _poisoned_cache(gen, num_blocks, block_size, device)
     slots_all = torch.arange(num_blocks * block_size)
-    kv_cache.write(cache, slots_all.to(device), _rows(gen, len(slots_all), kind).to(device),
-                   KVFormat.NVFP4, block_size)  # fmt: skip
+    kv_cache.write(
+        cache,
+        slots_all.to(device),
+        _rows(gen, len(slots_all), kind).to(device),
+        KVFormat.NVFP4,
+        block_size,
+    )
     table = torch.randperm(num_blocks, generator=gen)[: C * 4].view(C, 4).to(torch.int32)
     seq_lens = torch.tensor([37, 5, 40], dtype=torch.int32)
     gather_lens = torch.tensor([30, 5, 1], dtype=torch.int32)
@@ -116,17 +128,26 @@ def check_gather(fused, device, kind: str, seed: int) -> None:
             first, count = (
                 (seq - int(gather_lens[c]), int(gather_lens[c])) if window else (0, seq // ratio)
             )
-            rows = [int(table[c, r // block_size]) * block_size + r % block_size
-                    for r in range(first, first + count)]  # fmt: skip
+            rows = [
+                int(table[c, r // block_size]) * block_size + r % block_size
+                for r in range(first, first + count)
+            ]
             if rows:
                 expected[c, 2 : 2 + count] = kv_cache.read(
                     cache, torch.tensor(rows, device=device), KVFormat.NVFP4, block_size
                 ).cpu()
         out = out.to(device)
         fused.kv_gather.gather_nvfp4_rows(
-            out, cache, block_size, seq_lens.to(device), table.to(device), 2, width,
-            ratio=ratio, gather_lens=gather_lens.to(device) if window else None,
-        )  # fmt: skip
+            out,
+            cache,
+            block_size,
+            seq_lens.to(device),
+            table.to(device),
+            2,
+            width,
+            ratio=ratio,
+            gather_lens=gather_lens.to(device) if window else None,
+        )
         got = out.cpu()
         assert torch.equal(got.isnan(), expected.isnan()), (window, ratio)
         assert torch.equal(got.nan_to_num(), expected.nan_to_num()), (window, ratio)
@@ -147,15 +168,22 @@ def check_gather(fused, device, kind: str, seed: int) -> None:
                 block = int(bad_table[c, r // block_size]) if 0 <= r < 4 * block_size else -1
                 if 0 <= block < num_blocks:
                     slot = torch.tensor([block * block_size + r % block_size], device=device)
-                    expected[c, 2 + i] = kv_cache.read(cache, slot, KVFormat.NVFP4,
-                                                       block_size).cpu()[0]  # fmt: skip
+                    expected[c, 2 + i] = kv_cache.read(
+                        cache, slot, KVFormat.NVFP4, block_size
+                    ).cpu()[0]
                 else:
                     expected[c, 2 + i] = 0
         out = out.to(device)
         fused.kv_gather.gather_nvfp4_rows(
-            out, cache, block_size, bad_seq.to(device), bad_table.to(device), 2, 64,
+            out,
+            cache,
+            block_size,
+            bad_seq.to(device),
+            bad_table.to(device),
+            2,
+            64,
             gather_lens=bad_gather.to(device) if window else None,
-        )  # fmt: skip
+        )
         got = out.cpu()
         assert torch.equal(got.isnan(), expected.isnan()), window
         assert torch.equal(got.nan_to_num(), expected.nan_to_num()), window
@@ -187,14 +215,21 @@ def check_compress_rows(fused, device, ratio: int, dtype: torch.dtype, seed: int
     compressor_state.compress_rows(state, table, *args, want, ratio, norm_weight, 1e-6, cos_sin)
     got = torch.full((T, D), float("nan"), dtype=torch.bfloat16, device=device)
     fused.compressor.compress_rows(
-        state.to(device), table.to(device), *(a.to(device) for a in args), got, ratio,
-        norm_weight.to(device), 1e-6, cos_sin.to(device),
-    )  # fmt: skip
+        state.to(device),
+        table.to(device),
+        *(a.to(device) for a in args),
+        got,
+        ratio,
+        norm_weight.to(device),
+        1e-6,
+        cos_sin.to(device),
+    )
     got = got.cpu()
     assert torch.equal(got.isnan(), want.isnan()), (ratio, dtype)
     assert int((~want.isnan().all(dim=1)).sum()) >= 3  # rows were written
-    torch.testing.assert_close(got.nan_to_num().float(), want.nan_to_num().float(),
-                               rtol=2**-7, atol=1e-3)  # fmt: skip
+    torch.testing.assert_close(
+        got.nan_to_num().float(), want.nan_to_num().float(), rtol=2**-7, atol=1e-3
+    )
 
 
 def check_prefill_index(fused, device, seed: int) -> None:
@@ -209,25 +244,38 @@ def check_prefill_index(fused, device, seed: int) -> None:
     query_start = torch.cat([torch.zeros(1), query_lens.cumsum(0)]).int() + first_token
     T = int(query_lens.sum())
     for ratio in (1, 4, 128):
-        (chunk,) = prefill.plan_chunks(query_start.cpu() - first_token, seq_lens, 0, C, ratio,
-                                       vt.WINDOW, 1 << 30)  # fmt: skip
-        chunk = prefill.PrefillChunk(0, C, first_token, first_token + T, chunk.entries,
-                                     chunk.rows)  # fmt: skip
+        (chunk,) = prefill.plan_chunks(
+            query_start.cpu() - first_token, seq_lens, 0, C, ratio, vt.WINDOW, 1 << 30
+        )
+        chunk = prefill.PrefillChunk(0, C, first_token, first_token + T, chunk.entries, chunk.rows)
         topk = None
         if ratio == 4:  # picks with holes, some past the cached entries
             topk = torch.randint(-1, int(seq_lens.max()) // 4 + 3, (T, 24), generator=gen).int()
         width = prefill.index_width(ratio, 24, chunk.entries, vt.WINDOW)
-        want = (torch.full((T, width + 3), 777, dtype=torch.int32),
-                torch.full((T,), 777, dtype=torch.int32))  # fmt: skip
-        prefill._index_lists_torch(chunk, query_start, seq_lens, vt.WINDOW, ratio, topk,
-                                   want[0][:, :width], want[1])  # fmt: skip
-        got = (torch.full((T, width + 3), 777, dtype=torch.int32, device=device),
-               torch.full((T,), 777, dtype=torch.int32, device=device))  # fmt: skip
+        want = (
+            torch.full((T, width + 3), 777, dtype=torch.int32),
+            torch.full((T,), 777, dtype=torch.int32),
+        )
+        prefill._index_lists_torch(
+            chunk, query_start, seq_lens, vt.WINDOW, ratio, topk, want[0][:, :width], want[1]
+        )
+        got = (
+            torch.full((T, width + 3), 777, dtype=torch.int32, device=device),
+            torch.full((T,), 777, dtype=torch.int32, device=device),
+        )
         fused.prefill_index.fill_prefill_index(
-            query_start.to(device), seq_lens.to(device), first_token, T, chunk.entries,
-            chunk.rows, ratio, vt.WINDOW, topk.to(device) if topk is not None else None,
-            got[0][:, :width], got[1],
-        )  # fmt: skip
+            query_start.to(device),
+            seq_lens.to(device),
+            first_token,
+            T,
+            chunk.entries,
+            chunk.rows,
+            ratio,
+            vt.WINDOW,
+            topk.to(device) if topk is not None else None,
+            got[0][:, :width],
+            got[1],
+        )
         assert torch.equal(got[0].cpu(), want[0]), ratio
         assert torch.equal(got[1].cpu(), want[1]), ratio
 
@@ -249,9 +297,17 @@ def check_metadata(fused, device, seed: int) -> None:
     cm = batch.swa_cm
     tokens = md.map_tokens(cm.query_start_loc, cm.seq_lens, cm.slot_mapping, T)
     req, valid, idx, lens = out(T), out(T, dtype=torch.bool), out(T, vt.WINDOW), out(T)
-    sm.fill_window_metadata(on(cm.query_start_loc), on(cm.seq_lens), on(cm.slot_mapping),
-                            on(cm.block_table_tensor), vt.SWA_BLOCK, token_req=req, valid=valid,
-                            swa_indices=idx, swa_lens=lens)  # fmt: skip
+    sm.fill_window_metadata(
+        on(cm.query_start_loc),
+        on(cm.seq_lens),
+        on(cm.slot_mapping),
+        on(cm.block_table_tensor),
+        vt.SWA_BLOCK,
+        token_req=req,
+        valid=valid,
+        swa_indices=idx,
+        swa_lens=lens,
+    )
     want_idx, want_lens = md.window_slots(tokens, cm.block_table_tensor, vt.SWA_BLOCK, vt.WINDOW)
     assert torch.equal(idx.cpu(), want_idx) and torch.equal(lens.cpu(), want_lens)
     assert torch.equal(valid.cpu(), tokens.valid) and torch.equal(req.cpu().long(), tokens.req)
@@ -266,11 +322,21 @@ def check_metadata(fused, device, seed: int) -> None:
         visible_lens = out(T)  # HCA: with the slots; CSA: the counts alone
         window_lens = out(T) if ratio == 128 else None  # the balanced decode plan's counts
         sm.fill_compressed_metadata(
-            on(cm.query_start_loc), on(cm.seq_lens), on(cm.slot_mapping),
-            on(cm.block_table_tensor), rows_per_block, ratio, token_req=req, valid=valid,
-            write_slots=write, staging_rows=staging, visible_slots=visible,
-            visible_lens=visible_lens, window=vt.WINDOW, window_lens=window_lens,
-        )  # fmt: skip
+            on(cm.query_start_loc),
+            on(cm.seq_lens),
+            on(cm.slot_mapping),
+            on(cm.block_table_tensor),
+            rows_per_block,
+            ratio,
+            token_req=req,
+            valid=valid,
+            write_slots=write,
+            staging_rows=staging,
+            visible_slots=visible,
+            visible_lens=visible_lens,
+            window=vt.WINDOW,
+            window_lens=window_lens,
+        )
         want = md.compressed_write_slots(tokens, cm.block_table_tensor, rows_per_block, ratio)
         assert torch.equal(write.cpu(), want)
         assert torch.equal(staging.cpu(), torch.where(want >= 0, torch.arange(T), -1))
@@ -289,11 +355,20 @@ def check_metadata(fused, device, seed: int) -> None:
     # Poisoned picks the indexer should never make: entries the token does not see yet, and
     # far past the block table (neither may become a slot).
     poison = torch.rand(local.shape, generator=gen) < 0.1
-    local = torch.where(poison, torch.randint(0, 1 << 20, local.shape, generator=gen,
-                                              dtype=torch.int32), local)  # fmt: skip
+    local = torch.where(
+        poison, torch.randint(0, 1 << 20, local.shape, generator=gen, dtype=torch.int32), local
+    )
     slots, entry_lens = out(T, vt.INDEX_TOPK), out(T)
-    sm.fill_entry_slots(on(local), on(tokens.req.int()), on(tokens.valid), csa_visible,
-                        on(cm.block_table_tensor), 64, slots=slots, lens=entry_lens)  # fmt: skip
+    sm.fill_entry_slots(
+        on(local),
+        on(tokens.req.int()),
+        on(tokens.valid),
+        csa_visible,
+        on(cm.block_table_tensor),
+        64,
+        slots=slots,
+        lens=entry_lens,
+    )
     want_slots, want_lens = md.local_entry_slots(
         local, tokens, cm.block_table_tensor, 64, md.visible_entry_counts(tokens, 4)
     )
@@ -325,9 +400,12 @@ def check_decode_schedule(fused, device, seed: int) -> None:
         counts = window + extra if with_extra else window
         want = schedule.build_schedule(counts.to(dtype), parts, min_share)
         got = fused.decode_schedule.build_schedule(
-            window.to(dtype).to(device), extra.to(dtype).to(device) if with_extra else None,
-            (128, 9000), parts, min_share,
-        )  # fmt: skip
+            window.to(dtype).to(device),
+            extra.to(dtype).to(device) if with_extra else None,
+            (128, 9000),
+            parts,
+            min_share,
+        )
         assert torch.equal(got.part_plan.cpu(), want.part_plan), (T, parts, with_extra)
         assert torch.equal(got.token_plan.cpu(), want.token_plan), (T, parts, with_extra)
     # Into a caller's persistent buffers (poisoned first): the same plan, at their addresses.
@@ -344,9 +422,13 @@ def check_decode_schedule(fused, device, seed: int) -> None:
     assert torch.equal(got.token_plan.cpu(), want.token_plan)
     with pytest.raises(ValueError, match="token_plan must be contiguous int32"):
         fused.decode_schedule.build_schedule(
-            window.to(device), extra.to(device), (128, 9000), parts, min_share,
+            window.to(device),
+            extra.to(device),
+            (128, 9000),
+            parts,
+            min_share,
             out=schedule.DecodeSchedule(buffers.part_plan, buffers.token_plan[:, :4]),
-        )  # fmt: skip
+        )
     # Lengths outside their widths (poisoned metadata) plan as the clamped lengths.
     wild_window = window.clone()
     wild_extra = extra.clone()
@@ -357,8 +439,9 @@ def check_decode_schedule(fused, device, seed: int) -> None:
     got = fused.decode_schedule.build_schedule(
         wild_window.to(device), wild_extra.to(device), (128, 1000), parts, min_share
     )
-    want = schedule.build_schedule(wild_window.clamp(0, 128) + wild_extra.clamp(0, 1000), parts,
-                                   min_share)  # fmt: skip
+    want = schedule.build_schedule(
+        wild_window.clamp(0, 128) + wild_extra.clamp(0, 1000), parts, min_share
+    )
     assert torch.equal(got.part_plan.cpu(), want.part_plan)
     assert torch.equal(got.token_plan.cpu(), want.token_plan)
 
@@ -377,9 +460,14 @@ def fused_modules():
         step_metadata,
     )
 
-    return SimpleNamespace(kv_writers=kv_writers, step_metadata=step_metadata,
-                           kv_gather=kv_gather, prefill_index=prefill_index, compressor=compressor,
-                           decode_schedule=decode_schedule)  # fmt: skip
+    return SimpleNamespace(
+        kv_writers=kv_writers,
+        step_metadata=step_metadata,
+        kv_gather=kv_gather,
+        prefill_index=prefill_index,
+        compressor=compressor,
+        decode_schedule=decode_schedule,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,8 +498,9 @@ def test_gather_interpreted(kind):
     check_gather(fused_modules(), "cpu", kind, seed=KINDS.index(kind))
 
 
-@pytest.mark.parametrize(("ratio", "dtype"), [(4, torch.bfloat16), (4, torch.float32),
-                                             (16, torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("ratio", "dtype"), [(4, torch.bfloat16), (4, torch.float32), (16, torch.bfloat16)]
+)
 def test_compress_rows_interpreted(ratio, dtype):
     check_compress_rows(fused_modules(), "cpu", ratio, dtype, seed=ratio)
 

@@ -29,6 +29,7 @@ def test_every_subcommand_is_a_module_with_main():
         "host",
         "wgmma-rate",
         "compressor-state",
+        "ncu-roles",
     }
     for name, module in bench.SUBCOMMANDS.items():
         assert callable(importlib.import_module(module).main), name
@@ -37,12 +38,13 @@ def test_every_subcommand_is_a_module_with_main():
 def test_unknown_subcommand_names_the_accepted_ones():
     names = (
         r"\{decode,decode-splits,prefill,prefill-layer,fallback,step,host,wgmma-rate,"
-        r"compressor-state\}"
+        r"compressor-state,ncu-roles\}"
     )
     with pytest.raises(SystemExit, match=names):
         bench.main(["nope"])
-    result = subprocess.run([sys.executable, "-m", "dsv4_attn.bench"], capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "dsv4_attn.bench"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode != 0 and "usage: python -m dsv4_attn.bench" in result.stderr
 
 
@@ -90,8 +92,9 @@ def test_flashmla_comparison_reports_a_refused_shape(monkeypatch):
     def refuse(*args):
         raise RuntimeError("unsupported topk\nmore")
 
-    row = prefill._against_flashmla(SimpleNamespace(flash_mla_sparse_fwd=refuse), case, 20.0, 3,
-                                    "sparse-test")  # fmt: skip
+    row = prefill._against_flashmla(
+        SimpleNamespace(flash_mla_sparse_fwd=refuse), case, 20.0, 3, "sparse-test"
+    )
     assert row == {"flashmla_error": "unsupported topk"}
 
 
@@ -123,8 +126,9 @@ def test_gather_copy_in_the_triton_interpreter():
     pytest.importorskip("triton")
     code = "from tests.test_bench import check_gather_copy as c; c('cpu', 8); c('cpu', 70)"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 
 

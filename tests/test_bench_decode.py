@@ -39,20 +39,38 @@ def test_against_defaults_cover_the_issue_shapes_and_batches():
     assert args.against == "flashmla" and args.s_q == 2
     assert args.batches == [1, 32, 64, 128, 256]
     assert args.shapes == [
-        "v4-flash", "v4-pro", "hca-1m", "v4-flash-tp2", "v4-flash-tp4", "v4-flash-tp8",
-        "hca-1m-ragged", "hca-512k-ragged", "hca-256k-ragged", "hca-128k-ragged",
-    ]  # fmt: skip
+        "v4-flash",
+        "v4-pro",
+        "hca-1m",
+        "v4-flash-tp2",
+        "v4-flash-tp4",
+        "v4-flash-tp8",
+        "hca-1m-ragged",
+        "hca-512k-ragged",
+        "hca-256k-ragged",
+        "hca-128k-ragged",
+    ]
     heads = {s: decode.ALL_SHAPES[s][0] for s in args.shapes}
-    assert heads == {"v4-flash": 64, "v4-pro": 128, "hca-1m": 64, "v4-flash-tp2": 32,
-                     "v4-flash-tp4": 16, "v4-flash-tp8": 8, "hca-1m-ragged": 64,
-                     "hca-512k-ragged": 64, "hca-256k-ragged": 64,
-                     "hca-128k-ragged": 64}  # fmt: skip
+    assert heads == {
+        "v4-flash": 64,
+        "v4-pro": 128,
+        "hca-1m": 64,
+        "v4-flash-tp2": 32,
+        "v4-flash-tp4": 16,
+        "v4-flash-tp8": 8,
+        "hca-1m-ragged": 64,
+        "hca-512k-ragged": 64,
+        "hca-256k-ragged": 64,
+        "hca-128k-ragged": 64,
+    }
     assert decode.ALL_SHAPES["v4-pro"][1:] == (128, 1024)
     assert decode.ALL_SHAPES["hca-1m"][1:] == (128, 8192)
     assert decode.ALL_SHAPES["hca-1m-ragged"][1:] == (128, 8192)
     assert [decode.ALL_SHAPES[f"hca-{c}-ragged"][1:] for c in ("512k", "256k", "128k")] == [
-        (128, 4096), (128, 2048), (128, 1024)
-    ]  # fmt: skip
+        (128, 4096),
+        (128, 2048),
+        (128, 1024),
+    ]
     assert all(decode.ALL_SHAPES[s][1:] == (128, 512) for s in decode.TP_SHAPES)
     assert args.formats == ["fp8_ds_mla", "nvfp4"]
     assert args.json == "bench_decode_vs_flashmla.json"
@@ -220,16 +238,33 @@ class _FakeFlashMLA(types.SimpleNamespace):
 @pytest.mark.parametrize("H", [8, 64, 128])
 def test_flashmla_call_gets_the_same_bytes_ids_q_sink_and_scale(H):
     b, s_q, window, extra = 3, 2, 64, 128
-    case = make_decode_case(b * s_q, H, FP8, window, extra, seed=H, block_size=64,
-                            extra_block_size=16)  # fmt: skip
+    case = make_decode_case(
+        b * s_q, H, FP8, window, extra, seed=H, block_size=64, extra_block_size=16
+    )
     fake = _FakeFlashMLA()
     call = anchors.flashmla_sparse_decode(fake, case, s_q)
     assert fake.calls == [] and len(fake.metas) == 1  # nothing runs until called
     out = call()
     call()
     assert len(fake.calls) == 2 and len(fake.metas) == 1  # one plan, reused
-    (q, kv, block_table, seqlens, d_v, meta, num_splits, scale, causal, is_fp8, indices, sink,
-     extra_kv, extra_indices, topk_length, extra_topk_length) = fake.calls[0]  # fmt: skip
+    (
+        q,
+        kv,
+        block_table,
+        seqlens,
+        d_v,
+        meta,
+        num_splits,
+        scale,
+        causal,
+        is_fp8,
+        indices,
+        sink,
+        extra_kv,
+        extra_indices,
+        topk_length,
+        extra_topk_length,
+    ) = fake.calls[0]
     heads = 64 if H <= 64 else 128
     assert q.shape == (b, s_q, heads, 512) and q.dtype == torch.bfloat16
     assert torch.equal(q[:, :, :H].reshape(b * s_q, H, 512), case.q)
@@ -269,8 +304,13 @@ class _EmulatedFlashMLA(_FakeFlashMLA):
         if self.fail:
             raise RuntimeError(self.fail)
         q, kv, *_, scale, _causal, _fp8, indices, sink, extra_kv, extra_indices, lens, elens = args
-        keys = torch.cat([_flashmla_dequant(*_bytes_flashmla_reads(v, i)) for v, i in
-                          ((kv, indices), (extra_kv, extra_indices))], dim=2).double()  # fmt: skip
+        keys = torch.cat(
+            [
+                _flashmla_dequant(*_bytes_flashmla_reads(v, i))
+                for v, i in ((kv, indices), (extra_kv, extra_indices))
+            ],
+            dim=2,
+        ).double()
 
         def counted(ids, lengths):  # topk_length: entries past a request's length do not count
             if lengths is None:
@@ -312,7 +352,7 @@ def _cpu_stand_ins(monkeypatch) -> list[float]:
 
 
 def test_ragged_shape_gives_each_request_its_own_count_of_compressed_rows():
-    """hca-1m-ragged (issue 12, balanced work): the tokens of a request share one count of
+    """hca-1m-ragged (the balanced schedule's case): the tokens of a request share one count of
     compressed rows, counts differ between requests and stay in [0, capacity]; the window is
     full; the floor counts only the rows that count."""
     pool = decode._RowPool(torch.device("cpu"), seed=1)
@@ -329,8 +369,7 @@ def test_ragged_shape_gives_each_request_its_own_count_of_compressed_rows():
 def test_against_loop_runs_the_ragged_shape_with_per_request_lengths(monkeypatch):
     _cpu_stand_ins(monkeypatch)
     fm = _EmulatedFlashMLA()
-    rows, _ = decode.run_against(fm, ["hca-1m-ragged"], [2], list(decode.OURS), 2, 3,
-                                 device="cpu")  # fmt: skip
+    rows, _ = decode.run_against(fm, ["hca-1m-ragged"], [2], list(decode.OURS), 2, 3, device="cpu")
     (row,) = rows
     assert "flashmla_error" not in row and row["max_abs_diff_vs_flashmla"] < 0.1
     # 8192 compressed entries: also timed on the balanced schedule, and its plan alone.
@@ -344,13 +383,16 @@ def test_against_loop_runs_the_ragged_shape_with_per_request_lengths(monkeypatch
 def test_against_loop_compares_ours_with_flashmla_on_the_same_bytes(monkeypatch):
     times = _cpu_stand_ins(monkeypatch)
     fm = _EmulatedFlashMLA()
-    rows, _ = decode.run_against(fm, ["v4-flash-tp8"], [1, 2], list(decode.OURS), 2, 3,
-                                 device="cpu")  # fmt: skip
+    rows, _ = decode.run_against(
+        fm, ["v4-flash-tp8"], [1, 2], list(decode.OURS), 2, 3, device="cpu"
+    )
     assert times == [10.0, 20.0, 30.0, 40.0, 50.0, 60.0]  # per row: fp8, nvfp4, FlashMLA
     shapes = [(r["b"], r["T"], r["H"], r["flashmla_heads"]) for r in rows]
     assert shapes == [(1, 2, 8, 64), (2, 4, 8, 64)]
     assert [(r["fp8_us"], r["nvfp4_us"], r["flashmla_us"]) for r in rows] == [
-        (10.0, 20.0, 30.0), (40.0, 50.0, 60.0)]  # fmt: skip
+        (10.0, 20.0, 30.0),
+        (40.0, 50.0, 60.0),
+    ]
     assert (rows[0]["vs_flashmla_fp8"], rows[0]["vs_flashmla_nvfp4"]) == (3.0, 1.5)
     assert fm.calls[0][0].shape == (1, 2, 64, 512)  # q padded to 64 heads
     for row in rows:
@@ -376,8 +418,9 @@ def test_against_loop_times_graph_replays_of_both_with_cuda_graphs(monkeypatch):
     fm = _EmulatedFlashMLA()
     args = decode.parse_args(["--against", "flashmla", "--cuda-graphs"])
     assert args.cuda_graphs
-    rows, _ = decode.run_against(fm, ["v4-flash-tp8"], [1], list(decode.OURS), 2, 3,
-                                 device="cpu", graphs=True)  # fmt: skip
+    rows, _ = decode.run_against(
+        fm, ["v4-flash-tp8"], [1], list(decode.OURS), 2, 3, device="cpu", graphs=True
+    )
     assert len(captured) == 3 and len(times) == 3  # ours fp8, ours nvfp4, FlashMLA
     assert rows[0]["flashmla_us"] == 30.0
     captured.clear()
@@ -397,8 +440,7 @@ def test_against_loop_records_a_flashmla_refusal_and_goes_on(monkeypatch):
 
 def test_against_loop_without_flash_mla_times_ours(monkeypatch):
     times = _cpu_stand_ins(monkeypatch)
-    rows, _ = decode.run_against(None, ["v4-flash-tp8"], [1], list(decode.OURS), 2, 3,
-                                 device="cpu")  # fmt: skip
+    rows, _ = decode.run_against(None, ["v4-flash-tp8"], [1], list(decode.OURS), 2, 3, device="cpu")
     assert times == [10.0, 20.0] and rows[0]["flashmla_us"] is None
     assert rows[0]["meets_target"] is False  # b = 1: ours must take <= 10 us in both formats
 
@@ -485,15 +527,31 @@ def test_against_without_flash_mla_reports_it_then_needs_cuda(monkeypatch, capsy
 @pytest.mark.gpu
 def test_gpu_against_flashmla_writes_rows(tmp_path):
     path = tmp_path / "vs.json"
-    decode.main(["--against", "flashmla", "--shapes", "v4-flash", "v4-flash-tp8", "--batches",
-                 "1", "64", "--reps", "3", "--json", str(path)])  # fmt: skip
+    decode.main(
+        [
+            "--against",
+            "flashmla",
+            "--shapes",
+            "v4-flash",
+            "v4-flash-tp8",
+            "--batches",
+            "1",
+            "64",
+            "--reps",
+            "3",
+            "--json",
+            str(path),
+        ]
+    )
     record = json.loads(path.read_text())
     assert record["benchmark"] == "decode-vs-flashmla"
     rows = record["rows"]
     assert [(r["shape"], r["b"], r["T"]) for r in rows] == [
-        ("v4-flash", 1, 2), ("v4-flash", 64, 128), ("v4-flash-tp8", 1, 2),
+        ("v4-flash", 1, 2),
+        ("v4-flash", 64, 128),
+        ("v4-flash-tp8", 1, 2),
         ("v4-flash-tp8", 64, 128),
-    ]  # fmt: skip
+    ]
     for row in rows:
         assert row["fp8_us"] > 0 and row["nvfp4_us"] > 0 and row["floor_us"] > 0
         assert row["nvfp4_floor_us"] < row["floor_us"]  # fewer bytes per row

@@ -16,8 +16,10 @@ from dsv4_attn.e2e import bench_serve
 def test_set_a_is_8k_in_1k_out_at_three_concurrencies():
     cases = bench_serve.plan_cases("a", None)
     assert [(c.input_len, c.output_len, c.concurrency) for c in cases] == [
-        (8192, 1024, 1), (8192, 1024, 16), (8192, 1024, 64)
-    ]  # fmt: skip
+        (8192, 1024, 1),
+        (8192, 1024, 16),
+        (8192, 1024, 64),
+    ]
     assert all(c.num_prompts >= 2 * c.concurrency for c in cases)
 
 
@@ -34,11 +36,16 @@ def test_set_b_fills_the_reference_cache_and_goes_beyond():
 
 
 def test_kv_tokens_sums_the_engines_last_reports():
-    log = "\n".join([
-        "(EngineCore_DP0 pid=11) INFO [kv_cache_utils.py:1147] GPU KV cache size: 1,000 tokens, x",
-        "(EngineCore_DP1 pid=12) INFO [kv_cache_utils.py:1147] GPU KV cache size: 2,500 tokens, x",
-        "(EngineCore_DP0 pid=11) INFO [kv_cache_utils.py:1147] GPU KV cache size: 1,200 tokens, x",
-    ])  # fmt: skip
+    log = "\n".join(
+        [
+            "(EngineCore_DP0 pid=11) INFO [kv_cache_utils.py:1147] "
+            "GPU KV cache size: 1,000 tokens, x",
+            "(EngineCore_DP1 pid=12) INFO [kv_cache_utils.py:1147] "
+            "GPU KV cache size: 2,500 tokens, x",
+            "(EngineCore_DP0 pid=11) INFO [kv_cache_utils.py:1147] "
+            "GPU KV cache size: 1,200 tokens, x",
+        ]
+    )
     assert bench_serve.kv_tokens(log) == 3700
     assert bench_serve.kv_tokens("no report") is None
 
@@ -60,9 +67,18 @@ def test_bench_command_parses_with_vllms_own_cli(tmp_path: Path):
 
 
 def test_summary_keeps_the_reported_figures():
-    result = {"completed": 8, "failed": 0, "output_throughput": 812.5, "median_tpot_ms": 9.1,
-              "p99_tpot_ms": 12.0, "median_ttft_ms": 300.0, "p99_ttft_ms": 900.0,
-              "duration": 10.0, "total_token_throughput": 9000.0, "itls": [1, 2]}  # fmt: skip
+    result = {
+        "completed": 8,
+        "failed": 0,
+        "output_throughput": 812.5,
+        "median_tpot_ms": 9.1,
+        "p99_tpot_ms": 12.0,
+        "median_ttft_ms": 300.0,
+        "p99_ttft_ms": 900.0,
+        "duration": 10.0,
+        "total_token_throughput": 9000.0,
+        "itls": [1, 2],
+    }
     summary = bench_serve.summarize(result)
     assert summary["output_throughput"] == 812.5 and summary["p99_ttft_ms"] == 900.0
     assert "itls" not in summary and summary["max_concurrent_requests"] is None
@@ -133,9 +149,23 @@ class _StandIns:
 
 
 def _args(**overrides) -> argparse.Namespace:
-    fields = dict(model="m", layout="tp1", cases=["a"], only=set(), max_model_len=131072, port=1,
-                  wait=5, seed=0, reference_kv=None, serve_args=[], greedy=False, vocab=500,
-                  profile=None, profile_delay=0, profile_iterations=0)  # fmt: skip
+    fields = dict(
+        model="m",
+        layout="tp1",
+        cases=["a"],
+        only=set(),
+        max_model_len=131072,
+        port=1,
+        wait=5,
+        seed=0,
+        reference_kv=None,
+        serve_args=[],
+        greedy=False,
+        vocab=500,
+        profile=None,
+        profile_delay=0,
+        profile_iterations=0,
+    )
     return argparse.Namespace(**{**fields, **overrides})
 
 
@@ -179,9 +209,12 @@ def test_greedy_comparison_of_the_servers(tmp_path: Path, capsys):
 
     def record(name, tokens):
         top2 = [[-0.1, -0.105], [-0.1, -3.0]]  # step 0 is a near-tie, step 1 is not
-        return {"name": name, "errors": {}, "phases": {},
-                "results": {f"long_{i}": {"token_ids": t, "top2": top2}
-                            for i, t in enumerate(tokens)}}  # fmt: skip
+        return {
+            "name": name,
+            "errors": {},
+            "phases": {},
+            "results": {f"long_{i}": {"token_ids": t, "top2": top2} for i, t in enumerate(tokens)},
+        }
 
     ref = record("vllm", [[1, 2], [3, 4], [5, 6]])
     ours = record("nvfp4", [[1, 2], [9, 4], [5, 9]])

@@ -137,8 +137,9 @@ def test_a_flipped_object_is_rebuilt_not_loaded(tmp_path, monkeypatch, dsv4_logs
     path = CompileCache("combine_test").object_path(key, directory)
     good = path.read_bytes()
     middle = len(good) // 2
-    path.write_bytes(good[:middle] + bytes(b ^ 0xA5 for b in good[middle : middle + 256])
-                     + good[middle + 256 :])  # fmt: skip
+    path.write_bytes(
+        good[:middle] + bytes(b ^ 0xA5 for b in good[middle : middle + 256]) + good[middle + 256 :]
+    )
     loads = []
     monkeypatch.setattr(compile_cache, "_load_object", lambda payload: loads.append(payload))
     builds = []
@@ -157,8 +158,10 @@ def test_the_key_names_the_runtime_variant(monkeypatch):
     stems = []
     for variant in ("cu12", "cu13"):
         compile_cache._source_fingerprint.cache_clear()
-        swapped = [lib.replace("/cu13/", f"/{variant}/").replace("/cu12/", f"/{variant}/")
-                   for lib in libraries]  # fmt: skip
+        swapped = [
+            lib.replace("/cu13/", f"/{variant}/").replace("/cu12/", f"/{variant}/")
+            for lib in libraries
+        ]
         monkeypatch.setattr(
             cute.runtime, "find_runtime_libraries", lambda swapped=swapped, **_: swapped
         )
@@ -188,10 +191,15 @@ def test_two_processes_writing_one_key_never_leave_a_broken_file(tmp_path):
     directory = _private_dir(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     writers = [
-        subprocess.Popen([sys.executable, "-c", _WRITER, str(directory), tag, "150"], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(directory), tag, "150"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for tag in ("a5", "5a")
-    ]  # fmt: skip
+    ]
     for writer in writers:
         out, err = writer.communicate(timeout=300)
         assert writer.returncode == 0 and "OK" in out, err[-2000:]

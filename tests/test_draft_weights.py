@@ -60,9 +60,15 @@ def engine_config(attention_backend: str | None, path: str | None = None):
     from vllm.engine.arg_utils import EngineArgs
 
     dspark = {"method": "dspark", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
-    args = EngineArgs(model=path or checkpoint(), skip_tokenizer_init=True, enforce_eager=True,
-                      max_model_len=vt.MAX_MODEL_LEN, max_num_seqs=4,
-                      attention_backend=attention_backend, speculative_config=dspark)  # fmt: skip
+    args = EngineArgs(
+        model=path or checkpoint(),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=vt.MAX_MODEL_LEN,
+        max_num_seqs=4,
+        attention_backend=attention_backend,
+        speculative_config=dspark,
+    )
     with mock.patch.dict(os.environ, _V2_RUNNER):
         return args.create_engine_config()
 
@@ -283,9 +289,15 @@ def load_mtp_with_vllm(path: str):
 
     vt._distributed_ready()
     mtp = {"method": "mtp", "num_speculative_tokens": 1}
-    args = EngineArgs(model=path, skip_tokenizer_init=True, enforce_eager=True,
-                      max_model_len=vt.MAX_MODEL_LEN, max_num_seqs=4,
-                      attention_backend="DSV4_NVFP4", speculative_config=mtp)  # fmt: skip
+    args = EngineArgs(
+        model=path,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=vt.MAX_MODEL_LEN,
+        max_num_seqs=4,
+        attention_backend="DSV4_NVFP4",
+        speculative_config=mtp,
+    )
     config = args.create_engine_config()
     draft = config.speculative_config.draft_model_config
     assert draft.architectures == ["DeepSeekV4MTPModel"]
@@ -297,8 +309,11 @@ def load_mtp_with_vllm(path: str):
     saved = torch.cuda.Stream
     torch.cuda.Stream = _NoStream  # type: ignore[misc]
     try:
-        with set_current_vllm_config(config), vt._cpu_events(), \
-                set_default_torch_dtype(draft.dtype):  # fmt: skip
+        with (
+            set_current_vllm_config(config),
+            vt._cpu_events(),
+            set_default_torch_dtype(draft.dtype),
+        ):
             model = DeepSeekV4MTP(vllm_config=config, prefix="model")
     finally:
         torch.cuda.Stream = saved  # type: ignore[misc]

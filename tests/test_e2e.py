@@ -13,7 +13,7 @@ on CPU, H = 8, prompt 180 + 80 generated tokens; see dsv4_attn/e2e/harness.py):
 * Token identity with the storage-matched (e.g. FP8-quantized) oracle is measured two ways and
   recorded (``record_property``): per step, our path teacher-forced over that oracle's own
   greedy tokens (the steps at which it picks the oracle's token), and free-running. Measured over
-  seeds 0-5 (BENCHMARKS.md): fp8_ds_mla per step 479/480 (H100 kernel, H = 64), 479/480 (CPU,
+  seeds 0-5: fp8_ds_mla per step 479/480 (H100 kernel, H = 64), 479/480 (CPU,
   H = 64), 475/480 (CPU, H = 8); free-running identical in 5/6, 5/6 and 2/6 runs; every
   differing step had a top-2 margin <= 0.0014. The logit bound is what is asserted: with every
   logit within E, a step can only differ where the margin is below 2 E. Free-running tokens are
@@ -145,10 +145,14 @@ def test_fp8_cache_matches_quantized_oracle(case, record_property):
     record_property("fp8_steps_vs_quantized_oracle", steps)
     record_property("fp8_greedy_vs_oracle", report.vs_oracle.describe())
     record_property("fp8_teacher_forced_vs_oracle", report.tf_vs_oracle.describe())
-    print(f"fp8 vs the FP8 oracle: greedy {report.vs_sim.describe()}, teacher-forced {steps}, "
-          f"max {report.tf_vs_sim.max_error:.4f}")  # fmt: skip
-    print(f"fp8 vs the unquantized oracle: greedy {report.vs_oracle.describe()}, teacher-forced "
-          f"{report.tf_vs_oracle.describe()}")  # fmt: skip
+    print(
+        f"fp8 vs the FP8 oracle: greedy {report.vs_sim.describe()}, teacher-forced {steps}, "
+        f"max {report.tf_vs_sim.max_error:.4f}"
+    )
+    print(
+        f"fp8 vs the unquantized oracle: greedy {report.vs_oracle.describe()}, teacher-forced "
+        f"{report.tf_vs_oracle.describe()}"
+    )
     # Teacher-forced over the FP8 oracle's own greedy tokens: at every step our logits are within
     # the bound of that oracle's, so its token is ours wherever it is not a near-tie.
     assert report.sim_teacher_forcing_reproduces_greedy
@@ -339,8 +343,19 @@ def test_saved_checkpoint_reads_as_deepseek_v4_in_vllm(tmp_path):
 
 def test_cli_demo_prints_summary(capsys, tmp_path):
     out_json = tmp_path / "demo.json"
-    argv = ["demo", "--kv-format", "nvfp4", "--no-save", "--no-sim", "--prompt-len", "40",
-            "--new-tokens", "6", "--json", str(out_json)]  # fmt: skip
+    argv = [
+        "demo",
+        "--kv-format",
+        "nvfp4",
+        "--no-save",
+        "--no-sim",
+        "--prompt-len",
+        "40",
+        "--new-tokens",
+        "6",
+        "--json",
+        str(out_json),
+    ]
     assert cli_main(argv) == 0
     text = capsys.readouterr().out
     assert "HF eager" in text and "nvfp4" in text and "tok/s" in text

@@ -105,8 +105,9 @@ def test_unchecked_poisoned_lists_read_nothing_outside_and_mean_the_sanitized_li
     from dsv4_attn.testing import poisoned_scope
 
     T, H, fmt, window, extra, lens, sink, holes = params
-    case = make_decode_case(T, H, fmt, window, extra, seed=7, lens=lens, sink=sink,
-                            hole_rate=holes, distinct=False)  # fmt: skip
+    case = make_decode_case(
+        T, H, fmt, window, extra, seed=7, lens=lens, sink=sink, hole_rate=holes, distinct=False
+    )
     gen = torch.Generator().manual_seed(11)
     poisoned_window, clean_window = poisoned_scope(case.window, gen)
     poisoned_extra = clean_extra = None
@@ -116,9 +117,14 @@ def test_unchecked_poisoned_lists_read_nothing_outside_and_mean_the_sanitized_li
     with pytest.raises(ValueError, match="must lie in"):
         ops.sparse_attention(case.q, poisoned_window, case.sink, case.scale, poisoned_extra)
     out, lse = ops.sparse_attention(
-        case.q, poisoned_window, case.sink, case.scale, poisoned_extra, backend=backend,
+        case.q,
+        poisoned_window,
+        case.sink,
+        case.scale,
+        poisoned_extra,
+        backend=backend,
         check_values=False,
-    )  # fmt: skip
+    )
     clean = DecodeCase(case.q, clean_window, case.sink, case.scale, clean_extra)
     assert_matches_reference(out, lse, *reference_on_rows(clean))
 
@@ -132,14 +138,15 @@ def test_a_nan_sink_propagates_as_in_the_reference(backend):
     case = make_decode_case(6, 8, "nvfp4", 32, 16, seed=5, lens="random", distinct=False)
     sink = case.sink.clone()
     sink[3] = float("nan")
-    out, lse = ops.sparse_attention(case.q, case.window, sink, case.scale, case.extra,
-                                    backend=backend)  # fmt: skip
-    ref_out, ref_lse = reference_on_rows(DecodeCase(case.q, case.window, sink, case.scale,
-                                                    case.extra))  # fmt: skip
+    out, lse = ops.sparse_attention(
+        case.q, case.window, sink, case.scale, case.extra, backend=backend
+    )
+    ref_out, ref_lse = reference_on_rows(
+        DecodeCase(case.q, case.window, sink, case.scale, case.extra)
+    )
     has_keys = torch.isfinite(ref_lse[:, 3])
     assert bool(has_keys.any()) and bool((~has_keys).any())  # both kinds of token
     assert torch.isnan(out[has_keys, 3].float()).all()
     assert (out[~has_keys, 3] == 0).all()
     others = [h for h in range(8) if h != 3]
-    assert_matches_reference(out[:, others], lse[:, others], ref_out[:, others],
-                             ref_lse[:, others])  # fmt: skip
+    assert_matches_reference(out[:, others], lse[:, others], ref_out[:, others], ref_lse[:, others])

@@ -153,8 +153,14 @@ def _check(name, out, lse, ref_out, ref_lse, seconds):
         else 0.0
     )
     ok = bool(out_rel <= OUT_TOL and lse_rel <= LSE_TOL and same_inf)
-    _record(name, out_rel_err=out_rel, lse_rel_err=lse_rel, neg_inf_match=same_inf, ok=ok,
-            kernel_s=seconds)  # fmt: skip
+    _record(
+        name,
+        out_rel_err=out_rel,
+        lse_rel_err=lse_rel,
+        neg_inf_match=same_inf,
+        ok=ok,
+        kernel_s=seconds,
+    )
     assert same_inf, "lse = -inf where the reference has keys (or the reverse)"
     assert out_rel <= OUT_TOL, f"out rel err {out_rel:.3g}"
     assert lse_rel <= LSE_TOL, f"lse rel err {lse_rel:.3g}"
@@ -188,9 +194,18 @@ def test_gpu_dense_kernel_matches_reference(d, mask, shape, overlap):
     seqlens, h, hk, packed = DENSE_SHAPES[shape]
     causal, window = MASKS[mask]
     case = make_dense_case(
-        seqlens, h, hk, d, causal, window, SINKS[shape], packed=packed, kv_shared=(d == 512),
-        device="cuda", seed=d + h,
-    )  # fmt: skip
+        seqlens,
+        h,
+        hk,
+        d,
+        causal,
+        window,
+        SINKS[shape],
+        packed=packed,
+        kv_shared=(d == 512),
+        device="cuda",
+        seed=d + h,
+    )
     if packed:
         q, k, v = case.q, case.k, case.v
         cu_q, cu_k, max_q = case.cu_seqlens_q, case.cu_seqlens_k, case.max_seqlen_q
@@ -207,9 +222,20 @@ def test_gpu_dense_kernel_matches_reference(d, mask, shape, overlap):
     lse = torch.full(q.shape[:2], float("nan"), device="cuda")
     start = time.perf_counter()
     fmha.run_dense(
-        q, k, v, cu_q, cu_k, max_q, causal, window, case.sink, case.scale, out=out, lse=lse,
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        causal,
+        window,
+        case.sink,
+        case.scale,
+        out=out,
+        lse=lse,
         intra_wg_overlap=overlap,
-    )  # fmt: skip
+    )
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     ref_out, ref_lse = reference.dense_attention(
@@ -253,8 +279,9 @@ def test_gpu_sparse_kernel_with_poisoned_lists(heads):
     from dsv4_attn.testing import poison_lists
 
     case = make_random_sparse_case(90, heads, 3000, 600, device="cuda", seed=heads)
-    poisoned = poison_lists(case.indices, case.lens, case.kv.shape[0],
-                            torch.Generator().manual_seed(heads))  # fmt: skip
+    poisoned = poison_lists(
+        case.indices, case.lens, case.kv.shape[0], torch.Generator().manual_seed(heads)
+    )
     clean = sanitized_lists(*poisoned, case.kv.shape[0])
     out = torch.full_like(case.q, float("nan"))
     lse = torch.full(case.q.shape[:2], float("nan"), device="cuda")
@@ -298,10 +325,13 @@ def test_gpu_sparse_running_max_that_moves_after_the_first_tile(heads, profile):
     indices[torch.rand(tokens, width, generator=g) < 0.1] = -1
     lens = torch.tensor([width, width - 37, 64 * 7 + 5])
     case = SparseCase(
-        q.to("cuda", torch.bfloat16), kv.to("cuda", torch.bfloat16),
-        indices.to("cuda", torch.int32), lens.to("cuda", torch.int32),
-        torch.randn(heads, generator=g).to("cuda"), 512**-0.5,
-    )  # fmt: skip
+        q.to("cuda", torch.bfloat16),
+        kv.to("cuda", torch.bfloat16),
+        indices.to("cuda", torch.int32),
+        lens.to("cuda", torch.int32),
+        torch.randn(heads, generator=g).to("cuda"),
+        512**-0.5,
+    )
     _run_sparse_and_check(f"sparse-max-{profile}-h{heads}", case)
 
 

@@ -260,9 +260,18 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) 
 )
 def test_gpu_fmha_auto_uses_kernel(seqlens, h, hk, d, causal, window, packed):
     case = make_dense_case(
-        seqlens, h, hk, d, causal, window, "random", packed=packed, kv_shared=(d == 512),
-        device="cuda", seed=11,
-    )  # fmt: skip
+        seqlens,
+        h,
+        hk,
+        d,
+        causal,
+        window,
+        "random",
+        packed=packed,
+        kv_shared=(d == 512),
+        device="cuda",
+        seed=11,
+    )
     # backend="cutedsl" raises instead of falling back, so this runs the kernel.
     out, lse = fmha_ops.fmha(case.q, case.k, case.v, backend="cutedsl", **case.kwargs())
     ref_out, ref_lse = dense_reference(case)
@@ -281,8 +290,7 @@ def test_gpu_sparse_prefill_auto_uses_kernel(heads):
     assert_lse_close(lse, ref_lse, 1e-2)
     into = torch.full_like(out, float("nan"))
     lse_into = torch.full_like(lse, float("nan"))
-    got, got_lse = fmha_ops.sparse_prefill(*case.args(), backend="cutedsl", out=into,
-                                           lse=lse_into)  # fmt: skip
+    got, got_lse = fmha_ops.sparse_prefill(*case.args(), backend="cutedsl", out=into, lse=lse_into)
     assert got is into and torch.equal(into, out)
     assert got_lse is lse_into and torch.equal(lse_into, lse)
 
@@ -303,8 +311,9 @@ def test_unchecked_poisoned_sparse_lists_mean_the_sanitized_lists(backend, index
     clean = sanitized_lists(*poisoned, case.kv.shape[0])
     with pytest.raises(ValueError):
         fmha_ops.sparse_prefill(case.q, case.kv, *poisoned, case.sink, case.scale)
-    out, lse = fmha_ops.sparse_prefill(case.q, case.kv, *poisoned, case.sink, case.scale,
-                                       backend=backend, check_values=False)  # fmt: skip
+    out, lse = fmha_ops.sparse_prefill(
+        case.q, case.kv, *poisoned, case.sink, case.scale, backend=backend, check_values=False
+    )
     ref_out, ref_lse = reference.sparse_attention(case.q, case.kv, *clean, case.sink, case.scale)
     torch.testing.assert_close(out.double(), ref_out.to(out.dtype).double(), rtol=2e-2, atol=2e-2)
     finite = torch.isfinite(ref_lse)

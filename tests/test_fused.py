@@ -33,8 +33,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_kernels_match_torch_in_the_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-           str(ROOT / "tests" / "fused_checks.py")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "not gpu",
+        str(ROOT / "tests" / "fused_checks.py"),
+    ]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
@@ -86,8 +95,9 @@ def test_metadata_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("ratio", "dtype"), [(4, torch.bfloat16), (4, torch.float32),
-                                             (16, torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("ratio", "dtype"), [(4, torch.bfloat16), (4, torch.float32), (16, torch.bfloat16)]
+)
 def test_compress_rows_cuda(ratio, dtype):
     for seed in range(3):
         check_compress_rows(_compiled(), "cuda", ratio, dtype, seed)
@@ -112,87 +122,230 @@ def _kernels():
     from dsv4_attn.fused import step_metadata as sm
 
     p = _PTR
-    meta_head = {"query_start_ptr": p["i32"], "seq_lens_ptr": p["i32"],
-                 "slot_mapping_ptr": p["i64"], "num_reqs": "i32", "block_table_ptr": p["i32"],
-                 "bt_stride": "i32", "bt_width": "i32"}  # fmt: skip
-    yield kw._store_staged_rows_kernel, {
-        "rows_ptr": p["bf16"], "rows_stride": "i32", "write_slots_ptr": p["i64"],
-        "cache_ptr": p["u8"], "page_stride": "i32", "block_size": "i32",
-    }, {}  # fmt: skip
+    meta_head = {
+        "query_start_ptr": p["i32"],
+        "seq_lens_ptr": p["i32"],
+        "slot_mapping_ptr": p["i64"],
+        "num_reqs": "i32",
+        "block_table_ptr": p["i32"],
+        "bt_stride": "i32",
+        "bt_width": "i32",
+    }
+    yield (
+        kw._store_staged_rows_kernel,
+        {
+            "rows_ptr": p["bf16"],
+            "rows_stride": "i32",
+            "write_slots_ptr": p["i64"],
+            "cache_ptr": p["u8"],
+            "page_stride": "i32",
+            "block_size": "i32",
+        },
+        {},
+    )
     from dsv4_attn.fused import decode_schedule as ds
     from dsv4_attn.fused import kv_gather as kg
     from dsv4_attn.fused import prefill_index as pi
 
     for has_extra in (True, False):
-        yield ds._decode_schedule_kernel, {
-            "lens_ptr": p["i32"], "extra_lens_ptr": p["i32"], "window_capacity": "i32",
-            "extra_capacity": "i32", "T": "i32", "parts": "i32",
-            "min_share": "i32", "part_plan_ptr": p["i32"], "token_plan_ptr": p["i32"],
-            "HAS_EXTRA": "constexpr", "KEYS_PER_TILE": "constexpr", "OVERHEAD": "constexpr",
-            "SNAP_DIV": "constexpr", "BLOCK_P": "constexpr", "CHUNK": "constexpr",
-        }, {"HAS_EXTRA": has_extra, "KEYS_PER_TILE": 32, "OVERHEAD": 2, "SNAP_DIV": 16,
-            "BLOCK_P": 256, "CHUNK": 32}  # fmt: skip
+        yield (
+            ds._decode_schedule_kernel,
+            {
+                "lens_ptr": p["i32"],
+                "extra_lens_ptr": p["i32"],
+                "window_capacity": "i32",
+                "extra_capacity": "i32",
+                "T": "i32",
+                "parts": "i32",
+                "min_share": "i32",
+                "part_plan_ptr": p["i32"],
+                "token_plan_ptr": p["i32"],
+                "HAS_EXTRA": "constexpr",
+                "KEYS_PER_TILE": "constexpr",
+                "OVERHEAD": "constexpr",
+                "SNAP_DIV": "constexpr",
+                "BLOCK_P": "constexpr",
+                "CHUNK": "constexpr",
+            },
+            {
+                "HAS_EXTRA": has_extra,
+                "KEYS_PER_TILE": 32,
+                "OVERHEAD": 2,
+                "SNAP_DIV": 16,
+                "BLOCK_P": 256,
+                "CHUNK": 32,
+            },
+        )
 
     for mode in (0, 1, 2):
-        yield pi._prefill_index_kernel, {
-            "query_start_ptr": p["i32"], "seq_lens_ptr": p["i32"], "num_reqs": "i32",
-            "first_token": "i32", "topk_ptr": p["i32"], "topk_stride": "i32", "topk": "i32",
-            "indices_ptr": p["i32"], "indices_stride": "i32", "width": "i32",
-            "lens_ptr": p["i32"], "N": "i32", "M": "i32", "ratio": "i32",
-            "WINDOW": "constexpr", "MODE": "constexpr", "BLOCK_REQS": "constexpr",
-            "BLOCK_COLUMNS": "constexpr",
-        }, {"WINDOW": 128, "MODE": mode, "BLOCK_REQS": 128, "BLOCK_COLUMNS": 256}  # fmt: skip
+        yield (
+            pi._prefill_index_kernel,
+            {
+                "query_start_ptr": p["i32"],
+                "seq_lens_ptr": p["i32"],
+                "num_reqs": "i32",
+                "first_token": "i32",
+                "topk_ptr": p["i32"],
+                "topk_stride": "i32",
+                "topk": "i32",
+                "indices_ptr": p["i32"],
+                "indices_stride": "i32",
+                "width": "i32",
+                "lens_ptr": p["i32"],
+                "N": "i32",
+                "M": "i32",
+                "ratio": "i32",
+                "WINDOW": "constexpr",
+                "MODE": "constexpr",
+                "BLOCK_REQS": "constexpr",
+                "BLOCK_COLUMNS": "constexpr",
+            },
+            {"WINDOW": 128, "MODE": mode, "BLOCK_REQS": 128, "BLOCK_COLUMNS": 256},
+        )
 
     for window in (True, False):
-        yield kg._gather_nvfp4_kernel, {
-            "out_ptr": p["bf16"], "out_stride_req": "i32", "out_stride_row": "i32",
-            "offset": "i32", "cache_ptr": p["u8"], "page_stride": "i32", "block_size": "i32",
-            "num_pages": "i32", "seq_lens_ptr": p["i32"], "gather_lens_ptr": p["i32"],
-            "ratio": "i32", "block_table_ptr": p["i32"], "bt_stride": "i32", "bt_width": "i32",
+        yield (
+            kg._gather_nvfp4_kernel,
+            {
+                "out_ptr": p["bf16"],
+                "out_stride_req": "i32",
+                "out_stride_row": "i32",
+                "offset": "i32",
+                "cache_ptr": p["u8"],
+                "page_stride": "i32",
+                "block_size": "i32",
+                "num_pages": "i32",
+                "seq_lens_ptr": p["i32"],
+                "gather_lens_ptr": p["i32"],
+                "ratio": "i32",
+                "block_table_ptr": p["i32"],
+                "bt_stride": "i32",
+                "bt_width": "i32",
+                "WINDOW": "constexpr",
+            },
+            {"WINDOW": window},
+        )
+    yield (
+        kw._qnorm_rope_nvfp4_insert_kernel,
+        {
+            "q_ptr": p["bf16"],
+            "q_stride_t": "i32",
+            "q_stride_h": "i32",
+            "kv_ptr": p["bf16"],
+            "kv_stride_t": "i32",
+            "q_out_ptr": p["bf16"],
+            "positions_ptr": p["i64"],
+            "cos_sin_ptr": p["f32"],
+            "cos_sin_stride": "i32",
+            "slots_ptr": p["i64"],
+            "num_slots": "i32",
+            "cache_ptr": p["u8"],
+            "page_stride": "i32",
+            "block_size": "i32",
+            "num_heads": "i32",
+            "padded_heads": "i32",
+            "eps": "fp32",
+            "HEADS": "constexpr",
+        },
+        {"HEADS": 8},
+    )
+    yield (
+        sm._window_kernel,
+        {
+            **meta_head,
+            "block_size": "i32",
+            "req_out": p["i32"],
+            "valid_out": p["i8"],
+            "indices_out": p["i32"],
+            "indices_stride": "i32",
+            "lens_out": p["i32"],
             "WINDOW": "constexpr",
-        }, {"WINDOW": window}  # fmt: skip
-    yield kw._qnorm_rope_nvfp4_insert_kernel, {
-        "q_ptr": p["bf16"], "q_stride_t": "i32", "q_stride_h": "i32", "kv_ptr": p["bf16"],
-        "kv_stride_t": "i32", "q_out_ptr": p["bf16"], "positions_ptr": p["i64"],
-        "cos_sin_ptr": p["f32"], "cos_sin_stride": "i32", "slots_ptr": p["i64"],
-        "num_slots": "i32", "cache_ptr": p["u8"], "page_stride": "i32", "block_size": "i32",
-        "num_heads": "i32", "padded_heads": "i32", "eps": "fp32", "HEADS": "constexpr",
-    }, {"HEADS": 8}  # fmt: skip
-    yield sm._window_kernel, {
-        **meta_head, "block_size": "i32", "req_out": p["i32"], "valid_out": p["i8"],
-        "indices_out": p["i32"], "indices_stride": "i32", "lens_out": p["i32"],
-        "WINDOW": "constexpr", "WINDOW_P2": "constexpr", "BLOCK_REQS": "constexpr",
-    }, {"WINDOW": 128, "WINDOW_P2": 128, "BLOCK_REQS": 128}  # fmt: skip
+            "WINDOW_P2": "constexpr",
+            "BLOCK_REQS": "constexpr",
+        },
+        {"WINDOW": 128, "WINDOW_P2": 128, "BLOCK_REQS": 128},
+    )
     for has_visible, has_counts in ((True, True), (False, True), (False, False)):
-        yield sm._compressed_kernel, {
-            **meta_head, "rows_per_block": "i32", "ratio": "i32", "req_out": p["i32"],
-            "valid_out": p["i8"], "write_slots_out": p["i64"], "staging_rows_out": p["i64"],
-            "visible_out": p["i32"], "visible_stride": "i32", "visible_width": "i32",
-            "visible_lens_out": p["i32"], "window_lens_out": p["i32"],
-            "HAS_VISIBLE": "constexpr", "HAS_COUNTS": "constexpr", "WINDOW": "constexpr",
-            "BLOCK_REQS": "constexpr", "BLOCK_ENTRIES": "constexpr",
-        }, {"HAS_VISIBLE": has_visible, "HAS_COUNTS": has_counts,
-            "WINDOW": 128 if has_visible else 0, "BLOCK_REQS": 128,
-            "BLOCK_ENTRIES": 256}  # fmt: skip
+        yield (
+            sm._compressed_kernel,
+            {
+                **meta_head,
+                "rows_per_block": "i32",
+                "ratio": "i32",
+                "req_out": p["i32"],
+                "valid_out": p["i8"],
+                "write_slots_out": p["i64"],
+                "staging_rows_out": p["i64"],
+                "visible_out": p["i32"],
+                "visible_stride": "i32",
+                "visible_width": "i32",
+                "visible_lens_out": p["i32"],
+                "window_lens_out": p["i32"],
+                "HAS_VISIBLE": "constexpr",
+                "HAS_COUNTS": "constexpr",
+                "WINDOW": "constexpr",
+                "BLOCK_REQS": "constexpr",
+                "BLOCK_ENTRIES": "constexpr",
+            },
+            {
+                "HAS_VISIBLE": has_visible,
+                "HAS_COUNTS": has_counts,
+                "WINDOW": 128 if has_visible else 0,
+                "BLOCK_REQS": 128,
+                "BLOCK_ENTRIES": 256,
+            },
+        )
     from dsv4_attn.fused import compressor as cp
 
     for state in ("bf16", "f32"):
-        yield cp._compress_rows_kernel, {
-            "state_ptr": p[state], "state_stride_block": "i32", "state_stride_row": "i32",
-            "block_table_ptr": p["i32"], "bt_stride": "i32", "bt_width": "i32",
-            "state_block_size": "i32", "token_req_ptr": p["i32"], "positions_ptr": p["i64"],
-            "state_slots_ptr": p["i64"], "out_rows_ptr": p["i64"], "norm_weight_ptr": p["bf16"],
-            "eps": "fp32", "cos_sin_ptr": p["f32"], "cos_sin_stride": "i32", "out_ptr": p["bf16"],
-            "out_stride": "i32", "D": "constexpr", "C": "constexpr", "RATIO": "constexpr",
-            "WINDOW_P2": "constexpr", "ROPE_DIM": "constexpr",
-        }, {"D": 512, "C": 2, "RATIO": 4, "WINDOW_P2": 8, "ROPE_DIM": 64}  # fmt: skip
-    yield sm._entry_slots_kernel, {
-        "entries_ptr": p["i32"], "entries_stride": "i32", "token_req_ptr": p["i32"],
-        "valid_ptr": p["i8"], "visible_ptr": p["i32"], "block_table_ptr": p["i32"],
-        "bt_stride": "i32", "bt_width": "i32", "rows_per_block": "i32", "slots_out": p["i32"],
-        "slots_stride": "i32",
-        "lens_out": p["i32"], "width": "i32", "BLOCK_ENTRIES": "constexpr",
-    }, {"BLOCK_ENTRIES": 256}  # fmt: skip
+        yield (
+            cp._compress_rows_kernel,
+            {
+                "state_ptr": p[state],
+                "state_stride_block": "i32",
+                "state_stride_row": "i32",
+                "block_table_ptr": p["i32"],
+                "bt_stride": "i32",
+                "bt_width": "i32",
+                "state_block_size": "i32",
+                "token_req_ptr": p["i32"],
+                "positions_ptr": p["i64"],
+                "state_slots_ptr": p["i64"],
+                "out_rows_ptr": p["i64"],
+                "norm_weight_ptr": p["bf16"],
+                "eps": "fp32",
+                "cos_sin_ptr": p["f32"],
+                "cos_sin_stride": "i32",
+                "out_ptr": p["bf16"],
+                "out_stride": "i32",
+                "D": "constexpr",
+                "C": "constexpr",
+                "RATIO": "constexpr",
+                "WINDOW_P2": "constexpr",
+                "ROPE_DIM": "constexpr",
+            },
+            {"D": 512, "C": 2, "RATIO": 4, "WINDOW_P2": 8, "ROPE_DIM": 64},
+        )
+    yield (
+        sm._entry_slots_kernel,
+        {
+            "entries_ptr": p["i32"],
+            "entries_stride": "i32",
+            "token_req_ptr": p["i32"],
+            "valid_ptr": p["i8"],
+            "visible_ptr": p["i32"],
+            "block_table_ptr": p["i32"],
+            "bt_stride": "i32",
+            "bt_width": "i32",
+            "rows_per_block": "i32",
+            "slots_out": p["i32"],
+            "slots_stride": "i32",
+            "lens_out": p["i32"],
+            "width": "i32",
+            "BLOCK_ENTRIES": "constexpr",
+        },
+        {"BLOCK_ENTRIES": 256},
+    )
 
 
 def test_every_kernel_compiles_for_sm90():

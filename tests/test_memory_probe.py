@@ -69,15 +69,20 @@ def test_the_extension_fits_vllms_worker():
 
     names = [n for n in dir(MemoryProbe) if not n.startswith("__")]
     assert names == [
-        "dsv4_memory_dump", "dsv4_memory_growth", "dsv4_memory_record", "dsv4_memory_stats"
-    ]  # fmt: skip
+        "dsv4_memory_dump",
+        "dsv4_memory_growth",
+        "dsv4_memory_record",
+        "dsv4_memory_stats",
+    ]
     assert not any(hasattr(Worker, n) for n in names)
 
 
 def test_cli_prints_the_summary_of_a_dumped_snapshot(tmp_path, capsys):
     path = tmp_path / "snap.pickle"
-    snapshot = {"segments": [], "device_traces": [[
-        {"action": "segment_alloc", "size": 3 * MIB, "frames": [OURS]}]]}  # fmt: skip
+    snapshot = {
+        "segments": [],
+        "device_traces": [[{"action": "segment_alloc", "size": 3 * MIB, "frames": [OURS]}]],
+    }
     path.write_bytes(pickle.dumps(snapshot))
     memory_probe.main([str(path)])
     assert '"mapped_mib": 3.0' in capsys.readouterr().out

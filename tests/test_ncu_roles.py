@@ -1,21 +1,25 @@
-"""scripts/ncu_roles.py: cutting an ncu source page into the decode kernel's warp roles."""
+"""``python -m dsv4_attn.bench ncu-roles``: cutting an ncu source page into the decode kernel's
+warp roles."""
 
 from __future__ import annotations
 
 import csv
 import gzip
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ncu_roles.py"
-spec = importlib.util.spec_from_file_location("ncu_roles", SCRIPT)
-ncu_roles = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ncu_roles)
+from dsv4_attn.bench import ncu_roles
 
-HEADER = ["Address", "Source", ncu_roles.SAMPLES, ncu_roles.EXECUTED, "stall_barrier",
-          "stall_wait", "stall_barrier (Not Issued)"]  # fmt: skip
+HEADER = [
+    "Address",
+    "Source",
+    ncu_roles.SAMPLES,
+    ncu_roles.EXECUTED,
+    "stall_barrier",
+    "stall_wait",
+    "stall_barrier (Not Issued)",
+]
 
 # (SASS, samples, executed, barrier stalls, wait stalls): a prologue, then the producer (lowers
 # its registers), WG1 (PV only) and WG0 (the 64 x 32 QK wgmmas) in the order ptxas laid them out
@@ -51,8 +55,11 @@ def test_roles_are_cut_at_setmaxnreg_and_told_apart_by_their_work(tmp_path, name
     roles = result["roles"]
     assert result["samples"] == 100
     assert {r: round(v["share"], 2) for r, v in roles.items()} == {
-        "prologue": 0.04, "producer": 0.20, "WG1": 0.40, "WG0": 0.36,
-    }  # fmt: skip
+        "prologue": 0.04,
+        "producer": 0.20,
+        "WG1": 0.40,
+        "WG0": 0.36,
+    }
     # stall reasons are shares of the role's own samples
     assert roles["WG1"]["stalls"] == {"barrier": 27 / 40}
     assert roles["WG0"]["stalls"] == {"barrier": 30 / 36, "wait": 6 / 36}
@@ -69,3 +76,16 @@ def test_a_page_without_the_three_roles_is_refused(tmp_path):
     write_page(path, [r if "64x32" not in r[0] else ("FADD R1, R2, R3", *r[1:]) for r in ROWS])
     with pytest.raises(ValueError, match="could not tell the roles apart"):
         ncu_roles.summarize(path, top=2)
+
+
+def test_the_subcommand_prints_the_roles_and_writes_json(tmp_path, capsys):
+    import json
+
+    from dsv4_attn.bench import main
+
+    page, out = tmp_path / "page.csv", tmp_path / "roles.json"
+    write_page(page, ROWS)
+    main(["ncu-roles", str(page), "--top", "1", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "100 samples" in printed and "WG0" in printed and "producer" in printed
+    assert json.loads(out.read_text())["roles"]["WG1"]["share"] == 0.4

@@ -17,8 +17,18 @@ ROOT = Path(__file__).resolve().parents[1]
 def build(tmp_path_factory) -> tuple[zipfile.ZipFile, str]:
     """The wheel pip builds from this checkout, and everything the build printed."""
     out = tmp_path_factory.mktemp("wheel")
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
-           "-w", str(out), str(ROOT)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-v",
+        "-w",
+        str(out),
+        str(ROOT),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0 and "No module named" in result.stderr:
         pytest.skip(f"cannot build a wheel here: {result.stderr.strip()[-200:]}")

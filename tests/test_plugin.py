@@ -33,9 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def fresh_python(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     return subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=timeout,
-    )  # fmt: skip
+    )
 
 
 def test_entry_point_is_discoverable():
@@ -177,10 +181,19 @@ def test_cli_engine_config_resolves_to_our_backend(spelling):
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     args = parser.parse_args(
-        ["--model", vt.tiny_checkpoint(), "--attention-backend", spelling,
-         "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
-         "--max-model-len", "2048"]
-    )  # fmt: skip
+        [
+            "--model",
+            vt.tiny_checkpoint(),
+            "--attention-backend",
+            spelling,
+            "--load-format",
+            "dummy",
+            "--skip-tokenizer-init",
+            "--enforce-eager",
+            "--max-model-len",
+            "2048",
+        ]
+    )
     config = EngineArgs.from_cli_args(args).create_engine_config()
     assert config.attention_config.backend is AttentionBackendEnum[BACKEND_NAME]
     assert config.attention_config.backend.get_class() is DSV4NVFP4Backend

@@ -34,17 +34,32 @@ def test_attention_is_v4_flash_as_its_config_states():
     accounting uses); only the MoE and MTP differ."""
     config = real_shapes.flash_config().to_dict()
     expected = {
-        "hidden_size": 4096, "num_attention_heads": 64, "num_key_value_heads": 1,
-        "head_dim": 512, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
-        "sliding_window": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
-        "num_hidden_layers": 43, "max_position_embeddings": 1048576, "vocab_size": 129280,
+        "hidden_size": 4096,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 1,
+        "head_dim": 512,
+        "q_lora_rank": 1024,
+        "o_groups": 8,
+        "o_lora_rank": 1024,
+        "sliding_window": 128,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk": 512,
+        "num_hidden_layers": 43,
+        "max_position_embeddings": 1048576,
+        "vocab_size": 129280,
         "hc_mult": 4,
-    }  # fmt: skip
+    }
     assert {k: config[k] for k in expected} == expected
-    assert config["compress_rates"] == {"compressed_sparse_attention": 4,
-                                        "heavily_compressed_attention": 128}  # fmt: skip
-    kinds = {"sliding_attention": 1, "compressed_sparse_attention": 4,
-             "heavily_compressed_attention": 128}  # fmt: skip
+    assert config["compress_rates"] == {
+        "compressed_sparse_attention": 4,
+        "heavily_compressed_attention": 128,
+    }
+    kinds = {
+        "sliding_attention": 1,
+        "compressed_sparse_attention": 4,
+        "heavily_compressed_attention": 128,
+    }
     assert [kinds[t] for t in config["layer_types"]] == SCHEDULES["V4-Flash"]
     compress = config["rope_parameters"]["compress"]
     assert (compress["rope_type"], compress["factor"]) == ("yarn", 16.0)
@@ -60,8 +75,9 @@ def test_vllm_takes_the_config_for_dsv4_nvfp4():
     from dsv4_attn.vllm_glue.support import check_supported
 
     path = _config_dir(real_shapes.flash_config())
-    config = vt.engine_args(model=path, skip_tokenizer_init=False, max_model_len=1048576,
-                            attention_backend="DSV4_NVFP4").create_engine_config()  # fmt: skip
+    config = vt.engine_args(
+        model=path, skip_tokenizer_init=False, max_model_len=1048576, attention_backend="DSV4_NVFP4"
+    ).create_engine_config()
     assert config.model_config.hf_config.num_hidden_layers == 43
     assert config.model_config.get_num_attention_heads(config.parallel_config) == 64
     check_supported(config)
@@ -86,8 +102,9 @@ def test_sharded_checkpoint_loads_through_vllms_loader():
     from tests.test_tiny_model import load_with_vllm
 
     spec = TinySpec(num_heads=8, index_heads=VLLM_SPEC.index_heads)
-    path = write_vllm_checkpoint(tempfile.mkdtemp(prefix="dsv4_sharded_"),
-                                 build_tiny_model(spec), max_shard_size="1MB")  # fmt: skip
+    path = write_vllm_checkpoint(
+        tempfile.mkdtemp(prefix="dsv4_sharded_"), build_tiny_model(spec), max_shard_size="1MB"
+    )
     shards = sorted(path.glob("*.safetensors"))
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert len(shards) > 3 and set(index["weight_map"].values()) == {p.name for p in shards}

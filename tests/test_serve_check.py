@@ -38,8 +38,13 @@ def test_compare_classifies_by_the_reference_margin():
     records = {"results": {key: ref for key in keys}}
     other = {"results": {"single_8": {"token_ids": [5, 9, 7, 8]}, "prefix_0": ref}}
     phases = compare(records, other)["phases"]
-    assert phases["single"] == {"requests": 1, "identical": 0, "near_tie": 1, "different": 0,
-                                "missing": 0}  # fmt: skip
+    assert phases["single"] == {
+        "requests": 1,
+        "identical": 0,
+        "near_tie": 1,
+        "different": 0,
+        "missing": 0,
+    }
     assert phases["prefix"]["identical"] == 1 and phases["preemption"]["missing"] == 1
     assert not any(phase.startswith("throughput") for phase in phases)
 

@@ -60,10 +60,12 @@ class _Completions(BaseHTTPRequestHandler):
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path == "/collective_rpc":
             type(self).rpc_calls.append((request["method"], request.get("args", [])))
-            result = {"dsv4_memory_record": None,
-                      "dsv4_memory_stats": {"rank": 0, "reserved_mib": 5.0},
-                      "dsv4_memory_growth": {"mapped_mib": 1.0},
-                      "dsv4_memory_dump": {"mapped_mib": 2.0}}[request["method"]]  # fmt: skip
+            result = {
+                "dsv4_memory_record": None,
+                "dsv4_memory_stats": {"rank": 0, "reserved_mib": 5.0},
+                "dsv4_memory_growth": {"mapped_mib": 1.0},
+                "dsv4_memory_dump": {"mapped_mib": 2.0},
+            }[request["method"]]
             return self._answer(200, json.dumps({"results": [result]}).encode())
         if self._dead():
             return self._answer(500, b"engine dead")
@@ -95,9 +97,18 @@ def test_soak_counts_requests_tokens_and_errors(short, tmp_path):
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        args = argparse.Namespace(port=httpd.server_address[1], model="m", max_model_len=512,
-                                  seconds=1.5, concurrency=4, seed=1, gpu=None, wait=10,
-                                  sample_seconds=0.5, out=str(tmp_path / "soak.json"))  # fmt: skip
+        args = argparse.Namespace(
+            port=httpd.server_address[1],
+            model="m",
+            max_model_len=512,
+            seconds=1.5,
+            concurrency=4,
+            seed=1,
+            gpu=None,
+            wait=10,
+            sample_seconds=0.5,
+            out=str(tmp_path / "soak.json"),
+        )
         report = soak.soak(args)
     finally:
         httpd.shutdown()
@@ -131,9 +142,18 @@ def _run(handler, tmp_path, **overrides) -> dict:
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        fields = dict(port=httpd.server_address[1], model="m", max_model_len=512, seconds=1.5,
-                      concurrency=4, seed=1, gpu=None, wait=10, sample_seconds=0.5,
-                      out=str(tmp_path / "soak.json"))  # fmt: skip
+        fields = dict(
+            port=httpd.server_address[1],
+            model="m",
+            max_model_len=512,
+            seconds=1.5,
+            concurrency=4,
+            seed=1,
+            gpu=None,
+            wait=10,
+            sample_seconds=0.5,
+            out=str(tmp_path / "soak.json"),
+        )
         fields.update(overrides)
         return soak.soak(argparse.Namespace(**fields))
     finally:

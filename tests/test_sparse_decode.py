@@ -83,8 +83,10 @@ def test_serving_compiles_the_variants_it_launches(balanced, monkeypatch):
     window = SimpleNamespace(fmt=KVFormat.NVFP4, block_size=64, indices=int32, lens=int32)
     extra = SimpleNamespace(fmt=KVFormat.NVFP4, block_size=2, indices=int32, lens=int32)
     sink = torch.zeros(8)
-    variants = [sparse_decode.decode_config(window, sink, extra, False),
-                sparse_decode.decode_config(window, sink, extra, True)]  # fmt: skip
+    variants = [
+        sparse_decode.decode_config(window, sink, extra, False),
+        sparse_decode.decode_config(window, sink, extra, True),
+    ]
     # Both combine widths: what a launch of few rows and one of many picks.
     combines = [sparse_decode.combine_config_for(rows, True, False, 132) for rows in (10**6, 1)]
     if balanced:
@@ -100,8 +102,13 @@ def test_a_balanced_plan_must_fit_the_call():
 
     q = torch.zeros(2, 64, HEAD_DIM, dtype=torch.bfloat16)
     cache = kv_cache.allocate(1, 64, KVFormat.FP8_DS_MLA)
-    window = KVScope(cache, KVFormat.FP8_DS_MLA, 64, torch.zeros(2, 4, dtype=torch.int32),
-                     torch.full((2,), 4, dtype=torch.int32))  # fmt: skip
+    window = KVScope(
+        cache,
+        KVFormat.FP8_DS_MLA,
+        64,
+        torch.zeros(2, 4, dtype=torch.int32),
+        torch.full((2,), 4, dtype=torch.int32),
+    )
     plan = build_schedule(torch.full((3,), 4), 4)
     with pytest.raises(ValueError, match="exclude each other"):
         sparse_decode.sparse_attention(q, window, None, 1.0, num_splits=2, plan=plan)
@@ -234,8 +241,18 @@ def _capture(call):
     return graph, result
 
 
-def _run_case(fmt, H, T, extra_width, sink_kind, seed, num_splits=None, extra_bs=16,
-              index_dtype=torch.int32, balanced=False):  # fmt: skip
+def _run_case(
+    fmt,
+    H,
+    T,
+    extra_width,
+    sink_kind,
+    seed,
+    num_splits=None,
+    extra_bs=16,
+    index_dtype=torch.int32,
+    balanced=False,
+):
     """One random case through the kernel against the float64 reference; ``balanced``: on the
     balanced schedule (its plan built from the case's key counts). Returns the case's plan (or
     None) and scopes."""
@@ -268,10 +285,13 @@ def _run_case(fmt, H, T, extra_width, sink_kind, seed, num_splits=None, extra_bs
         splits, _ = sparse_decode.resolve_splits(T, H, capacity, device, num_splits)
         shapes = sparse_decode.workspace_shape(splits, T, H)
     dtypes = sparse_decode.WORKSPACE_DTYPES
-    workspace = tuple(torch.full(shape, float("nan"), dtype=dtype, device=device)
-                      for shape, dtype in zip(shapes, dtypes, strict=True))  # fmt: skip
-    sparse_decode.sparse_attention(*args, num_splits=num_splits, out=out, lse=lse,
-                                   workspace=workspace, plan=plan)  # fmt: skip
+    workspace = tuple(
+        torch.full(shape, float("nan"), dtype=dtype, device=device)
+        for shape, dtype in zip(shapes, dtypes, strict=True)
+    )
+    sparse_decode.sparse_attention(
+        *args, num_splits=num_splits, out=out, lse=lse, workspace=workspace, plan=plan
+    )
     torch.cuda.synchronize()
     ref_out, ref_lse = _reference(*args)
     _check(out, lse, ref_out, ref_lse)
@@ -350,9 +370,13 @@ def test_balanced_schedule_with_ragged_lists(fmt, H, T):
 @pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
 @pytest.mark.parametrize(
     ("H", "T", "extra_width", "schedule"),
-    [(64, 3, None, "split"), (128, 40, 512, "split"), (64, 150, 8192, "balanced"),
-     (16, 9, 2048, "balanced")],
-)  # fmt: skip
+    [
+        (64, 3, None, "split"),
+        (128, 40, 512, "split"),
+        (64, 150, 8192, "balanced"),
+        (16, 9, 2048, "balanced"),
+    ],
+)
 def test_poisoned_metadata_stays_inside_the_caches(fmt, H, T, extra_width, schedule):
     """Lengths outside ``[0, K]`` and slot ids outside the caches (below -1, at and past the
     last slot, int32's extremes), as serving passes them (unchecked): the kernel reads nothing
@@ -366,14 +390,22 @@ def test_poisoned_metadata_stays_inside_the_caches(fmt, H, T, extra_width, sched
     seed = zlib.crc32(repr((fmt.value, H, T, extra_width, schedule)).encode())
     gen = torch.Generator(device=device).manual_seed(seed)
     poison_gen = torch.Generator().manual_seed(seed)
-    window = KVScope(_random_cache(fmt, 64, 4096, device, gen), fmt, 64,
-                     *_random_lists(T, 128, 4096, device, gen))  # fmt: skip
+    window = KVScope(
+        _random_cache(fmt, 64, 4096, device, gen),
+        fmt,
+        64,
+        *_random_lists(T, 128, 4096, device, gen),
+    )
     window, clean_window = poisoned_scope(window, poison_gen)
     extra = clean_extra = None
     if extra_width is not None:
         slots = 2 * extra_width
-        extra = KVScope(_random_cache(fmt, 16, slots, device, gen), fmt, 16,
-                        *_random_lists(T, extra_width, slots, device, gen))  # fmt: skip
+        extra = KVScope(
+            _random_cache(fmt, 16, slots, device, gen),
+            fmt,
+            16,
+            *_random_lists(T, extra_width, slots, device, gen),
+        )
         extra, clean_extra = poisoned_scope(extra, poison_gen)
     q = (torch.randn(T, H, HEAD_DIM, generator=gen, device=device) * 2).to(torch.bfloat16)
     sink = _sink("finite", H, device, gen)
@@ -476,9 +508,9 @@ def test_split_partials_cost_no_accuracy(fmt):
     """Merging 2 to 30 split partials (fp16 rows under a per-row power-of-two scale) adds no
     error to speak of: the worst error against the float64 reference, relative to its row's
     largest value, stays within 1.25x that of the same call unsplit (which writes its bf16
-    output straight from the fp32 accumulators) and of the reference's own bf16 rounding. The
-    CPU emulation (scripts/partials_precision.py) puts these partials at 1.00-1.04x the
-    rounding, fp32 partials at 1.0x and bf16 partials at 1.5-1.9x."""
+    output straight from the fp32 accumulators) and of the reference's own bf16 rounding. A
+    CPU emulation of the merge puts these partials at 1.00-1.04x the rounding, fp32 partials at
+    1.0x and bf16 partials at 1.5-1.9x."""
     _needs_hopper()
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(23)
@@ -547,11 +579,17 @@ def test_running_max_that_moves_after_the_first_tile(fmt, profile):
 
     def scope(cache, bs, width):
         idx = torch.arange(width, device=device, dtype=torch.int32).expand(T, width).contiguous()
-        return KVScope(cache, fmt, bs, idx, torch.full((T,), width, device=device,
-                                                       dtype=torch.int32))  # fmt: skip
+        return KVScope(
+            cache, fmt, bs, idx, torch.full((T,), width, device=device, dtype=torch.int32)
+        )
 
-    args = (q, scope(window_cache, 64, K_WIN), None, HEAD_DIM**-0.5,
-            scope(extra_cache, 16, K_EXTRA))  # fmt: skip
+    args = (
+        q,
+        scope(window_cache, 64, K_WIN),
+        None,
+        HEAD_DIM**-0.5,
+        scope(extra_cache, 16, K_EXTRA),
+    )
     for num_splits in (1, 4):
         _run_and_check(args, num_splits=num_splits)
 

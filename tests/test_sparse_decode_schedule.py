@@ -94,8 +94,11 @@ def test_random_counts_cover_every_tile_once(seed):
 def test_boundaries_near_a_token_edge_move_to_it():
     # Tokens of 8 tiles + 2 overhead on 3 parts of 10: every boundary is a token edge.
     _, items = check([256] * 3, 3)
-    assert [[(t, j0, j1) for t, j0, j1, _ in m] for m in items] == [[(0, 0, 8)], [(1, 0, 8)],
-                                                                   [(2, 0, 8)]]  # fmt: skip
+    assert [[(t, j0, j1) for t, j0, j1, _ in m] for m in items] == [
+        [(0, 0, 8)],
+        [(1, 0, 8)],
+        [(2, 0, 8)],
+    ]
     # 4 tokens of 10 on 3 parts (share 14, slack 2 + 14 // 16 = 2): the boundary at 14 lies 4
     # into token 1 and 6 before its end, so token 1 is cut; the one at 28 lies 2 before token
     # 2's end and moves there.

@@ -111,8 +111,9 @@ def test_swizzled_offset_matches_the_cute_layout():
     probes = []
 
     # Rows probed per tile height, chosen outside the traced function (its ``if`` is traced).
-    row_sets = {rows: [r for r in (0, 1, 5, 7, 8, 13, 31, 63) if r < rows]
-                for rows in (BLOCK_H, BLOCK_N)}  # fmt: skip
+    row_sets = {
+        rows: [r for r in (0, 1, 5, 7, 8, 13, 31, 63) if r < rows] for rows in (BLOCK_H, BLOCK_N)
+    }
 
     @cute.jit
     def evaluate():

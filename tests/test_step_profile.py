@@ -12,18 +12,41 @@ from dsv4_attn.e2e import step_profile
 
 
 def _step(name: str, ts: float, dur: float, pid: int = 7) -> dict:
-    return {"ph": "X", "cat": "user_annotation", "name": name, "pid": pid, "tid": 1, "ts": ts,
-            "dur": dur}  # fmt: skip
+    return {
+        "ph": "X",
+        "cat": "user_annotation",
+        "name": name,
+        "pid": pid,
+        "tid": 1,
+        "ts": ts,
+        "dur": dur,
+    }
 
 
 def _launch(correlation: int, ts: float, pid: int = 7, cat: str = "cuda_runtime") -> dict:
-    return {"ph": "X", "cat": cat, "name": "cudaLaunchKernel", "pid": pid, "tid": 1, "ts": ts,
-            "dur": 3, "args": {"correlation": correlation}}  # fmt: skip
+    return {
+        "ph": "X",
+        "cat": cat,
+        "name": "cudaLaunchKernel",
+        "pid": pid,
+        "tid": 1,
+        "ts": ts,
+        "dur": 3,
+        "args": {"correlation": correlation},
+    }
 
 
 def _kernel(name: str, correlation: int, dur: float, cat: str = "kernel") -> dict:
-    return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": 7, "ts": 10_000.0,
-            "dur": dur, "args": {"correlation": correlation}}  # fmt: skip
+    return {
+        "ph": "X",
+        "cat": cat,
+        "name": name,
+        "pid": 0,
+        "tid": 7,
+        "ts": 10_000.0,
+        "dur": dur,
+        "args": {"correlation": correlation},
+    }
 
 
 def _trace() -> dict:
@@ -62,8 +85,14 @@ def test_kernels_are_charged_to_the_step_that_launched_them():
     assert decode["median_attention_us"] == 40  # 30 and 50
     assert decode["attention_share"] == pytest.approx(80 / 200)
     assert decode["median_cpu_us"] == 110
-    assert mixed == {**mixed, "steps": 1, "median_gpu_us": 500, "median_attention_us": 400,
-                     "median_decode_requests": 63, "median_prefill_tokens": 2048}  # fmt: skip
+    assert mixed == {
+        **mixed,
+        "steps": 1,
+        "median_gpu_us": 500,
+        "median_attention_us": 400,
+        "median_decode_requests": 63,
+        "median_prefill_tokens": 2048,
+    }
     assert prefill["median_gpu_us"] == 1000 and prefill["attention_share"] == 0
     top = decode["top_kernels"]
     assert [k["name"] for k in top] == ["fused_moe_kernel", "kernel_SparseDecodeSm90_sm90a"]

@@ -46,8 +46,13 @@ def load_with_vllm(path: str):
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     vt._distributed_ready()
-    args = EngineArgs(model=path, skip_tokenizer_init=True, enforce_eager=True,
-                      max_model_len=vt.MAX_MODEL_LEN, max_num_seqs=4)  # fmt: skip
+    args = EngineArgs(
+        model=path,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=vt.MAX_MODEL_LEN,
+        max_num_seqs=4,
+    )
     config = args.create_engine_config()
     loader = get_model_loader(config.load_config)
     with (
@@ -109,8 +114,9 @@ def test_the_draftable_model_mostly_predicts_its_bigram():
     )
 
     model = build_tiny_model(DRAFTABLE_SPEC)
-    ids = torch.randint(1, DRAFTABLE_SPEC.vocab_size, (1, 320),
-                        generator=torch.Generator().manual_seed(7))  # fmt: skip
+    ids = torch.randint(
+        1, DRAFTABLE_SPEC.vocab_size, (1, 320), generator=torch.Generator().manual_seed(7)
+    )
     table = bigram_table(model)
     assert table.shape == (DRAFTABLE_SPEC.vocab_size,) and table.dtype == torch.int64
     with torch.no_grad():

@@ -54,8 +54,9 @@ class Builders:
         self.compressed = None
         if layer.compress_ratio > 1:
             spec = layer.get_kv_cache_spec(config)
-            self.compressed = DSV4CompressedMetadataBuilder(spec, [layer.prefix], config,
-                                                            vt.device())  # fmt: skip
+            self.compressed = DSV4CompressedMetadataBuilder(
+                spec, [layer.prefix], config, vt.device()
+            )
         self.layer = layer
 
     def build(self, batch: vt.Batch) -> dict:
@@ -82,17 +83,21 @@ def write_step_rows(layer, batch: vt.Batch, gen: torch.Generator, back: int = vt
     each request's first query token: its window; a DSpark block reaches one further) and at
     every compressed slot the requests own (checked writer)."""
     fmt = layer.kv_format
-    swa = [vt.slot(batch.swa_block_table, r, p, vt.SWA_BLOCK)
-           for r, (s, q) in enumerate(zip(batch.seq_lens, batch.query_lens, strict=True))
-           for p in range(max(0, s - q - back), s)]  # fmt: skip
+    swa = [
+        vt.slot(batch.swa_block_table, r, p, vt.SWA_BLOCK)
+        for r, (s, q) in enumerate(zip(batch.seq_lens, batch.query_lens, strict=True))
+        for p in range(max(0, s - q - back), s)
+    ]
     where = layer.swa_pages().device
     rows = random_rows(len(swa), gen, where)
     kv_cache.write(layer.swa_pages(), torch.tensor(swa, device=where), rows, fmt, 64)
     if layer.compress_ratio > 1:
         per_block = layer.compressed_rows_per_block
-        entries = [vt.slot(batch.cache_block_table, r, i, per_block)
-                   for r, s in enumerate(batch.seq_lens)
-                   for i in range(s // layer.compress_ratio)]  # fmt: skip
+        entries = [
+            vt.slot(batch.cache_block_table, r, i, per_block)
+            for r, s in enumerate(batch.seq_lens)
+            for i in range(s // layer.compress_ratio)
+        ]
         if entries:
             rows = random_rows(len(entries), gen, where)
             slots = torch.tensor(entries, device=where)
@@ -169,8 +174,9 @@ CHUNK_ROWS = {"one_chunk": None, "small_chunks": 300}
 )
 def test_forward_mqa_matches_reference(kv_dtype, ratio, batch_name, chunk_rows, monkeypatch):
     if CHUNK_ROWS[chunk_rows] is not None:
-        monkeypatch.setattr(DSV4NVFP4Attention, "_prefill_budget",
-                            lambda self: CHUNK_ROWS[chunk_rows])  # fmt: skip
+        monkeypatch.setattr(
+            DSV4NVFP4Attention, "_prefill_budget", lambda self: CHUNK_ROWS[chunk_rows]
+        )
     model = vt.tiny_model(kv_dtype)
     layer = model.layers[ratio]
     assert isinstance(layer, DSV4NVFP4Attention) and layer.kv_format is KV_DTYPES[kv_dtype]
@@ -415,15 +421,21 @@ def test_a_dspark_draft_block_attends_to_the_whole_block(kv_dtype, monkeypatch):
 
     spans = [range(max(0, s - 4 - vt.WINDOW), s) for s in batch.seq_lens]
     token_req = [r for r, _ in batch.positions()]
-    slots = [vt.padded([vt.slot(batch.swa_block_table, r, p, vt.SWA_BLOCK) for p in spans[r]],
-                       width) for r in token_req]  # fmt: skip
+    slots = [
+        vt.padded([vt.slot(batch.swa_block_table, r, p, vt.SWA_BLOCK) for p in spans[r]], width)
+        for r in token_req
+    ]
     slots = torch.tensor(slots)
     rows = kv_cache.read(layer.swa_pages(), slots.flatten(), layer.kv_format, vt.SWA_BLOCK)
     local = torch.arange(slots.numel()).view(slots.shape)
     ref, _ = reference.sparse_attention(
-        q[: len(token_req)], rows, torch.where(slots >= 0, local, -1),
-        torch.tensor([len(spans[r]) for r in token_req]), layer.attn_sink.detach(), layer.scale,
-    )  # fmt: skip
+        q[: len(token_req)],
+        rows,
+        torch.where(slots >= 0, local, -1),
+        torch.tensor([len(spans[r]) for r in token_req]),
+        layer.attn_sink.detach(),
+        layer.scale,
+    )
     real = len(token_req)
     assert (out[real:] == 0).all()
     got = out[:real].double()
@@ -576,8 +588,9 @@ def test_nvfp4_csa_compressor_rows_from_its_bf16_state():
     staging = metadata[layer.prefix].staging_rows
     write_slots = metadata[layer.prefix].slot_mapping
     layer.staging_rows.fill_(float("nan"))
-    state_meta = SimpleNamespace(slot_mapping=state_slots, token_to_req_indices=token_req,
-                                 block_table=table, block_size=4)  # fmt: skip
+    state_meta = SimpleNamespace(
+        slot_mapping=state_slots, token_to_req_indices=token_req, block_table=table, block_size=4
+    )
     compressor._compress_norm_rope_store(
         state_meta, state, C * D, positions, layer.rotary_emb, metadata, {}
     )
@@ -589,13 +602,23 @@ def test_nvfp4_csa_compressor_rows_from_its_bf16_state():
             assert int(staging[t]) == -1
             continue
         rows = per_request[r]
-        want = reference.compressed_entries(rows[: pos + 1, : C * D], rows[: pos + 1, C * D :],
-                                            ratio, compressor.norm.weight, compressor.rms_norm_eps,
-                                            cos_sin)[pos // ratio]  # fmt: skip
+        want = reference.compressed_entries(
+            rows[: pos + 1, : C * D],
+            rows[: pos + 1, C * D :],
+            ratio,
+            compressor.norm.weight,
+            compressor.rms_norm_eps,
+            cos_sin,
+        )[pos // ratio]
         got = layer.staging_rows[t, 0].double()
         torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-5)
-        kv_cache.write(expected, write_slots[t : t + 1], layer.staging_rows[t], KVFormat.NVFP4,
-                       layer.compressed_rows_per_block)  # fmt: skip
+        kv_cache.write(
+            expected,
+            write_slots[t : t + 1],
+            layer.staging_rows[t],
+            KVFormat.NVFP4,
+            layer.compressed_rows_per_block,
+        )
         done += 1
     assert done > 50
     assert torch.equal(layer.compressed_pages(), expected)
@@ -659,9 +682,14 @@ def test_resolve_kv_format_lists_accepted_values():
     ],
 )
 def test_unsupported_configurations_are_refused(change, message):
-    parallel = SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1,
-                               tensor_parallel_size=1, use_ubatching=False, enable_dbo=False,
-                               ubatch_size=0)  # fmt: skip
+    parallel = SimpleNamespace(
+        decode_context_parallel_size=1,
+        prefill_context_parallel_size=1,
+        tensor_parallel_size=1,
+        use_ubatching=False,
+        enable_dbo=False,
+        ubatch_size=0,
+    )
     hf = SimpleNamespace(vision_n_layers=0)
     spec = None
     heads = 64
@@ -689,7 +717,7 @@ def test_dspark_is_served_only_when_opted_in(monkeypatch):
     from dsv4_attn.vllm_glue.support import EXPERIMENTAL_DSPARK_ENV
 
     config = vt.engine_config()
-    config.speculative_config = SimpleNamespace(use_dspark=lambda: True)
+    monkeypatch.setattr(config, "speculative_config", SimpleNamespace(use_dspark=lambda: True))
     monkeypatch.delenv(EXPERIMENTAL_DSPARK_ENV, raising=False)
     with pytest.raises(ValueError, match=f"DSpark .*\\({EXPERIMENTAL_DSPARK_ENV}=1"):
         check_supported(config)
@@ -724,8 +752,9 @@ def test_paged_view_rejects_what_it_cannot_address():
     with pytest.raises(ValueError, match="runs past its storage"):
         kv_spec.paged_view(padded, KVFormat.FP8_DS_MLA, 64)
     roomy = torch.zeros(4 * page, dtype=torch.uint8)
-    view = kv_spec.paged_view(torch.as_strided(roomy, (4, 64, 584), (page, 584, 1)),
-                              KVFormat.FP8_DS_MLA, 64)  # fmt: skip
+    view = kv_spec.paged_view(
+        torch.as_strided(roomy, (4, 64, 584), (page, 584, 1)), KVFormat.FP8_DS_MLA, 64
+    )
     assert view.shape == (4, page) and view.stride() == (page, 1)
 
 
@@ -895,8 +924,7 @@ def test_a_request_above_the_reservation_raises_and_keeps_the_workspace(
     seq_lens, query_lens = ([200] * 4, [1] * 4) if path == "decode" else ([300], [300])
     batch = vt.make_batch(gen, seq_lens, query_lens, num_blocks=300)
     write_step_rows(layer, batch, gen)
-    model.topk_indices_buffer[: batch.num_tokens] = vt.random_local_topk(gen, batch,
-                                                                         vt.INDEX_TOPK)  # fmt: skip
+    model.topk_indices_buffer[: batch.num_tokens] = vt.random_local_topk(gen, batch, vt.INDEX_TOPK)
     q = torch.randn(batch.num_tokens, layer.padded_heads, 512, generator=gen).to(torch.bfloat16)
     out = torch.empty_like(q)
     with (
@@ -912,8 +940,7 @@ def test_lse_of_both_paths_lives_in_the_workspace(cpu_workspace, monkeypatch):
     (nothing a step allocates outside what the profiling run reserved)."""
     model = vt.tiny_model("auto")
     layer = model.layers[128]
-    out = torch.empty(layer.max_num_batched_tokens, layer.padded_heads, 512,
-                      dtype=torch.bfloat16)  # fmt: skip
+    out = torch.empty(layer.max_num_batched_tokens, layer.padded_heads, 512, dtype=torch.bfloat16)
     with set_forward_context(None, model.vllm_config):
         layer.forward_mqa(out, None, None, out)
     address, size = _workspace_buffer(cpu_workspace)

@@ -76,7 +76,11 @@ def test_breakdown_adds_up_to_vllms_bytes_per_request(backend):
             counted[kind] = counted.get(kind, 0) + int(n)
     csa, hca = schedule.count(4), schedule.count(128)
     assert counted == {
-        "window rows": len(schedule), "CSA rows": csa, "HCA rows": hca, "indexer keys": csa,
-        "CSA compressor state": csa, "HCA compressor state": hca,
+        "window rows": len(schedule),
+        "CSA rows": csa,
+        "HCA rows": hca,
+        "indexer keys": csa,
+        "CSA compressor state": csa,
+        "HCA compressor state": hca,
         "indexer compressor state": csa,
-    }  # fmt: skip
+    }

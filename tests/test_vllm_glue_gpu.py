@@ -152,8 +152,9 @@ def test_whole_step_has_no_host_sync_and_matches_reference(
     gen = torch.Generator().manual_seed(ratio + len(kv_dtype))
     poison(model, gen)
     warm = vt.make_batch(gen, [300, 45], [1, 40], padding=1, num_blocks=300, on="cuda")
-    batch = vt.make_batch(gen, [700, 129, 64, 3], [1, 2, 64, 3], padding=2, num_blocks=300,
-                          on="cuda")  # fmt: skip
+    batch = vt.make_batch(
+        gen, [700, 129, 64, 3], [1, 2, 64, 3], padding=2, num_blocks=300, on="cuda"
+    )
     for step, b in enumerate((warm, batch)):  # the first step compiles outside the check
         write_step_rows(layer, b, gen)
         local_topk = None
@@ -162,8 +163,12 @@ def test_whole_step_has_no_host_sync_and_matches_reference(
             model.topk_indices_buffer[: b.num_tokens] = local_topk
         q, kv = _inputs(layer, b, gen)
         positions = b.swa_cm.positions
-        out = torch.full((b.num_tokens, layer.padded_heads, 512), float("nan"),
-                         dtype=torch.bfloat16, device="cuda")  # fmt: skip
+        out = torch.full(
+            (b.num_tokens, layer.padded_heads, 512),
+            float("nan"),
+            dtype=torch.bfloat16,
+            device="cuda",
+        )
         staged = (torch.randn(b.num_tokens, 512, generator=gen) * 2).to(torch.bfloat16).cuda()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error" if step else "default")
@@ -197,12 +202,14 @@ def _store_staged(layer, metadata, rows, check: bool) -> None:
     layer.staging_rows[:T, 0] = rows
     pages = layer.compressed_pages()
     expected = pages.clone() if check else None
-    store_staged_rows(layer.staging_rows, metadata.slot_mapping, pages,
-                      layer.compressed_rows_per_block)  # fmt: skip
+    store_staged_rows(
+        layer.staging_rows, metadata.slot_mapping, pages, layer.compressed_rows_per_block
+    )
     if check:
         torch.cuda.set_sync_debug_mode("default")
-        kv_cache.write(expected, metadata.slot_mapping, rows, KVFormat.NVFP4,
-                       layer.compressed_rows_per_block)  # fmt: skip
+        kv_cache.write(
+            expected, metadata.slot_mapping, rows, KVFormat.NVFP4, layer.compressed_rows_per_block
+        )
         assert torch.equal(pages, expected)
 
 
@@ -283,8 +290,7 @@ def test_decode_step_replays_in_a_cuda_graph(
     T = 5 * tokens + 2  # two padding rows
     runner = _RunnerBuffers(num_reqs=5, num_tokens=T)
     first = vt.make_batch(gen, [900, 17, 300, 128, 3], [tokens] * 5, padding=2, num_blocks=300)
-    second = vt.make_batch(gen, [40, 1200, 3, 513, 260], [tokens] * 5, padding=2,
-                           num_blocks=300)  # fmt: skip
+    second = vt.make_batch(gen, [40, 1200, 3, 513, 260], [tokens] * 5, padding=2, num_blocks=300)
     q_in = torch.zeros(T, layer.n_local_heads, 512, dtype=torch.bfloat16, device="cuda")
     kv_in = torch.zeros(T, 512, dtype=torch.bfloat16, device="cuda")
     out = torch.zeros(T, layer.padded_heads, 512, dtype=torch.bfloat16, device="cuda")
@@ -307,8 +313,14 @@ def test_decode_step_replays_in_a_cuda_graph(
 
     metadata_again = prepare(second)
     for key, md in metadata_again.items():  # same buffers as the captured step
-        for name in ("swa_indices", "swa_lens", "hca_indices", "hca_lens", "slot_mapping",
-                     "window_lens"):  # fmt: skip
+        for name in (
+            "swa_indices",
+            "swa_lens",
+            "hca_indices",
+            "hca_lens",
+            "slot_mapping",
+            "window_lens",
+        ):
             if getattr(md, name, None) is not None:
                 assert getattr(md, name).data_ptr() == getattr(metadata[key], name).data_ptr()
     plan, plan_again = (_check_plan(m, layer, schedule) for m in (metadata, metadata_again))
@@ -348,10 +360,8 @@ def test_dspark_draft_step_replays_in_a_cuda_graph(profiled, kv_dtype, monkeypat
     R = 4
     T = R * DSPARK_TOKENS + 2  # two padding rows
     runner = _RunnerBuffers(num_reqs=R, num_tokens=T)
-    first = vt.make_batch(gen, [4, 131, 300, 133], [DSPARK_TOKENS] * R, padding=2,
-                          num_blocks=300)  # fmt: skip
-    second = vt.make_batch(gen, [700, 9, 128, 260], [DSPARK_TOKENS] * R, padding=2,
-                           num_blocks=300)  # fmt: skip
+    first = vt.make_batch(gen, [4, 131, 300, 133], [DSPARK_TOKENS] * R, padding=2, num_blocks=300)
+    second = vt.make_batch(gen, [700, 9, 128, 260], [DSPARK_TOKENS] * R, padding=2, num_blocks=300)
     q_in = torch.zeros(T, layer.n_local_heads, 512, dtype=torch.bfloat16, device="cuda")
     kv_in = torch.zeros(T, 512, dtype=torch.bfloat16, device="cuda")
     out = torch.zeros(T, layer.padded_heads, 512, dtype=torch.bfloat16, device="cuda")
@@ -380,17 +390,26 @@ def test_dspark_draft_step_replays_in_a_cuda_graph(profiled, kv_dtype, monkeypat
 
     spans = [range(max(0, s - DSPARK_TOKENS - vt.WINDOW), s) for s in second.seq_lens]
     token_req = [r for r, _ in second.positions()]
-    slots = torch.tensor([vt.padded([vt.slot(second.swa_block_table, r, p, vt.SWA_BLOCK)
-                                     for p in spans[r]], DSPARK_WIDTH)
-                          for r in token_req])  # fmt: skip
+    slots = torch.tensor(
+        [
+            vt.padded(
+                [vt.slot(second.swa_block_table, r, p, vt.SWA_BLOCK) for p in spans[r]],
+                DSPARK_WIDTH,
+            )
+            for r in token_req
+        ]
+    )
     rows = kv_cache.read(layer.swa_pages(), slots.flatten().cuda(), layer.kv_format, vt.SWA_BLOCK)
     local = torch.arange(slots.numel()).view(slots.shape)
     real = len(token_req)
     ref, _ = reference.sparse_attention(
-        q_padded[:real].cpu(), rows.cpu(), torch.where(slots >= 0, local, -1),
-        torch.tensor([len(spans[r]) for r in token_req]), layer.attn_sink.detach().cpu(),
+        q_padded[:real].cpu(),
+        rows.cpu(),
+        torch.where(slots >= 0, local, -1),
+        torch.tensor([len(spans[r]) for r in token_req]),
+        layer.attn_sink.detach().cpu(),
         layer.scale,
-    )  # fmt: skip
+    )
     err = (out[:real].double().cpu() - ref).norm() / ref.norm()
     assert err < 1e-2, f"relative error {float(err):.3g} against the float64 reference"
     assert (replayed[real:] == 0).all()  # padding rows
@@ -419,8 +438,10 @@ class _RunnerBuffers:
         self.positions.copy_(cm.positions)
         self.swa_slots.copy_(cm.slot_mapping)
         self.cache_slots.copy_(ccm.slot_mapping)
-        for table, bt in ((self.swa_table, batch.swa_block_table),
-                          (self.cache_table, batch.cache_block_table)):  # fmt: skip
+        for table, bt in (
+            (self.swa_table, batch.swa_block_table),
+            (self.cache_table, batch.cache_block_table),
+        ):
             table.zero_()
             table[:, : bt.shape[1]] = bt.cuda()
 
@@ -430,9 +451,13 @@ class _RunnerBuffers:
 
         def over(cm, slots, table):
             return dataclasses.replace(
-                cm, query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
-                positions=self.positions, slot_mapping=slots, block_table_tensor=table,
-            )  # fmt: skip
+                cm,
+                query_start_loc=self.query_start_loc,
+                seq_lens=self.seq_lens,
+                positions=self.positions,
+                slot_mapping=slots,
+                block_table_tensor=table,
+            )
 
         return dataclasses.replace(
             batch,
@@ -477,39 +502,76 @@ def test_csa_rows_match_vllms_compressor_kernel(profiled):
     T = len(tokens)
     token_req = torch.tensor([r for r, _ in tokens], dtype=torch.int32, device="cuda")
     positions = torch.tensor([p for _, p in tokens], device="cuda")
-    state_slots = torch.tensor([int(table[r, p // bs]) * bs + p % bs for r, p in tokens],
-                               device="cuda")  # fmt: skip
+    state_slots = torch.tensor(
+        [int(table[r, p // bs]) * bs + p % bs for r, p in tokens], device="cuda"
+    )
     out_rows = torch.where((positions + 1) % ratio == 0, torch.arange(T, device="cuda"), -1)
     state, table = state.cuda(), table.cuda()
     cos_sin = model.layers[4].rotary_emb.cos_sin_cache
     vllm_rows = torch.full((T, 1, D), float("nan"), dtype=torch.bfloat16, device="cuda")
     DSV4NVFP4Compressor._store_rows_kernel()(
-        state_cache=state, num_actual=T, token_to_req_indices=token_req, positions=positions,
-        slot_mapping=state_slots, block_table=table, block_size=bs, state_width=C * D,
-        cos_sin_cache=cos_sin, kv_cache=vllm_rows, k_cache_metadata=_StagingSlots(out_rows),
-        pdl_kwargs={"launch_pdl": False}, head_dim=D, rope_head_dim=64, compress_ratio=ratio,
-        overlap=True, use_fp4_cache=False, rms_norm_weight=compressor.norm.weight,
-        rms_norm_eps=compressor.rms_norm_eps, quant_block=compressor._quant_block,
-        token_stride=compressor._token_stride, scale_dim=compressor._scale_dim,
-        store_full_kv=True, store_full_fp8=False, fp8_scale=None,
-    )  # fmt: skip
+        state_cache=state,
+        num_actual=T,
+        token_to_req_indices=token_req,
+        positions=positions,
+        slot_mapping=state_slots,
+        block_table=table,
+        block_size=bs,
+        state_width=C * D,
+        cos_sin_cache=cos_sin,
+        kv_cache=vllm_rows,
+        k_cache_metadata=_StagingSlots(out_rows),
+        pdl_kwargs={"launch_pdl": False},
+        head_dim=D,
+        rope_head_dim=64,
+        compress_ratio=ratio,
+        overlap=True,
+        use_fp4_cache=False,
+        rms_norm_weight=compressor.norm.weight,
+        rms_norm_eps=compressor.rms_norm_eps,
+        quant_block=compressor._quant_block,
+        token_stride=compressor._token_stride,
+        scale_dim=compressor._scale_dim,
+        store_full_kv=True,
+        store_full_fp8=False,
+        fp8_scale=None,
+    )
     ours = torch.full((T, D), float("nan"), dtype=torch.bfloat16, device="cuda")
-    compress_rows(state, table, token_req, positions, state_slots, out_rows, ours, ratio,
-                  compressor.norm.weight, compressor.rms_norm_eps, cos_sin)  # fmt: skip
+    compress_rows(
+        state,
+        table,
+        token_req,
+        positions,
+        state_slots,
+        out_rows,
+        ours,
+        ratio,
+        compressor.norm.weight,
+        compressor.rms_norm_eps,
+        cos_sin,
+    )
     done = out_rows >= 0
     assert torch.equal(ours.isnan().any(-1), ~done)
-    torch.testing.assert_close(ours[done].float(), vllm_rows[done, 0].float(), rtol=2**-7,
-                               atol=1e-3)  # fmt: skip
+    torch.testing.assert_close(
+        ours[done].float(), vllm_rows[done, 0].float(), rtol=2**-7, atol=1e-3
+    )
     # vLLM's save kernel into a bf16 state: the fp32 values, rounded once.
     kv = torch.randn(T, C * D, generator=gen).cuda()
     score = torch.randn(T, C * D, generator=gen).cuda()
     ape = torch.randn(ratio, C * D, generator=gen).cuda()
     bf16_state = torch.full_like(state, float("nan"), dtype=torch.bfloat16)
     _SAVE_PARTIAL_STATES_KERNEL(
-        kv=kv, score=score, ape=ape, positions=positions, state_cache=bf16_state,
-        slot_mapping=state_slots, block_size=bs, state_width=C * D, compress_ratio=ratio,
+        kv=kv,
+        score=score,
+        ape=ape,
+        positions=positions,
+        state_cache=bf16_state,
+        slot_mapping=state_slots,
+        block_size=bs,
+        state_width=C * D,
+        compress_ratio=ratio,
         pdl_kwargs={"launch_pdl": False},
-    )  # fmt: skip
+    )
     saved = bf16_state.view(-1, 2 * C * D)[state_slots]
     assert torch.equal(saved[:, : C * D], kv.bfloat16())
     want = (score + ape[positions % ratio]).bfloat16()

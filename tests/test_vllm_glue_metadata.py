@@ -317,8 +317,9 @@ def brute_block_window(batch: vt.Batch, width: int, block_rows: int):
         r = token_req[t]
         seq, q = batch.seq_lens[r], batch.query_lens[r]
         span = range(max(0, seq - q - vt.WINDOW), seq)
-        rows.append(vt.padded([vt.slot(batch.swa_block_table, r, p, vt.SWA_BLOCK) for p in span],
-                              width))  # fmt: skip
+        rows.append(
+            vt.padded([vt.slot(batch.swa_block_table, r, p, vt.SWA_BLOCK) for p in span], width)
+        )
         lens.append(len(span))
     return rows, lens
 
@@ -335,8 +336,7 @@ def test_dspark_window_width_is_vllms():
     from types import SimpleNamespace
 
     def config(method, tokens):
-        spec = SimpleNamespace(use_dspark=lambda: method == "dspark",
-                               num_speculative_tokens=tokens)  # fmt: skip
+        spec = SimpleNamespace(use_dspark=lambda: method == "dspark", num_speculative_tokens=tokens)
         return SimpleNamespace(speculative_config=spec)
 
     assert metadata.dspark_window_width(config("dspark", 4), 128) == 192
@@ -349,8 +349,7 @@ def test_dspark_window_width_is_vllms():
 @pytest.mark.parametrize("name", list(DRAFT_BLOCKS))
 def test_draft_blocks_see_their_whole_block_after_the_window(config, monkeypatch, name):
     seq_lens, query_lens = DRAFT_BLOCKS[name]
-    batch = vt.make_batch(torch.Generator().manual_seed(len(name)), seq_lens, query_lens,
-                          padding=3)  # fmt: skip
+    batch = vt.make_batch(torch.Generator().manual_seed(len(name)), seq_lens, query_lens, padding=3)
     builder = block_builder(config, monkeypatch)
     causal_before = builder.swa_indices.clone()
     md = builder.build(0, dataclasses.replace(batch.swa_cm, causal=False))
@@ -371,8 +370,9 @@ def test_block_lists_equal_vllms_builder_kernel():
     pytest.importorskip("triton")
     code = "from tests.test_vllm_glue_metadata import check_vllm_block_kernel as c; c()"
     env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "blocks compared: 3" in result.stdout
 
@@ -388,8 +388,13 @@ def _vllm_block_kernel():
 
     body = sparse_swa.ComputeDSparkNoncausalSWAIndicesKernel.__dict__["kernel"].__func__
     body = getattr(body, "fn", body)
-    rebound = types.FunctionType(body.__code__, {**body.__globals__, "tl": tl, "triton": triton},
-                                 body.__name__, body.__defaults__, body.__closure__)  # fmt: skip
+    rebound = types.FunctionType(
+        body.__code__,
+        {**body.__globals__, "tl": tl, "triton": triton},
+        body.__name__,
+        body.__defaults__,
+        body.__closure__,
+    )
     return triton.jit(rebound)
 
 
@@ -403,9 +408,14 @@ def check_vllm_block_kernel() -> None:
         T = batch.num_tokens
         tokens = metadata.map_tokens(cm.query_start_loc, cm.seq_lens, cm.slot_mapping, T)
         ours, our_lens = metadata.block_window_slots(
-            tokens, cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, vt.SWA_BLOCK,
-            vt.WINDOW, BLOCK_WIDTH,
-        )  # fmt: skip
+            tokens,
+            cm.query_start_loc,
+            cm.seq_lens,
+            cm.block_table_tensor,
+            vt.SWA_BLOCK,
+            vt.WINDOW,
+            BLOCK_WIDTH,
+        )
         # vLLM's builder runs it over the decode rows (the blocks) only
         T = sum(batch.query_lens[: brute_split(batch, threshold=4)])
         ours, our_lens = ours[:T], our_lens[:T]
@@ -413,10 +423,21 @@ def check_vllm_block_kernel() -> None:
         their_lens = torch.full((T,), 7, dtype=torch.int32)
         token_req = tokens.req.int()
         kernel[(T,)](
-            theirs, theirs.stride(0), their_lens, vt.WINDOW, BLOCK_WIDTH, cm.query_start_loc,
-            cm.seq_lens, token_req, tokens.valid, cm.block_table_tensor,
-            cm.block_table_tensor.stride(0), vt.SWA_BLOCK, 0, TRITON_BLOCK_SIZE=64,
-        )  # fmt: skip
+            theirs,
+            theirs.stride(0),
+            their_lens,
+            vt.WINDOW,
+            BLOCK_WIDTH,
+            cm.query_start_loc,
+            cm.seq_lens,
+            token_req,
+            tokens.valid,
+            cm.block_table_tensor,
+            cm.block_table_tensor.stride(0),
+            vt.SWA_BLOCK,
+            0,
+            TRITON_BLOCK_SIZE=64,
+        )
         assert torch.equal(ours, theirs[:, 0]), name
         assert torch.equal(our_lens, their_lens), name
     print(f"blocks compared: {len(DRAFT_BLOCKS)}")

@@ -130,14 +130,32 @@ def test_installed_vllm_matches_the_hook_targets():
 @pytest.mark.parametrize(
     "target, reason",
     [
-        (compat.HookTarget("vllm.models.deepseek_v4.nvidia.model", "_select_dsv4_attn_cls",
-                           ("vllm_config", "device"), True), r"takes \(vllm_config\)"),
-        (compat.HookTarget("vllm.models.deepseek_v4.nvidia.model", "_select_attention",
-                           ("vllm_config",), True), "has no module-level function"),
-        (compat.HookTarget("vllm.models.deepseek_v9.nvidia.model", "_select_dsv4_attn_cls",
-                           ("vllm_config",), True), "is missing"),
+        (
+            compat.HookTarget(
+                "vllm.models.deepseek_v4.nvidia.model",
+                "_select_dsv4_attn_cls",
+                ("vllm_config", "device"),
+                True,
+            ),
+            r"takes \(vllm_config\)",
+        ),
+        (
+            compat.HookTarget(
+                "vllm.models.deepseek_v4.nvidia.model", "_select_attention", ("vllm_config",), True
+            ),
+            "has no module-level function",
+        ),
+        (
+            compat.HookTarget(
+                "vllm.models.deepseek_v9.nvidia.model",
+                "_select_dsv4_attn_cls",
+                ("vllm_config",),
+                True,
+            ),
+            "is missing",
+        ),
     ],
-)  # fmt: skip
+)
 def test_changed_hook_targets_are_refused_naming_the_version(monkeypatch, target, reason):
     monkeypatch.setattr(compat, "HOOK_TARGETS", (target,))
     message = compat.incompatibility()

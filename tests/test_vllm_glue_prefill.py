@@ -33,8 +33,9 @@ def test_chunks_cover_every_prefill_request_within_the_budget(ratio, seed):
     query_start = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
     full = prefill.rows_budget(max_len, ratio, window, max_tokens)
     for budget in (full, 600):
-        chunks = prefill.plan_chunks(query_start, torch.tensor(seq_lens), num_decodes,
-                                     num_prefills, ratio, window, budget)  # fmt: skip
+        chunks = prefill.plan_chunks(
+            query_start, torch.tensor(seq_lens), num_decodes, num_prefills, ratio, window, budget
+        )
         assert chunks[0].first_req == num_decodes and chunks[-1].end_req == len(query_lens)
         for a, b in itertools.pairwise(chunks):
             assert a.end_req == b.first_req and a.end_token == b.first_token
@@ -50,21 +51,30 @@ def test_chunks_cover_every_prefill_request_within_the_budget(ratio, seed):
             assert chunk.rows <= full
             if chunk.end_req < chunks[-1].end_req:  # closed because the next did not fit
                 nxt = _needs(query_lens[chunk.end_req], seq_lens[chunk.end_req], ratio, window)
-                entries, gather = max(chunk.entries, nxt[0]), max(chunk.rows - chunk.entries,
-                                                                  nxt[1])  # fmt: skip
+                entries, gather = (
+                    max(chunk.entries, nxt[0]),
+                    max(chunk.rows - chunk.entries, nxt[1]),
+                )
                 assert (len(reqs) + 1) * (entries + gather) > budget
 
 
 def test_peak_workspace_holds_the_largest_chunk():
     window, topk, max_tokens, max_len, heads = 128, 512, 8192, 65536, 64
     for ratio in (1, 4, 128):
-        rows, index, lens, lse = prefill.peak_workspace_shapes(max_len, ratio, window, topk,
-                                                               max_tokens, heads)  # fmt: skip
+        rows, index, lens, lse = prefill.peak_workspace_shapes(
+            max_len, ratio, window, topk, max_tokens, heads
+        )
         # One request: a whole step of prompt tokens at the end of a max_model_len sequence.
         query_start = torch.tensor([0, max_tokens])
-        (chunk,) = prefill.plan_chunks(query_start, torch.tensor([max_len]), 0, 1, ratio,
-                                       window, prefill.rows_budget(max_len, ratio, window,
-                                                                   max_tokens))  # fmt: skip
+        (chunk,) = prefill.plan_chunks(
+            query_start,
+            torch.tensor([max_len]),
+            0,
+            1,
+            ratio,
+            window,
+            prefill.rows_budget(max_len, ratio, window, max_tokens),
+        )
         assert chunk.rows <= rows[0][0] and rows[0][1] == 512
         width = prefill.index_width(ratio, topk, chunk.entries, window)
         assert index[0] == (max_tokens, width) and lens[0] == (max_tokens,)
@@ -81,8 +91,10 @@ def test_csa_picks_the_token_does_not_see_yet_are_holes():
     seq_lens = torch.tensor([seq_len], dtype=torch.int32)
     (chunk,) = prefill.plan_chunks(query_start, seq_lens, 0, 1, 4, window, 10**6)
     topk = torch.randint(-1, seq_len // 4, (query_len, 16), generator=gen, dtype=torch.int32)
-    out = (torch.full((query_len, 400), 777, dtype=torch.int32),
-           torch.full((query_len,), 777, dtype=torch.int32))  # fmt: skip
+    out = (
+        torch.full((query_len, 400), 777, dtype=torch.int32),
+        torch.full((query_len,), 777, dtype=torch.int32),
+    )
     indices, _ = prefill.index_lists(chunk, query_start, seq_lens, window, 4, topk, out)
     pos = torch.arange(seq_len - query_len, seq_len)
     visible = ((pos + 1) // 4)[:, None]

@@ -34,9 +34,13 @@ def test_one_group_of_wgmmas_per_round_and_one_wait(tmp_path, a_in_registers):
 
 @pytest.mark.parametrize(
     ("n", "warpgroups", "rounds", "message"),
-    [(12, 1, 1, "multiple of 8"), (264, 1, 1, "multiple of 8"), (64, 4, 1, "warpgroups"),
-     (64, 1, 0, "rounds")],
-)  # fmt: skip
+    [
+        (12, 1, 1, "multiple of 8"),
+        (264, 1, 1, "multiple of 8"),
+        (64, 4, 1, "warpgroups"),
+        (64, 1, 0, "rounds"),
+    ],
+)
 def test_rejects_shapes_it_cannot_time(n, warpgroups, rounds, message):
     with pytest.raises(ValueError, match=message):
         WgmmaRate(n, True, warpgroups, rounds)

@@ -195,8 +195,9 @@ def tiny_model(kv_cache_dtype: str = "auto") -> TinyModel:
         attention_cls = dsv4_model._select_dsv4_attn_cls(config)
         config.cache_config.block_size = BUILD_BLOCK
         for layer_id, ratio in enumerate(RATIOS):
-            layer = attention_cls(config, prefix=f"model.layers.{layer_id}.attn",
-                                  topk_indices_buffer=topk)  # fmt: skip
+            layer = attention_cls(
+                config, prefix=f"model.layers.{layer_id}.attn", topk_indices_buffer=topk
+            )
             assert layer.compress_ratio == ratio
             layers[ratio] = layer
         config.cache_config.block_size = CACHE_BLOCK  # as update_block_size_for_backend does
@@ -312,9 +313,14 @@ def _on(cm, where: torch.device | str):
 
     moved = {
         name: getattr(cm, name).to(where)
-        for name in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping",
-                     "positions")
-    }  # fmt: skip
+        for name in (
+            "query_start_loc",
+            "seq_lens",
+            "block_table_tensor",
+            "slot_mapping",
+            "positions",
+        )
+    }
     return dataclasses.replace(cm, **moved)
 
 
@@ -415,8 +421,9 @@ def brute_local(batch: Batch, local: torch.Tensor):
     rows, lens = [], []
     for t, (req, _) in enumerate(batch.positions()):
         entries = local[t].tolist()
-        rows.append([slot(batch.cache_block_table, req, e, per_block) if e >= 0 else -1
-                     for e in entries])  # fmt: skip
+        rows.append(
+            [slot(batch.cache_block_table, req, e, per_block) if e >= 0 else -1 for e in entries]
+        )
         used = [j for j, e in enumerate(entries) if e >= 0]
         lens.append(used[-1] + 1 if used else 0)
     pad = batch.num_tokens - len(rows)

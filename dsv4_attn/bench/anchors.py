@@ -1,11 +1,11 @@
 """The kernels the benchmarks compare against (``--against flashmla``), and how this project's
 inputs map onto them.
 
-FlashMLA (``../shared/anchors/``) is a measuring stick, never a dependency: :func:`import_flash_mla`
-returns its module when importable, else says so and returns None, and the benchmark times ours
-only. The rest maps a :class:`dsv4_attn.testing.DecodeCase` over ``fp8_ds_mla`` caches onto
-FlashMLA's sparse decode (``flash_mla_with_kvcache``, DeepSeek-V4 "MODEL1" layout) on the same
-bytes, as vLLM 0.33 calls it on Hopper:
+FlashMLA (the ``flash_mla`` package, when installed) is a measuring stick, never a dependency:
+:func:`import_flash_mla` returns its module when importable, else says so and returns None, and the
+benchmark times ours only. The rest maps a :class:`dsv4_attn.testing.DecodeCase` over ``fp8_ds_mla``
+caches onto FlashMLA's sparse decode (``flash_mla_with_kvcache``, DeepSeek-V4 "MODEL1" layout) on
+the same bytes, as vLLM 0.33 calls it on Hopper:
 
 * q: bf16 ``[b, s_q, h_q, 512]`` with ``h_q`` 64 or 128; fewer heads are zero-padded to 64 (vLLM's
   ``get_padded_num_q_heads``), the sink padded with -inf (no effect), the output sliced back.
@@ -55,7 +55,7 @@ FLASHMLA_TOPK_TILE = 64  # keys per tile of its sm90 kernel: index widths must b
 
 
 def import_flash_mla() -> ModuleType | None:
-    """FlashMLA's module when importable (the anchor, ``../shared/anchors/``), else None after
+    """FlashMLA's module when importable (the anchor), else None after
     printing one line saying so."""
     try:
         import flash_mla
@@ -167,9 +167,11 @@ def flashmla_sparse_decode(
     def scope_args(scope: KVScope | None) -> tuple:
         if scope is None:
             return None, None, None
-        return (flashmla_kv_view(scope.cache, scope.block_size),
-                flashmla_indices(scope.indices, b, s_q),
-                flashmla_lengths(scope.lens, scope.capacity, b, s_q))  # fmt: skip
+        return (
+            flashmla_kv_view(scope.cache, scope.block_size),
+            flashmla_indices(scope.indices, b, s_q),
+            flashmla_lengths(scope.lens, scope.capacity, b, s_q),
+        )
 
     kv, indices, lengths = scope_args(case.window)
     extra_kv, extra_indices, extra_lengths = scope_args(case.extra)
@@ -177,9 +179,23 @@ def flashmla_sparse_decode(
 
     def call() -> torch.Tensor:
         out, _ = flash_mla.flash_mla_with_kvcache(
-            q, kv, None, None, HEAD_DIM, meta, None, case.scale, False, True, indices, sink,
-            extra_kv, extra_indices, lengths, extra_lengths,
-        )  # fmt: skip
+            q,
+            kv,
+            None,
+            None,
+            HEAD_DIM,
+            meta,
+            None,
+            case.scale,
+            False,
+            True,
+            indices,
+            sink,
+            extra_kv,
+            extra_indices,
+            lengths,
+            extra_lengths,
+        )
         return unpad_heads(out.view(T, heads, HEAD_DIM), H)
 
     return call

@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows = measure(args.length, args.sigmas, args.seed)
     print(format_table(rows, COLUMNS))
-    print("errors: |row - reference| / |reference| per entry (L2), reference in float64 on the "
-          "fp32 inputs; NVFP4 / FP8: the row as the cache holds it")  # fmt: skip
+    print(
+        "errors: |row - reference| / |reference| per entry (L2), reference in float64 on the "
+        "fp32 inputs; NVFP4 / FP8: the row as the cache holds it"
+    )
     write_json(args.json, "compressor-state", None, rows)
     print(f"wrote {args.json}")

@@ -1,6 +1,6 @@
 """Benchmark of the Hopper sparse-decode kernel (``python -m dsv4_attn.bench decode``).
 
-Shapes (issue 4): V4-Flash (H=64, a 128-slot window + 512 compressed entries), V4-Pro (H=128,
+Shapes: V4-Flash (H=64, a 128-slot window + 512 compressed entries), V4-Pro (H=128,
 128 + 1024), T in {1, 8, 64, 128, 256} decode tokens of separate requests, plus HCA at 1M context
 (H=64, 128 + 8192); FP8_DS_MLA and NVFP4 caches. Every token reads its own random rows of one
 large cache (no reuse between tokens), the L2 is flushed before each timed call.
@@ -17,7 +17,7 @@ parallelism (32, 16, 8: FlashMLA runs them as vLLM does, q zero-padded to 64 hea
 back; ours runs the real head count). Per row: both our times, FlashMLA's, FlashMLA / ours per
 format (> 1: ours is faster), for the HCA shapes also ours on the balanced schedule (plan made
 once, as FlashMLA's) and the plan's own time, the floors, max |ours fp8 - FlashMLA| and the
-issue's target where one applies (:func:`targets`). Without flash_mla importable it says so
+project's target where one applies (:func:`targets`). Without flash_mla importable it says so
 once and times ours. The NVFP4 caches hold their own random rows (same distribution, same slot
 ids): only the FP8 comparison needs the same bytes.
 """
@@ -57,9 +57,9 @@ TP_SHAPES = {  # V4-Flash at the per-GPU head counts of tensor parallelism 2, 4 
     "v4-flash-tp4": (16, 128, 512),
     "v4-flash-tp8": (8, 128, 512),
 }
-# Uneven work (issue 12, "balanced work"): HCA at a 1M .. 128K context where each request has
-# its own number of compressed entries, uniform in [0, 8192] .. [0, 1024] (the tokens of a
-# request share it).
+# Uneven work (the balanced schedule's case, docs/design.md §4.1.6): HCA at a 1M .. 128K
+# context where each request has its own number of compressed entries, uniform in [0, 8192] ..
+# [0, 1024] (the tokens of a request share it).
 RAGGED_SHAPES = {
     "hca-1m-ragged": (64, 128, 8192),
     "hca-512k-ragged": (64, 128, 4096),
@@ -166,8 +166,14 @@ def make_case(
     if ragged_group is not None:
         if T % ragged_group:
             raise ValueError(f"{T} tokens are not whole requests of {ragged_group}")
-        per_request = torch.randint(0, extra + 1, (T // ragged_group,), generator=pool.gen,
-                                    device=pool.device, dtype=torch.int32)  # fmt: skip
+        per_request = torch.randint(
+            0,
+            extra + 1,
+            (T // ragged_group,),
+            generator=pool.gen,
+            device=pool.device,
+            dtype=torch.int32,
+        )
         efull = per_request.repeat_interleave(ragged_group)
     sink = torch.randn(H, generator=pool.gen, device=pool.device)
     window_scope = KVScope(
@@ -203,8 +209,9 @@ def run(shapes, tokens, formats, reps: int, fallback_reps: int):
         capacity = sparse_decode.key_capacity(case.window, case.extra)
         splits, _ = sparse_decode.resolve_splits(T, H, capacity, device)
         kernel = time_cuda_us(lambda a=args: sparse_decode.sparse_attention(*a), reps=reps)
-        slow = time_cuda_us(lambda a=args: fallback.sparse_attention(*a),
-                            reps=fallback_reps, warmup=1)  # fmt: skip
+        slow = time_cuda_us(
+            lambda a=args: fallback.sparse_attention(*a), reps=fallback_reps, warmup=1
+        )
         t = kernel["median_us"]
         rows.append(
             {
@@ -239,7 +246,7 @@ def in_format(pool: _RowPool, case: DecodeCase, fmt: KVFormat) -> DecodeCase:
 
 
 def targets(shape: str, b: int) -> dict[str, float]:
-    """The issue's targets for one ``--against`` row (empty when none applies): minimum
+    """The project's targets for one ``--against`` row (empty when none applies): minimum
     FlashMLA-time / our-time ratios per format (``"fp8"``, ``"nvfp4"``) at b >= 64 (V4-Flash:
     fp8 1.5, nvfp4 2.0; V4-Pro: fp8 1.25; V4-Flash at the TP head counts: fp8 2.0), and at b = 1
     a maximum of our time in µs in both formats (``"max_us"``: 10)."""
@@ -452,28 +459,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Options, with the defaults that depend on ``--against`` filled in (``shapes``,
     ``tokens``/``batches``, ``formats``, ``json``)."""
     parser = argparse.ArgumentParser(prog="python -m dsv4_attn.bench decode")
-    parser.add_argument("--shapes", nargs="+", choices=list(ALL_SHAPES),
-                        help=f"default {' '.join(SHAPES)}; with --against also "
-                        f"{' '.join([*TP_SHAPES, *RAGGED_SHAPES])}")  # fmt: skip
-    parser.add_argument("--tokens", type=int, nargs="+",
-                        help=f"decode tokens T (default {' '.join(map(str, TOKENS))}); "
-                        "not with --against")  # fmt: skip
-    parser.add_argument("--batches", type=int, nargs="+",
-                        help="with --against: requests b of --s-q tokens each, T = b * s_q "
-                        f"(default {' '.join(map(str, BATCHES))})")  # fmt: skip
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        choices=list(ALL_SHAPES),
+        help=f"default {' '.join(SHAPES)}; with --against also "
+        f"{' '.join([*TP_SHAPES, *RAGGED_SHAPES])}",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        help=f"decode tokens T (default {' '.join(map(str, TOKENS))}); not with --against",
+    )
+    parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        help="with --against: requests b of --s-q tokens each, T = b * s_q "
+        f"(default {' '.join(map(str, BATCHES))})",
+    )
     parser.add_argument("--s-q", type=int, default=S_Q, help="with --against: tokens per request")
-    parser.add_argument("--formats", nargs="+",
-                        help="KV-cache formats of ours (default fp8_ds_mla nvfp4)")  # fmt: skip
+    parser.add_argument(
+        "--formats", nargs="+", help="KV-cache formats of ours (default fp8_ds_mla nvfp4)"
+    )
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--fallback-reps", type=int, default=5)
-    parser.add_argument("--against", choices=["flashmla"],
-                        help="time FlashMLA's sparse decode on the same FP8 rows (imported when "
-                        "present) instead of the SDPA fallback")  # fmt: skip
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="with --against: time CUDA-graph replays of ours and FlashMLA "
-                        "(device time only, no host launch overhead per call)")  # fmt: skip
-    parser.add_argument("--json", help="default bench_decode.json "
-                        "(bench_decode_vs_flashmla.json with --against)")  # fmt: skip
+    parser.add_argument(
+        "--against",
+        choices=["flashmla"],
+        help="time FlashMLA's sparse decode on the same FP8 rows (imported when "
+        "present) instead of the SDPA fallback",
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="with --against: time CUDA-graph replays of ours and FlashMLA "
+        "(device time only, no host launch overhead per call)",
+    )
+    parser.add_argument(
+        "--json", help="default bench_decode.json (bench_decode_vs_flashmla.json with --against)"
+    )
     args = parser.parse_args(argv)
     try:
         formats = [KVFormat.parse(f) for f in args.formats or [f.value for f in OURS]]
@@ -511,8 +537,9 @@ def main(argv: list[str] | None = None) -> None:
         report(args.json, "decode", ceilings, rows, COLUMNS, "L2 flushed before each call")
         return
     formats = [KVFormat.parse(f) for f in args.formats]
-    rows, ceilings = run_against(flash_mla, args.shapes, args.batches, formats, args.s_q,
-                                 args.reps, graphs=args.cuda_graphs)  # fmt: skip
+    rows, ceilings = run_against(
+        flash_mla, args.shapes, args.batches, formats, args.s_q, args.reps, graphs=args.cuda_graphs
+    )
     note = (
         f"L2 flushed before each call; b requests of s_q={args.s_q} tokens; FlashMLA's q "
         "zero-padded to 64 heads below 64; FM/x = FlashMLA us / ours (> 1: ours faster)"

@@ -47,19 +47,27 @@ def run(shapes, tokens, formats, splits, reps: int) -> tuple[list[dict], object]
             timing = time_cuda_us(
                 lambda a=args, s=s: sparse_decode.sparse_attention(*a, num_splits=s), reps=reps
             )
-            rows.append({
-                "fmt": fmt.value, "shape": shape, "T": T, "H": H, "splits": s,
-                "planned": planned, "median_us": timing["median_us"],
-                "max_abs_diff": (out.float() - ref.float()).abs().max().item(),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "fmt": fmt.value,
+                    "shape": shape,
+                    "T": T,
+                    "H": H,
+                    "splits": s,
+                    "planned": planned,
+                    "median_us": timing["median_us"],
+                    "max_abs_diff": (out.float() - ref.float()).abs().max().item(),
+                }
+            )
             print(rows[-1], flush=True)
     return rows, ceilings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m dsv4_attn.bench decode-splits")
-    parser.add_argument("--shapes", nargs="+", choices=list(ALL_SHAPES),
-                        default=["v4-flash", "v4-pro", "hca-1m"])  # fmt: skip
+    parser.add_argument(
+        "--shapes", nargs="+", choices=list(ALL_SHAPES), default=["v4-flash", "v4-pro", "hca-1m"]
+    )
     parser.add_argument("--tokens", type=int, nargs="+", default=[2, 64])
     parser.add_argument("--formats", nargs="+", default=["fp8_ds_mla", "nvfp4"])
     parser.add_argument("--splits", type=int, nargs="+", default=list(SPLITS))

@@ -1,6 +1,6 @@
 """Benchmark of the SDPA fallback on decode shapes (``python -m dsv4_attn.bench fallback``).
 
-Shapes (issue "foundation"): B in {1, 64} decode tokens of separate requests, H in {64, 128},
+Shapes: B in {1, 64} decode tokens of separate requests, H in {64, 128},
 a full 128-slot window plus {0, 512, 1024} compressed entries, FP8_DS_MLA and NVFP4 caches.
 Prints a table and writes JSON; each row also carries the floor from ceilings measured in the
 same run.

@@ -29,10 +29,19 @@ def _kernel():
 
     @triton.jit
     def gather_copy_kernel(
-        q_ptr, kv_ptr, idx_ptr, lens_ptr, out_ptr, num_heads, idx_stride, kv_stride,
-        HEAD_DIM: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, ENTRIES: tl.constexpr,
+        q_ptr,
+        kv_ptr,
+        idx_ptr,
+        lens_ptr,
+        out_ptr,
+        num_heads,
+        idx_stride,
+        kv_stride,
+        HEAD_DIM: tl.constexpr,
+        HEADS_PER_PROGRAM: tl.constexpr,
+        ENTRIES: tl.constexpr,
         Q_ROWS: tl.constexpr,
-    ):  # fmt: skip
+    ):
         token = tl.program_id(0)
         head0 = tl.program_id(1) * HEADS_PER_PROGRAM
         cols = tl.arange(0, HEAD_DIM)
@@ -80,10 +89,21 @@ def gather_copy(
     out = torch.empty_like(q) if out is None else out
     grid = (tokens, -(-heads // HEAD_BLOCK))
     _kernel()[grid](
-        q, kv, indices, lens, out, heads, indices.stride(0), kv.stride(0),
-        HEAD_DIM=head_dim, HEADS_PER_PROGRAM=HEAD_BLOCK, ENTRIES=entries_per_load, Q_ROWS=8,
-        num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+        q,
+        kv,
+        indices,
+        lens,
+        out,
+        heads,
+        indices.stride(0),
+        kv.stride(0),
+        HEAD_DIM=head_dim,
+        HEADS_PER_PROGRAM=HEAD_BLOCK,
+        ENTRIES=entries_per_load,
+        Q_ROWS=8,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return out
 
 

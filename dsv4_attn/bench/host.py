@@ -71,9 +71,10 @@ def _row(fmt: KVFormat, batch: int, reps: int, flash_mla) -> dict:
     shapes = sparse_decode.workspace_shapes(batch, HEADS, WINDOW + EXTRA, case.q.device)
     workspace = None
     if shapes is not None:  # exact shapes, as the serving layer's scratch
-        workspace = tuple(torch.empty(shape, dtype=dtype, device="cuda")
-                          for shape, dtype in zip(shapes, sparse_decode.WORKSPACE_DTYPES,
-                                                  strict=True))  # fmt: skip
+        workspace = tuple(
+            torch.empty(shape, dtype=dtype, device="cuda")
+            for shape, dtype in zip(shapes, sparse_decode.WORKSPACE_DTYPES, strict=True)
+        )
     args = case.args()
 
     def public() -> None:
@@ -85,8 +86,15 @@ def _row(fmt: KVFormat, batch: int, reps: int, flash_mla) -> dict:
     public()
     if ops.last_dispatch() != ops.Dispatch("cutedsl", None):
         raise SystemExit(f"the kernel does not run this case: {ops.last_dispatch()}")
-    row = {"fmt": fmt.value, "batch": batch, "heads": HEADS, "window": WINDOW, "extra": EXTRA,
-           "ops_us": host_us(public, reps), "direct_us": host_us(direct, reps)}  # fmt: skip
+    row = {
+        "fmt": fmt.value,
+        "batch": batch,
+        "heads": HEADS,
+        "window": WINDOW,
+        "extra": EXTRA,
+        "ops_us": host_us(public, reps),
+        "direct_us": host_us(direct, reps),
+    }
     if flash_mla is not None and fmt is KVFormat.FP8_DS_MLA:
         row["flashmla_us"] = host_us(anchors.flashmla_sparse_decode(flash_mla, case, 1), reps)
         row["direct_vs_flashmla"] = row["flashmla_us"] / row["direct_us"]
@@ -106,8 +114,10 @@ def main(argv: list[str] | None = None) -> None:
     flash_mla = anchors.import_flash_mla()
     rows = [_row(fmt, b, args.reps, flash_mla) for fmt in formats for b in args.batches]
     write_json(args.json, "host", None, rows)
-    print(f"device: {torch.cuda.get_device_name()}; host time per eager call, median of "
-          f"{args.reps}; V4-Flash {HEADS} heads, window {WINDOW} + {EXTRA} entries")  # fmt: skip
+    print(
+        f"device: {torch.cuda.get_device_name()}; host time per eager call, median of "
+        f"{args.reps}; V4-Flash {HEADS} heads, window {WINDOW} + {EXTRA} entries"
+    )
     print(format_table(rows, COLUMNS))
     print(f"json: {args.json}")
 

@@ -1,6 +1,6 @@
 """Benchmark of the prefill kernels (``python -m dsv4_attn.bench prefill``).
 
-Shapes (issue 5): dense causal attention at 8K tokens, D in {128, 256, 512}, H in {16, 32, 64}
+Shapes: dense causal attention at 8K tokens, D in {128, 256, 512}, H in {16, 32, 64}
 (D = 512 with K = V, the DeepSeek-V4 latent, as the kernel requires), next to torch SDPA on the
 same inputs; sparse prefill shaped like DeepSeek-V4-Flash (H = 64, 128-token window + top-512:
 K = 640) and V4-Pro (H = 128, K = 1152) at T = 4096. TFLOP/s count the masked work only (visible
@@ -81,9 +81,15 @@ def dense_rows(dims, heads, seqlen: int, reps: int, ceiling: float) -> list[dict
         for h in heads:
             kv_shared = d == 512
             case = make_dense_case(
-                [(seqlen, seqlen)], h, h, d, causal=True, kv_shared=kv_shared,
-                device="cuda", seed=d + h,
-            )  # fmt: skip
+                [(seqlen, seqlen)],
+                h,
+                h,
+                d,
+                causal=True,
+                kv_shared=kv_shared,
+                device="cuda",
+                seed=d + h,
+            )
             flops = case.flops()
             sdpa = _sdpa_time(case, max(3, reps // 2))
             for overlap in ("1", "0") if d <= 256 else ("0",):
@@ -91,9 +97,14 @@ def dense_rows(dims, heads, seqlen: int, reps: int, ceiling: float) -> list[dict
 
                 def call(case=case):
                     return fmha_ops.fmha(
-                        case.q, case.k, case.v, causal=True, scale=case.scale, backend="cutedsl",
+                        case.q,
+                        case.k,
+                        case.v,
+                        causal=True,
+                        scale=case.scale,
+                        backend="cutedsl",
                         check_values=False,
-                    )  # fmt: skip
+                    )
 
                 t = time_cuda_us(call, reps=reps)["median_us"]
                 tflops = flops / (t * 1e6)
@@ -137,8 +148,9 @@ def _flash_mla_sparse(flash_mla, case):
     kv = case.kv.view(-1, 1, case.kv.shape[-1])
 
     def call():
-        return flash_mla.flash_mla_sparse_fwd(case.q, kv, indices, case.scale, 512, case.sink,
-                                              case.lens)  # fmt: skip
+        return flash_mla.flash_mla_sparse_fwd(
+            case.q, kv, indices, case.scale, 512, case.sink, case.lens
+        )
 
     return call
 
@@ -181,8 +193,16 @@ def _copy_floor(case, reps: int) -> dict:
     for entries, warps, stages in _COPY_CONFIGS:
 
         def call(entries=entries, warps=warps, stages=stages):
-            return gather_copy(q, kv, indices, lens, out=out, entries_per_load=entries,
-                               num_warps=warps, num_stages=stages)  # fmt: skip
+            return gather_copy(
+                q,
+                kv,
+                indices,
+                lens,
+                out=out,
+                entries_per_load=entries,
+                num_warps=warps,
+                num_stages=stages,
+            )
 
         t = time_cuda_us(call, reps=reps)["median_us"]
         if best is None or t < best["copy_us"]:
@@ -191,20 +211,29 @@ def _copy_floor(case, reps: int) -> dict:
 
 
 def _sparse_configs(tokens: int) -> list[tuple[str, int, object]]:
-    """(name, heads, case maker): the issue's shapes (s_kv 32K, pure top-k) and the layouts the
+    """(name, heads, case maker): the benchmark's shapes (s_kv 32K, pure top-k) and the layouts the
     backend runs (window 128 + top-k; HCA: every visible entry then the window, the last
     ``tokens`` of a 32K and of a 1M context)."""
     return [
-        ("topk512-skv32k", 64, lambda: make_random_sparse_case(
-            tokens, 64, 32768, 512, lens="full", hole_fraction=0.0, device="cuda", seed=1)),
-        ("topk1024-skv32k", 128, lambda: make_random_sparse_case(
-            tokens, 128, 32768, 1024, lens="full", hole_fraction=0.0, device="cuda", seed=2)),
+        (
+            "topk512-skv32k",
+            64,
+            lambda: make_random_sparse_case(
+                tokens, 64, 32768, 512, lens="full", hole_fraction=0.0, device="cuda", seed=1
+            ),
+        ),
+        (
+            "topk1024-skv32k",
+            128,
+            lambda: make_random_sparse_case(
+                tokens, 128, 32768, 1024, lens="full", hole_fraction=0.0, device="cuda", seed=2
+            ),
+        ),
         ("v4flash", 64, lambda: make_v4_sparse_case(tokens, 64, 512, device="cuda", seed=512)),
         ("v4pro", 128, lambda: make_v4_sparse_case(tokens, 128, 1024, device="cuda", seed=1024)),
         ("hca-ctx32k", 64, lambda: make_hca_sparse_case(tokens, 64, 32768, device="cuda", seed=3)),
-        ("hca-ctx1m", 64, lambda: make_hca_sparse_case(tokens, 64, 1 << 20, device="cuda",
-                                                        seed=4)),
-    ]  # fmt: skip
+        ("hca-ctx1m", 64, lambda: make_hca_sparse_case(tokens, 64, 1 << 20, device="cuda", seed=4)),
+    ]
 
 
 def sparse_rows(tokens: int, reps: int, ceiling: float, against: str | None) -> list[dict]:
@@ -277,19 +306,29 @@ def sweep_rows(tokens: int, widths: list[int], reps: int, against: str | None) -
     rows = []
     for width in widths:
         case = make_random_sparse_case(
-            tokens, 64, 32768, width, lens="full", hole_fraction=0.0, device="cuda",
+            tokens,
+            64,
+            32768,
+            width,
+            lens="full",
+            hole_fraction=0.0,
+            device="cuda",
             seed=width,
-        )  # fmt: skip
+        )
         args = case.args()
 
         def call(args=args):
             return fmha_ops.sparse_prefill(*args, backend="cutedsl", check_values=False)
 
-        row = {"width": width, "tokens": tokens, "median_us": time_cuda_us(call, reps=reps)[
-            "median_us"]}  # fmt: skip
+        row = {
+            "width": width,
+            "tokens": tokens,
+            "median_us": time_cuda_us(call, reps=reps)["median_us"],
+        }
         if flash_mla is not None:
-            row.update(_against_flashmla(flash_mla, case, row["median_us"], reps,
-                                         f"sweep width {width}"))  # fmt: skip
+            row.update(
+                _against_flashmla(flash_mla, case, row["median_us"], reps, f"sweep width {width}")
+            )
         rows.append(row)
         print(f"sweep width {width}: {row}", flush=True)
         del case, args
@@ -301,8 +340,11 @@ def sweep_rows(tokens: int, widths: list[int], reps: int, against: str | None) -
         fm_times = [r["flashmla_us"] for r in timed]
         fits["flashmla"] = fit_cta_costs(fm_widths, fm_times, tokens, sms)
     for name, fit in fits.items():
-        print(f"sweep fit {name}: {fit['fixed_us']:.2f} us per CTA fixed, "
-              f"{fit['step_us']:.2f} us per 128-key step ({sms} SMs)", flush=True)  # fmt: skip
+        print(
+            f"sweep fit {name}: {fit['fixed_us']:.2f} us per CTA fixed, "
+            f"{fit['step_us']:.2f} us per 128-key step ({sms} SMs)",
+            flush=True,
+        )
     for row in rows:
         row["fit"] = fits
     return rows
@@ -336,8 +378,11 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("the prefill benchmark times CUDA kernels: no CUDA device found")
     ceilings = measure_ceilings()
-    print(f"{ceilings.device}: bf16 matmul {ceilings.bf16_tflops:.0f} TFLOP/s, "
-          f"copy {ceilings.copy_gbps:.0f} GB/s", flush=True)  # fmt: skip
+    print(
+        f"{ceilings.device}: bf16 matmul {ceilings.bf16_tflops:.0f} TFLOP/s, "
+        f"copy {ceilings.copy_gbps:.0f} GB/s",
+        flush=True,
+    )
     rows = []
     if not args.skip_dense:
         rows += dense_rows(args.dims, args.heads, args.seqlen, args.reps, ceilings.bf16_tflops)
@@ -345,8 +390,9 @@ def main(argv: list[str] | None = None) -> None:
         rows += sparse_rows(args.tokens, args.reps, ceilings.bf16_tflops, args.against)
     sweep = []
     if args.sweep is not None:
-        sweep = sweep_rows(args.tokens, args.sweep or [128, 256, 512, 1024, 2048], args.reps,
-                           args.against)  # fmt: skip
+        sweep = sweep_rows(
+            args.tokens, args.sweep or [128, 256, 512, 1024, 2048], args.reps, args.against
+        )
     for row in rows:
         for key, value in row.items():
             if isinstance(value, float) and not math.isfinite(value):

@@ -9,12 +9,12 @@ top-k picks among each token's visible entries). Per layer kind it times, on the
 and queries:
 
 * ``old`` — every token through the sparse-decode kernel, reading its own rows from the pages
-  (how ``forward_mqa`` ran prefill before the gathered path);
+  (every prefill token through the decode kernel, for comparison);
 * ``new`` — what ``forward_mqa`` runs now (:mod:`dsv4_attn.vllm_glue.prefill`): gather the
   request's rows to bf16 once, build the index lists, the gathered FMHA kernel; also each piece
   alone (``gather``, ``index``, ``fmha``).
 
-Target (issue 13): a 32K prompt's CSA layer at least 5x faster than the old path. The outputs of
+Target: a 32K prompt's CSA layer at least 5x faster than the old path. The outputs of
 both paths are compared (max |diff|, bf16); both are checked against the float64 reference in the
 tests.
 """
@@ -42,8 +42,9 @@ KINDS = {"swa": 1, "csa": 4, "hca": 128}
 class _Prompt:
     """Caches, queries and both paths' inputs for a ``P``-token prompt at one layer kind."""
 
-    def __init__(self, fmt: KVFormat, P: int, ratio: int, heads: int, topk: int,
-                 step_tokens: int, gen) -> None:  # fmt: skip
+    def __init__(
+        self, fmt: KVFormat, P: int, ratio: int, heads: int, topk: int, step_tokens: int, gen
+    ) -> None:
         from dsv4_attn.vllm_glue import prefill
 
         dev = torch.device("cuda")
@@ -70,8 +71,10 @@ class _Prompt:
             count = (pos + 1) // ratio
             if ratio == 4:  # random picks among the visible entries, -1 past the count
                 k = torch.arange(topk, device=dev)[None]
-                picks = (torch.rand(P, topk, generator=torch.Generator(dev).manual_seed(1),
-                                    device=dev) * count[:, None]).long()  # fmt: skip
+                picks = (
+                    torch.rand(P, topk, generator=torch.Generator(dev).manual_seed(1), device=dev)
+                    * count[:, None]
+                ).long()
                 local = torch.where(k < count[:, None].clamp(max=topk), picks, -1).int()
                 self.local_topk = local
                 lens = (local >= 0).sum(1).int()
@@ -87,19 +90,25 @@ class _Prompt:
         for t0 in range(0, P, step_tokens):
             t1 = min(P, t0 + step_tokens)
             budget = prefill.rows_budget(P, ratio, WINDOW, step_tokens)
-            (chunk,) = prefill.plan_chunks(torch.tensor([t0, t1]), torch.tensor([t1]), 0, 1,
-                                           ratio, WINDOW, budget)  # fmt: skip
+            (chunk,) = prefill.plan_chunks(
+                torch.tensor([t0, t1]), torch.tensor([t1]), 0, 1, ratio, WINDOW, budget
+            )
             shapes = prefill.peak_workspace_shapes(P, ratio, WINDOW, topk, t1 - t0, heads)
-            self.steps.append({
-                "tokens": slice(t0, t1), "chunk": chunk,
-                "seq_lens": torch.tensor([t1], dtype=torch.int32, device=dev),
-                "query_lens": torch.tensor([t1 - t0], dtype=torch.int32, device=dev),
-                "query_start": torch.tensor([t0, t1], dtype=torch.int32, device=dev),
-                "rows_ws": torch.empty(chunk.rows, HEAD_DIM, dtype=torch.bfloat16, device=dev),
-                "index_ws": (torch.empty(shapes[1][0], dtype=torch.int32, device=dev),
-                             torch.empty(shapes[2][0], dtype=torch.int32, device=dev)),
-                "lse_ws": torch.empty(shapes[3][0], dtype=torch.float32, device=dev),
-            })  # fmt: skip
+            self.steps.append(
+                {
+                    "tokens": slice(t0, t1),
+                    "chunk": chunk,
+                    "seq_lens": torch.tensor([t1], dtype=torch.int32, device=dev),
+                    "query_lens": torch.tensor([t1 - t0], dtype=torch.int32, device=dev),
+                    "query_start": torch.tensor([t0, t1], dtype=torch.int32, device=dev),
+                    "rows_ws": torch.empty(chunk.rows, HEAD_DIM, dtype=torch.bfloat16, device=dev),
+                    "index_ws": (
+                        torch.empty(shapes[1][0], dtype=torch.int32, device=dev),
+                        torch.empty(shapes[2][0], dtype=torch.int32, device=dev),
+                    ),
+                    "lse_ws": torch.empty(shapes[3][0], dtype=torch.float32, device=dev),
+                }
+            )
         self.out_old = torch.empty_like(self.q)
         self.out_new = torch.empty_like(self.q)
         self.prefill = prefill
@@ -112,31 +121,56 @@ class _Prompt:
             t = step["tokens"]
             window = self.window.tokens(t.start, t.stop)
             extra = self.extra.tokens(t.start, t.stop) if self.extra is not None else None
-            ops.sparse_attention(self.q[t], window, self.sink, HEAD_DIM**-0.5, extra,
-                                 out=self.out_old[t], check_values=False)  # fmt: skip
+            ops.sparse_attention(
+                self.q[t],
+                window,
+                self.sink,
+                HEAD_DIM**-0.5,
+                extra,
+                out=self.out_old[t],
+                check_values=False,
+            )
 
     def gather(self) -> None:
         for step in self.steps:
             step["rows"] = self.prefill.gather_rows(
-                step["rows_ws"], step["chunk"], self.fmt, step["seq_lens"], step["query_lens"],
-                WINDOW, (self.swa, self.swa_table, SWA_BLOCK), self.compressed,
-            )  # fmt: skip
+                step["rows_ws"],
+                step["chunk"],
+                self.fmt,
+                step["seq_lens"],
+                step["query_lens"],
+                WINDOW,
+                (self.swa, self.swa_table, SWA_BLOCK),
+                self.compressed,
+            )
 
     def index(self) -> None:
         for step in self.steps:
             t = step["tokens"]
             topk = self.local_topk[t] if self.local_topk is not None else None
             step["indices"], step["lens"] = self.prefill.index_lists(
-                step["chunk"], step["query_start"], step["seq_lens"], WINDOW, self.ratio, topk,
+                step["chunk"],
+                step["query_start"],
+                step["seq_lens"],
+                WINDOW,
+                self.ratio,
+                topk,
                 step["index_ws"],
-            )  # fmt: skip
+            )
 
     def fmha(self) -> None:
         for step in self.steps:
             t = step["tokens"]
-            self.prefill.attend(self.q[t], step["rows"], step["indices"], step["lens"],
-                                self.sink, HEAD_DIM**-0.5, self.out_new[t],
-                                step["lse_ws"])  # fmt: skip
+            self.prefill.attend(
+                self.q[t],
+                step["rows"],
+                step["indices"],
+                step["lens"],
+                self.sink,
+                HEAD_DIM**-0.5,
+                self.out_new[t],
+                step["lse_ws"],
+            )
 
     def new(self) -> None:
         self.gather()
@@ -150,19 +184,31 @@ def run(args) -> tuple[list[dict], object]:
     rows = []
     for P in [int(p) for p in args.prompts.split(",")]:
         for kind in args.kinds.split(","):
-            case = _Prompt(KVFormat.NVFP4, P, KINDS[kind], args.heads, args.topk,
-                           args.step_tokens, gen)  # fmt: skip
-            times = {name: time_cuda_us(getattr(case, name), reps=args.reps, warmup=2)["median_us"]
-                     for name in ("old", "gather", "index", "fmha", "new")}  # fmt: skip
+            case = _Prompt(
+                KVFormat.NVFP4, P, KINDS[kind], args.heads, args.topk, args.step_tokens, gen
+            )
+            times = {
+                name: time_cuda_us(getattr(case, name), reps=args.reps, warmup=2)["median_us"]
+                for name in ("old", "gather", "index", "fmha", "new")
+            }
             diff = (case.out_old.float() - case.out_new.float()).abs().max().item()
-            rows.append({
-                "fmt": "nvfp4", "kind": kind, "prompt": P, "H": args.heads,
-                "old_us": times["old"], "new_us": times["new"], "gather_us": times["gather"],
-                "index_us": times["index"], "fmha_us": times["fmha"],
-                "speedup": times["old"] / times["new"], "workspace_rows": case.workspace_rows,
-                "step_tokens": args.step_tokens,
-                "max_abs_diff": diff,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "fmt": "nvfp4",
+                    "kind": kind,
+                    "prompt": P,
+                    "H": args.heads,
+                    "old_us": times["old"],
+                    "new_us": times["new"],
+                    "gather_us": times["gather"],
+                    "index_us": times["index"],
+                    "fmha_us": times["fmha"],
+                    "speedup": times["old"] / times["new"],
+                    "workspace_rows": case.workspace_rows,
+                    "step_tokens": args.step_tokens,
+                    "max_abs_diff": diff,
+                }
+            )
             print(rows[-1], flush=True)
             del case
             torch.cuda.empty_cache()

@@ -78,10 +78,11 @@ class _Step:
         self.cache_slots = self.swa_slots.clone()  # only their sign (valid) matters here
         self.swa_cache = random_cache(batch * swa_blocks * SWA_BLOCK, SWA_BLOCK, fmt, gen, dev)
         self.compressed = {
-            ratio: random_cache(batch * cache_blocks * (CACHE_BLOCK // ratio), CACHE_BLOCK // ratio,
-                                fmt, gen, dev)
+            ratio: random_cache(
+                batch * cache_blocks * (CACHE_BLOCK // ratio), CACHE_BLOCK // ratio, fmt, gen, dev
+            )
             for ratio in (4, 128)
-        }  # fmt: skip
+        }
         self.q = (torch.randn(T, heads, HEAD_DIM, generator=gen, device=dev) * 2).to(torch.bfloat16)
         self.kv = torch.randn(T, HEAD_DIM, generator=gen, device=dev).to(torch.bfloat16)
         self.cos_sin = torch.randn(context + 8, 64, generator=gen, device=dev)
@@ -114,45 +115,80 @@ class _Step:
     def metadata(self) -> None:
         sm = self.step_metadata
         sm.fill_window_metadata(
-            self.query_start, self.seq_lens, self.swa_slots, self.swa_table, SWA_BLOCK,
-            token_req=self.token_req, valid=self.valid, swa_indices=self.swa_indices,
+            self.query_start,
+            self.seq_lens,
+            self.swa_slots,
+            self.swa_table,
+            SWA_BLOCK,
+            token_req=self.token_req,
+            valid=self.valid,
+            swa_indices=self.swa_indices,
             swa_lens=self.swa_lens,
-        )  # fmt: skip
+        )
         for ratio in (4, 128):
             hca = ratio == 128
             sm.fill_compressed_metadata(
-                self.query_start, self.seq_lens, self.cache_slots, self.cache_table,
-                CACHE_BLOCK // ratio, ratio, token_req=self.token_req, valid=self.valid,
-                write_slots=self.write_slots[ratio], staging_rows=self.staging_rows[ratio],
+                self.query_start,
+                self.seq_lens,
+                self.cache_slots,
+                self.cache_table,
+                CACHE_BLOCK // ratio,
+                ratio,
+                token_req=self.token_req,
+                valid=self.valid,
+                write_slots=self.write_slots[ratio],
+                staging_rows=self.staging_rows[ratio],
                 visible_slots=self.hca_indices if hca else None,
                 visible_lens=self.hca_lens if hca else self.csa_visible,
-            )  # fmt: skip
+            )
 
     def insert(self) -> None:
         if self.fmt is KVFormat.NVFP4:
             from dsv4_attn.fused.kv_writers import qnorm_rope_nvfp4_insert
 
-            qnorm_rope_nvfp4_insert(self.q, self.kv, self.positions, self.cos_sin, 1e-6,
-                                    self.heads, self.swa_slots, self.swa_cache,
-                                    SWA_BLOCK)  # fmt: skip
+            qnorm_rope_nvfp4_insert(
+                self.q,
+                self.kv,
+                self.positions,
+                self.cos_sin,
+                1e-6,
+                self.heads,
+                self.swa_slots,
+                self.swa_cache,
+                SWA_BLOCK,
+            )
         else:
             torch.ops._C.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
-                self.q, self.kv, self.swa_cache, self.swa_slots, self.positions, self.cos_sin,
-                self.heads, 1e-6, SWA_BLOCK,
-            )  # fmt: skip
+                self.q,
+                self.kv,
+                self.swa_cache,
+                self.swa_slots,
+                self.positions,
+                self.cos_sin,
+                self.heads,
+                1e-6,
+                SWA_BLOCK,
+            )
 
     def store(self, ratio: int) -> None:
         from dsv4_attn.fused.kv_writers import store_staged_rows
 
         rows = CACHE_BLOCK // ratio
-        store_staged_rows(self.staged.view(-1, HEAD_DIM), self.write_slots[ratio],
-                          self.compressed[ratio], rows)  # fmt: skip
+        store_staged_rows(
+            self.staged.view(-1, HEAD_DIM), self.write_slots[ratio], self.compressed[ratio], rows
+        )
 
     def slots(self) -> None:
         self.step_metadata.fill_entry_slots(
-            self.local_topk, self.token_req, self.valid, self.csa_visible, self.cache_table,
-            CACHE_BLOCK // 4, slots=self.entry_slots, lens=self.entry_lens,
-        )  # fmt: skip
+            self.local_topk,
+            self.token_req,
+            self.valid,
+            self.csa_visible,
+            self.cache_table,
+            CACHE_BLOCK // 4,
+            slots=self.entry_slots,
+            lens=self.entry_lens,
+        )
 
     def attention(self, ratio: int) -> None:
         from dsv4_attn.kernels import sparse_decode
@@ -160,13 +196,16 @@ class _Step:
         window = KVScope(self.swa_cache, self.fmt, SWA_BLOCK, self.swa_indices, self.swa_lens)
         extra = None
         if ratio == 4:
-            extra = KVScope(self.compressed[4], self.fmt, CACHE_BLOCK // 4, self.entry_slots,
-                            self.entry_lens)  # fmt: skip
+            extra = KVScope(
+                self.compressed[4], self.fmt, CACHE_BLOCK // 4, self.entry_slots, self.entry_lens
+            )
         elif ratio == 128:
-            extra = KVScope(self.compressed[128], self.fmt, CACHE_BLOCK // 128, self.hca_indices,
-                            self.hca_lens)  # fmt: skip
-        sparse_decode.sparse_attention(self.q, window, self.sink, HEAD_DIM**-0.5, extra,
-                                       out=self.out)  # fmt: skip
+            extra = KVScope(
+                self.compressed[128], self.fmt, CACHE_BLOCK // 128, self.hca_indices, self.hca_lens
+            )
+        sparse_decode.sparse_attention(
+            self.q, window, self.sink, HEAD_DIM**-0.5, extra, out=self.out
+        )
 
 
 def _time_graph(fns, reps: int) -> float:

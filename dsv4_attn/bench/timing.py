@@ -1,6 +1,6 @@
 """Timing and roofline helpers shared by the benchmarks (``python -m dsv4_attn.bench ...``).
 
-Method (device/METHOD.md): time with CUDA events around each call, median over many calls,
+Method (docs/design.md §5.5): time with CUDA events around each call, median over many calls,
 after a warm-up; the L2 cache is flushed between calls (outside the timed region) so small
 problems are timed from HBM, as they would run inside a model step; ceilings (copy bandwidth,
 bf16 matmul rate) are measured in the same process and the floor of a problem is

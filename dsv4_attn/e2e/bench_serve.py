@@ -91,8 +91,10 @@ def plan_cases(which: str, reference_kv_tokens: int | None) -> list[Case]:
     if which != "b":
         raise ValueError(f"case set must be 'a' or 'b', got {which!r}")
     if not reference_kv_tokens or reference_kv_tokens < 1:
-        raise ValueError("set b needs the KV capacity vLLM's backend reported: run the vllm "
-                         f"server first (got {reference_kv_tokens!r})")  # fmt: skip
+        raise ValueError(
+            "set b needs the KV capacity vLLM's backend reported: run the vllm "
+            f"server first (got {reference_kv_tokens!r})"
+        )
     full = max(1, reference_kv_tokens // (LONG_INPUT + OUTPUT))
     return [
         Case(f"b_64k_c{c}", LONG_INPUT, OUTPUT, c, 2 * c)
@@ -112,21 +114,56 @@ def kv_tokens(log_text: str) -> int | None:
 
 def bench_command(port: int, model: str, case: Case, result_dir: Path, seed: int) -> list[str]:
     return [
-        "vllm", "bench", "serve", "--backend", "vllm", "--port", str(port), "--model", model,
-        "--dataset-name", "random", "--random-input-len", str(case.input_len),
-        "--random-output-len", str(case.output_len), "--random-range-ratio", "0",
-        "--num-prompts", str(case.num_prompts), "--max-concurrency", str(case.concurrency),
-        "--ignore-eos", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
-        "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result_dir),
-        "--result-filename", f"{case.name}.json",
-    ]  # fmt: skip
+        "vllm",
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--port",
+        str(port),
+        "--model",
+        model,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(case.input_len),
+        "--random-output-len",
+        str(case.output_len),
+        "--random-range-ratio",
+        "0",
+        "--num-prompts",
+        str(case.num_prompts),
+        "--max-concurrency",
+        str(case.concurrency),
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        f"{case.name}.json",
+    ]
 
 
 def summarize(result: dict) -> dict:
     """The figures the report keeps from one ``vllm bench serve`` result file."""
-    keys = ("completed", "failed", "duration", "output_throughput", "total_token_throughput",
-            "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
-            "max_concurrent_requests")  # fmt: skip
+    keys = (
+        "completed",
+        "failed",
+        "duration",
+        "output_throughput",
+        "total_token_throughput",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "median_tpot_ms",
+        "p99_tpot_ms",
+        "max_concurrent_requests",
+    )
     return {k: result.get(k) for k in keys}
 
 
@@ -134,10 +171,14 @@ def profiler_config(directory: Path, args: argparse.Namespace) -> dict:
     """vLLM's ``--profiler-config``: torch's profiler on the workers only, no Python stacks
     (they inflate host time), ``args.profile_iterations`` engine steps after skipping
     ``args.profile_delay`` (the case's ramp-up)."""
-    return {"profiler": "torch", "torch_profiler_dir": str(directory),
-            "torch_profiler_with_stack": False, "ignore_frontend": True,
-            "delay_iterations": args.profile_delay,
-            "max_iterations": args.profile_iterations}  # fmt: skip
+    return {
+        "profiler": "torch",
+        "torch_profiler_dir": str(directory),
+        "torch_profiler_with_stack": False,
+        "ignore_frontend": True,
+        "delay_iterations": args.profile_delay,
+        "max_iterations": args.profile_iterations,
+    }
 
 
 def profile_summary(directory: Path) -> dict:
@@ -163,17 +204,29 @@ def _preemptions(server: Server) -> float | None:
 def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
     port = args.port
     log = out / f"{args.layout}_{name}.log"
-    command = ["vllm", "serve", args.model, "--port", str(port), "--max-model-len",
-               str(args.max_model_len), "--seed", "0", *LAYOUTS[args.layout], *SERVERS[name],
-               *args.serve_args]  # fmt: skip
+    command = [
+        "vllm",
+        "serve",
+        args.model,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--seed",
+        "0",
+        *LAYOUTS[args.layout],
+        *SERVERS[name],
+        *args.serve_args,
+    ]
     profile_dir = None
     if args.profile:
         profile_dir = (out / f"profile_{args.layout}_{name}").resolve()
         command += ["--profiler-config", json.dumps(profiler_config(profile_dir, args))]
     record: dict = {"server": name, "layout": args.layout, "command": " ".join(command)}
     with open(log, "w") as handle:
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
-                                   start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(
+            command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+        )
     server = Server(port, args.model)
     try:
         record["ready_s"] = round(server.wait(args.wait, process.pid), 1)
@@ -197,8 +250,11 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
                 profiling = profile_dir is not None and case.name == args.profile
                 if profiling:
                     server.post("/start_profile")
-                run = subprocess.run(bench_command(port, args.model, case, result_dir, args.seed),
-                                     capture_output=True, text=True)  # fmt: skip
+                run = subprocess.run(
+                    bench_command(port, args.model, case, result_dir, args.seed),
+                    capture_output=True,
+                    text=True,
+                )
                 after = _preemptions(server)
                 entry = {"case": asdict(case), "exit": run.returncode}
                 if profiling:
@@ -212,9 +268,12 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
                 if before is not None and after is not None:
                     entry["preemptions"] = after - before
                 record["cases"][case.name] = entry
-                print(f"{args.layout} {name} {case.name}: {entry.get('output_throughput')} "
-                      f"tok/s out, TPOT p50 {entry.get('median_tpot_ms')} ms, "
-                      f"preemptions {entry.get('preemptions')}", flush=True)  # fmt: skip
+                print(
+                    f"{args.layout} {name} {case.name}: {entry.get('output_throughput')} "
+                    f"tok/s out, TPOT p50 {entry.get('median_tpot_ms')} ms, "
+                    f"preemptions {entry.get('preemptions')}",
+                    flush=True,
+                )
                 (out / f"{args.layout}_{name}.json").write_text(json.dumps(record, indent=1))
     finally:
         os.killpg(process.pid, signal.SIGTERM)

@@ -150,8 +150,15 @@ _ROW = "  {:<11} {:<32} {:<25} {:<42} {:>6}"
 
 
 def _seed_header(out) -> None:
-    out(_ROW.format("run", "greedy tokens vs oracle", "teacher-forced vs oracle",
-                    "vs storage-matched oracle: greedy; steps", "tok/s"))  # fmt: skip
+    out(
+        _ROW.format(
+            "run",
+            "greedy tokens vs oracle",
+            "teacher-forced vs oracle",
+            "vs storage-matched oracle: greedy; steps",
+            "tok/s",
+        )
+    )
 
 
 def _format_row(report: harness.FormatReport) -> str:

@@ -93,9 +93,14 @@ def write_word_tokenizer(path: str | Path, vocab_size: int) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "w0",
-              "bos_token": "w0", "pad_token": "w0", "model_max_length": 1048576,
-              "clean_up_tokenization_spaces": False}  # fmt: skip
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "w0",
+        "bos_token": "w0",
+        "pad_token": "w0",
+        "model_max_length": 1048576,
+        "clean_up_tokenization_spaces": False,
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
 
 
@@ -106,8 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.experts < OVERRIDES["num_experts_per_tok"]:
-        raise SystemExit(f"--experts must be at least {OVERRIDES['num_experts_per_tok']} (the "
-                         f"experts each token uses), got {args.experts}")  # fmt: skip
+        raise SystemExit(
+            f"--experts must be at least {OVERRIDES['num_experts_per_tok']} (the "
+            f"experts each token uses), got {args.experts}"
+        )
     config = flash_config(args.experts)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built in bf16: half the memory of fp32

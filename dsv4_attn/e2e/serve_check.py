@@ -136,8 +136,14 @@ class Server:
             return False
 
     def complete(self, request: Request) -> dict:
-        body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.max_tokens,
-                "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        body = {
+            "model": self.model,
+            "prompt": request.prompt,
+            "max_tokens": request.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         if request.logprobs:
             body.update({"logprobs": 2, "return_tokens_as_token_ids": True})
         http = urllib.request.Request(
@@ -253,9 +259,12 @@ def query(server: Server, plan: list[Request]) -> dict:
             "tok_per_s": round(new_tokens / seconds, 1),
             "counters": {k: after[k] - before.get(k, 0.0) for k in after},
         }
-        print(f"{phase}: {len(requests)} requests, {seconds:.1f} s, "
-              f"{new_tokens / seconds:.0f} new tok/s, errors {len(record['errors'])}, "
-              f"counters {record['phases'][phase]['counters']}", flush=True)  # fmt: skip
+        print(
+            f"{phase}: {len(requests)} requests, {seconds:.1f} s, "
+            f"{new_tokens / seconds:.0f} new tok/s, errors {len(record['errors'])}, "
+            f"counters {record['phases'][phase]['counters']}",
+            flush=True,
+        )
     return record
 
 
@@ -333,21 +342,29 @@ def print_comparison(names: list[str], records: list[dict]) -> dict:
             entry["agreement"] = compare(ref, record)
         report["servers"][name] = entry
     print(f"reference: {names[0]}; near-tie: reference top-1 - top-2 logprob < {NEAR_TIE}")
-    print(f"{'server':>10} {'phase':>11} {'requests':>8} {'identical':>9} {'near-tie':>8} "
-          f"{'different':>9} {'missing':>7}")  # fmt: skip
+    print(
+        f"{'server':>10} {'phase':>11} {'requests':>8} {'identical':>9} {'near-tie':>8} "
+        f"{'different':>9} {'missing':>7}"
+    )
     for name, entry in report["servers"].items():
         for phase, row in entry.get("agreement", {}).get("phases", {}).items():
-            print(f"{name:>10} {phase:>11} {row['requests']:>8} {row['identical']:>9} "
-                  f"{row['near_tie']:>8} {row['different']:>9} {row['missing']:>7}")  # fmt: skip
+            print(
+                f"{name:>10} {phase:>11} {row['requests']:>8} {row['identical']:>9} "
+                f"{row['near_tie']:>8} {row['different']:>9} {row['missing']:>7}"
+            )
     for name, entry in report["servers"].items():
-        print(f"{name:>10}: throughput {entry['throughput_tok_per_s']} tok/s, errors "
-              f"{entry['errors']}, preemptions {entry['preemptions']}, prefix-cache hits "
-              f"{entry['prefix_cache_hits']}")  # fmt: skip
+        print(
+            f"{name:>10}: throughput {entry['throughput_tok_per_s']} tok/s, errors "
+            f"{entry['errors']}, preemptions {entry['preemptions']}, prefix-cache hits "
+            f"{entry['prefix_cache_hits']}"
+        )
         if entry["speculation"]:
             spec = entry["speculation"]
-            print(f"{name:>10}: {spec['drafts']} drafts, {spec['accepted_tokens']} of "
-                  f"{spec['draft_tokens']} draft tokens accepted ({spec['rate']:.1%}), mean "
-                  f"acceptance length {spec['mean_length']}")  # fmt: skip
+            print(
+                f"{name:>10}: {spec['drafts']} drafts, {spec['accepted_tokens']} of "
+                f"{spec['draft_tokens']} draft tokens accepted ({spec['rate']:.1%}), mean "
+                f"acceptance length {spec['mean_length']}"
+            )
     return report
 
 
@@ -372,8 +389,9 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     ckpt = sub.add_parser("checkpoint", help="write the tiny checkpoint vLLM serves")
     ckpt.add_argument("directory")
-    ckpt.add_argument("--mtp-layers", type=int, default=1,
-                      help="MTP draft layers in the checkpoint (0: none)")  # fmt: skip
+    ckpt.add_argument(
+        "--mtp-layers", type=int, default=1, help="MTP draft layers in the checkpoint (0: none)"
+    )
     ckpt.add_argument(
         "--draftable",
         action="store_true",

@@ -73,8 +73,9 @@ def draw_request(rng: random.Random, max_model_len: int, prefixes: list[list[int
     roll = rng.random()
     if roll < 0.15:
         return SoakRequest("disconnect", prompt, max_tokens, rng.randint(1, 8), shared)
-    return SoakRequest("stream" if roll < 0.4 else "complete", prompt, max_tokens,
-                       shared_prefix=shared)  # fmt: skip
+    return SoakRequest(
+        "stream" if roll < 0.4 else "complete", prompt, max_tokens, shared_prefix=shared
+    )
 
 
 @dataclass
@@ -94,17 +95,28 @@ class Tally:
             if error is not None:
                 self.error_count += 1
                 if len(self.errors) < 20:
-                    self.errors.append(f"{request.kind} ({len(request.prompt)} + "
-                                       f"{request.max_tokens} tokens): {error}")  # fmt: skip
+                    self.errors.append(
+                        f"{request.kind} ({len(request.prompt)} + "
+                        f"{request.max_tokens} tokens): {error}"
+                    )
 
 
 def _send(server: Server, request: SoakRequest) -> tuple[int, str | None]:
     """Send one request; returns (tokens received, error or None)."""
-    body = {"model": server.model, "prompt": request.prompt, "max_tokens": request.max_tokens,
-            "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-            "stream": request.kind != "complete"}  # fmt: skip
-    http = urllib.request.Request(server.base + "/v1/completions", data=json.dumps(body).encode(),
-                                  headers={"Content-Type": "application/json"})  # fmt: skip
+    body = {
+        "model": server.model,
+        "prompt": request.prompt,
+        "max_tokens": request.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": request.kind != "complete",
+    }
+    http = urllib.request.Request(
+        server.base + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(http, timeout=900) as response:
             if request.kind == "complete":
@@ -130,8 +142,7 @@ def _send(server: Server, request: SoakRequest) -> tuple[int, str | None]:
 
 
 def _query(*args: str) -> str:
-    return subprocess.run(list(args), capture_output=True, text=True, timeout=30,
-                          check=True).stdout  # fmt: skip
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=30, check=True).stdout
 
 
 def gpu_memory_mib(gpu: int | None) -> float | None:
@@ -152,8 +163,9 @@ def soak(args: argparse.Namespace) -> dict:
     server = Server(args.port, args.model)
     server.wait(args.wait)
     rng = random.Random(args.seed)
-    prefixes = [[rng.randrange(1, VOCAB) for _ in range(PREFIX_TOKENS)]
-                for _ in range(SHARED_PREFIXES)]  # fmt: skip
+    prefixes = [
+        [rng.randrange(1, VOCAB) for _ in range(PREFIX_TOKENS)] for _ in range(SHARED_PREFIXES)
+    ]
     tally = Tally()
     before = server.counters()
     probe = getattr(args, "probe", None)
@@ -206,8 +218,9 @@ def soak(args: argparse.Namespace) -> dict:
             "healthy_after": server.healthy(),
         }
 
-    threads = [threading.Thread(target=client, args=(i,), daemon=True)
-               for i in range(args.concurrency)]  # fmt: skip
+    threads = [
+        threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.concurrency)
+    ]
     for thread in threads:
         thread.start()
     while any(t.is_alive() for t in threads):

@@ -156,11 +156,13 @@ def summarize(trace: dict, top: int = 12) -> dict:
 def _print(summary: dict) -> None:
     print(f"{summary['steps']} steps in the trace")
     for kind, row in summary["kinds"].items():
-        print(f"{kind}: {row['steps']} steps; medians: CPU {row['median_cpu_us']:.0f} us, GPU "
-              f"{row['median_gpu_us']:.0f} us, attention {row['median_attention_us']:.0f} us "
-              f"({100 * row['attention_share']:.1f}% of GPU time); "
-              f"{row['median_decode_requests']:.0f} decodes, "
-              f"{row['median_prefill_tokens']:.0f} prefill tokens")  # fmt: skip
+        print(
+            f"{kind}: {row['steps']} steps; medians: CPU {row['median_cpu_us']:.0f} us, GPU "
+            f"{row['median_gpu_us']:.0f} us, attention {row['median_attention_us']:.0f} us "
+            f"({100 * row['attention_share']:.1f}% of GPU time); "
+            f"{row['median_decode_requests']:.0f} decodes, "
+            f"{row['median_prefill_tokens']:.0f} prefill tokens"
+        )
         for kernel in row["top_kernels"]:
             mark = "A" if kernel["attention"] else " "
             print(f"   {mark} {100 * kernel['share']:5.1f}%  {kernel['name']}")

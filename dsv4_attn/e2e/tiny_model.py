@@ -84,8 +84,7 @@ class TinySpec:
         scale = self.layer_output_scale
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 0 < scale <= 1:
             raise ValueError(f"layer_output_scale must be in (0, 1], got {scale!r}")
-        for name in ("seed", "num_heads", "vocab_size", "hidden_size", "index_topk",
-                     "index_heads"):  # fmt: skip
+        for name in ("seed", "num_heads", "vocab_size", "hidden_size", "index_topk", "index_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -142,9 +141,13 @@ transformers model (the vLLM checkpoint gets its draft layers from
 def compressed_rope(original_max_positions: int) -> dict:
     """``rope_parameters`` of DeepSeek-V4's compressed layers: YaRN, factor 16 over
     ``original_max_positions`` (V4-Flash: 65536), beta 32 / 1."""
-    return {"rope_type": "yarn", "factor": 16.0,
-            "original_max_position_embeddings": original_max_positions,
-            "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+    return {
+        "rope_type": "yarn",
+        "factor": 16.0,
+        "original_max_position_embeddings": original_max_positions,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    }
 
 
 def tiny_config(spec: TinySpec):

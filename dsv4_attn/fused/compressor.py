@@ -21,14 +21,29 @@ __all__ = ["compress_rows"]
 
 @triton.jit
 def _compress_rows_kernel(
-    state_ptr, state_stride_block, state_stride_row,
-    block_table_ptr, bt_stride, bt_width, state_block_size,
-    token_req_ptr, positions_ptr, state_slots_ptr, out_rows_ptr,
-    norm_weight_ptr, eps, cos_sin_ptr, cos_sin_stride,
-    out_ptr, out_stride,
-    D: tl.constexpr, C: tl.constexpr, RATIO: tl.constexpr, WINDOW_P2: tl.constexpr,
+    state_ptr,
+    state_stride_block,
+    state_stride_row,
+    block_table_ptr,
+    bt_stride,
+    bt_width,
+    state_block_size,
+    token_req_ptr,
+    positions_ptr,
+    state_slots_ptr,
+    out_rows_ptr,
+    norm_weight_ptr,
+    eps,
+    cos_sin_ptr,
+    cos_sin_stride,
+    out_ptr,
+    out_stride,
+    D: tl.constexpr,
+    C: tl.constexpr,
+    RATIO: tl.constexpr,
+    WINDOW_P2: tl.constexpr,
     ROPE_DIM: tl.constexpr,
-):  # fmt: skip
+):
     t = tl.program_id(0)
     out_row = tl.load(out_rows_ptr + t)
     if (out_row < 0) | (tl.load(state_slots_ptr + t) < 0):
@@ -106,11 +121,26 @@ def compress_rows(
             f"{tuple(state.shape)} and {tuple(out.shape)}"
         )
     _compress_rows_kernel[(T,)](
-        state, state.stride(0), state.stride(1),
-        block_table, block_table.stride(0), block_table.shape[1], state.shape[1],
-        token_req, positions, state_slots, out_rows,
-        norm_weight, eps, cos_sin, cos_sin.stride(0),
-        out, out.stride(-2),
-        D=D, C=C, RATIO=compress_ratio, WINDOW_P2=triton.next_power_of_2(C * compress_ratio),
+        state,
+        state.stride(0),
+        state.stride(1),
+        block_table,
+        block_table.stride(0),
+        block_table.shape[1],
+        state.shape[1],
+        token_req,
+        positions,
+        state_slots,
+        out_rows,
+        norm_weight,
+        eps,
+        cos_sin,
+        cos_sin.stride(0),
+        out,
+        out.stride(-2),
+        D=D,
+        C=C,
+        RATIO=compress_ratio,
+        WINDOW_P2=triton.next_power_of_2(C * compress_ratio),
         ROPE_DIM=rope_dim,
-    )  # fmt: skip
+    )

@@ -44,11 +44,22 @@ def _token_ends(token_plan_ptr, t0, T, CHUNK: tl.constexpr):
 
 @triton.jit
 def _decode_schedule_kernel(
-    lens_ptr, extra_lens_ptr, window_capacity, extra_capacity, T, parts, min_share,
-    part_plan_ptr, token_plan_ptr,
-    HAS_EXTRA: tl.constexpr, KEYS_PER_TILE: tl.constexpr, OVERHEAD: tl.constexpr,
-    SNAP_DIV: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr,
-):  # fmt: skip
+    lens_ptr,
+    extra_lens_ptr,
+    window_capacity,
+    extra_capacity,
+    T,
+    parts,
+    min_share,
+    part_plan_ptr,
+    token_plan_ptr,
+    HAS_EXTRA: tl.constexpr,
+    KEYS_PER_TILE: tl.constexpr,
+    OVERHEAD: tl.constexpr,
+    SNAP_DIV: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     # ---- pass 1: each token's tiles and the position of its first tile (a running prefix sum)
     total = tl.zeros([1], dtype=tl.int64)
     for t0 in range(0, T, CHUNK):
@@ -149,16 +160,30 @@ def build_schedule(
         token_plan = torch.empty(T, 5, dtype=torch.int32, device=lens.device)
     else:
         part_plan, token_plan = out.part_plan, out.token_plan
-        for name, got, want in (("part_plan", part_plan, (parts, 4)),
-                                ("token_plan", token_plan, (T, 5))):  # fmt: skip
+        for name, got, want in (
+            ("part_plan", part_plan, (parts, 4)),
+            ("token_plan", token_plan, (T, 5)),
+        ):
             if tuple(got.shape) != want or got.dtype != torch.int32 or not got.is_contiguous():
-                raise ValueError(f"out.{name} must be contiguous int32 {want}, got "
-                                 f"{got.dtype} {tuple(got.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"out.{name} must be contiguous int32 {want}, got "
+                    f"{got.dtype} {tuple(got.shape)}"
+                )
     _decode_schedule_kernel[(1,)](
-        lens, extra_lens if extra_lens is not None else lens, *capacities, T, parts, min_share,
-        part_plan, token_plan,
-        HAS_EXTRA=extra_lens is not None, KEYS_PER_TILE=BLOCK_N, OVERHEAD=TOKEN_OVERHEAD_TILES,
-        SNAP_DIV=SNAP_DIV, BLOCK_P=triton.next_power_of_2(parts + 1), CHUNK=_CHUNK,
+        lens,
+        extra_lens if extra_lens is not None else lens,
+        *capacities,
+        T,
+        parts,
+        min_share,
+        part_plan,
+        token_plan,
+        HAS_EXTRA=extra_lens is not None,
+        KEYS_PER_TILE=BLOCK_N,
+        OVERHEAD=TOKEN_OVERHEAD_TILES,
+        SNAP_DIV=SNAP_DIV,
+        BLOCK_P=triton.next_power_of_2(parts + 1),
+        CHUNK=_CHUNK,
         num_warps=4,
-    )  # fmt: skip
+    )
     return DecodeSchedule(part_plan, token_plan)

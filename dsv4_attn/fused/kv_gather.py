@@ -41,12 +41,22 @@ def _e2m1_value(nibble):
 
 @triton.jit
 def _gather_nvfp4_kernel(
-    out_ptr, out_stride_req, out_stride_row, offset,
-    cache_ptr, page_stride, block_size, num_pages,
-    seq_lens_ptr, gather_lens_ptr, ratio,
-    block_table_ptr, bt_stride, bt_width,
+    out_ptr,
+    out_stride_req,
+    out_stride_row,
+    offset,
+    cache_ptr,
+    page_stride,
+    block_size,
+    num_pages,
+    seq_lens_ptr,
+    gather_lens_ptr,
+    ratio,
+    block_table_ptr,
+    bt_stride,
+    bt_width,
     WINDOW: tl.constexpr,
-):  # fmt: skip
+):
     i = tl.program_id(0)  # rows on the first grid axis: up to 2^31 - 1 (the others stop at 65535)
     c = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + c)
@@ -59,8 +69,11 @@ def _gather_nvfp4_kernel(
     if i < count:
         row_id = (start + i).to(tl.int64)
         in_table = (row_id >= 0) & (row_id // block_size < bt_width)
-        block = tl.load(block_table_ptr + c.to(tl.int64) * bt_stride + row_id // block_size,
-                        mask=in_table, other=-1).to(tl.int64)  # fmt: skip
+        block = tl.load(
+            block_table_ptr + c.to(tl.int64) * bt_stride + row_id // block_size,
+            mask=in_table,
+            other=-1,
+        ).to(tl.int64)
         live = in_table & (block >= 0) & (block < num_pages)
         block = tl.where(live, block, 0)
         row_id = tl.where(live, row_id, 0)
@@ -118,12 +131,22 @@ def gather_nvfp4_rows(
         raise ValueError(f"out must be [C, >= {offset + max_rows}, 512], got {tuple(out.shape)}")
     window = gather_lens is not None
     _gather_nvfp4_kernel[(max_rows, C)](
-        out, out.stride(0), out.stride(1), offset,
-        cache, cache.stride(0), block_size, cache.shape[0],
-        seq_lens, gather_lens if window else seq_lens, ratio,
-        block_table, block_table.stride(0), block_table.shape[1],
+        out,
+        out.stride(0),
+        out.stride(1),
+        offset,
+        cache,
+        cache.stride(0),
+        block_size,
+        cache.shape[0],
+        seq_lens,
+        gather_lens if window else seq_lens,
+        ratio,
+        block_table,
+        block_table.stride(0),
+        block_table.shape[1],
         WINDOW=window,
-    )  # fmt: skip
+    )
 
 
 assert NOPE_DIM == 448  # the kernel spells the geometry out as literals

@@ -38,16 +38,25 @@ def _rotate(even, odd, cos, sin):
 
 @triton.jit
 def _qnorm_rope_nvfp4_insert_kernel(
-    q_ptr, q_stride_t, q_stride_h,
-    kv_ptr, kv_stride_t,
+    q_ptr,
+    q_stride_t,
+    q_stride_h,
+    kv_ptr,
+    kv_stride_t,
     q_out_ptr,
     positions_ptr,
-    cos_sin_ptr, cos_sin_stride,
-    slots_ptr, num_slots,
-    cache_ptr, page_stride, block_size,
-    num_heads, padded_heads, eps,
+    cos_sin_ptr,
+    cos_sin_stride,
+    slots_ptr,
+    num_slots,
+    cache_ptr,
+    page_stride,
+    block_size,
+    num_heads,
+    padded_heads,
+    eps,
     HEADS: tl.constexpr,
-):  # fmt: skip
+):
     t = tl.program_id(0)
     head_block = tl.program_id(1)
     pos = tl.load(positions_ptr + t).to(tl.int64)
@@ -64,10 +73,12 @@ def _qnorm_rope_nvfp4_insert_kernel(
         rope_pair = tl.arange(0, 256) - 224
         is_rope = rope_pair >= 0
         cos_all = tl.load(cos_sin_ptr + pos * cos_sin_stride + rope_pair, mask=is_rope, other=1.0)
-        sin_all = tl.load(cos_sin_ptr + pos * cos_sin_stride + 32 + rope_pair, mask=is_rope,
-                          other=0.0)  # fmt: skip
-        r_even, r_odd = _rotate(even, odd, cos_all.to(tl.float32)[None, :],
-                                sin_all.to(tl.float32)[None, :])  # fmt: skip
+        sin_all = tl.load(
+            cos_sin_ptr + pos * cos_sin_stride + 32 + rope_pair, mask=is_rope, other=0.0
+        )
+        r_even, r_odd = _rotate(
+            even, odd, cos_all.to(tl.float32)[None, :], sin_all.to(tl.float32)[None, :]
+        )
         even = tl.where(is_rope[None, :], r_even, even)
         odd = tl.where(is_rope[None, :], r_odd, odd)
         y = tl.reshape(tl.join(even, odd), (HEADS, 512))
@@ -88,8 +99,16 @@ def _qnorm_rope_nvfp4_insert_kernel(
         k_odd = tl.load(row + rope_even_col + 1).to(tl.float32)
         if slot >= 0:
             r_even, r_odd = _rotate(k_even, k_odd, cos, sin)
-            store_nvfp4_row(cache_ptr, page_stride, block_size, slot, even, odd,
-                            bf16_rne(r_even), bf16_rne(r_odd))  # fmt: skip
+            store_nvfp4_row(
+                cache_ptr,
+                page_stride,
+                block_size,
+                slot,
+                even,
+                odd,
+                bf16_rne(r_even),
+                bf16_rne(r_odd),
+            )
 
 
 def qnorm_rope_nvfp4_insert(
@@ -125,17 +144,26 @@ def qnorm_rope_nvfp4_insert(
         return q_out
     grid = (T, triton.cdiv(padded_heads, _HEADS_PER_PROGRAM) + 1)
     _qnorm_rope_nvfp4_insert_kernel[grid](
-        q, q.stride(0), q.stride(1),
-        kv, kv.stride(0),
+        q,
+        q.stride(0),
+        q.stride(1),
+        kv,
+        kv.stride(0),
         q_out,
         positions,
-        cos_sin_cache, cos_sin_cache.stride(0),
-        slots, slots.shape[0],
-        cache, cache.stride(0), block_size,
-        H, padded_heads, eps,
+        cos_sin_cache,
+        cos_sin_cache.stride(0),
+        slots,
+        slots.shape[0],
+        cache,
+        cache.stride(0),
+        block_size,
+        H,
+        padded_heads,
+        eps,
         HEADS=_HEADS_PER_PROGRAM,
         enable_fp_fusion=False,
-    )  # fmt: skip
+    )
     return q_out
 
 

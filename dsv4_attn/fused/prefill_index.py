@@ -27,13 +27,25 @@ _BLOCK_COLUMNS = 256
 
 @triton.jit
 def _prefill_index_kernel(
-    query_start_ptr, seq_lens_ptr, num_reqs, first_token,
-    topk_ptr, topk_stride, topk,
-    indices_ptr, indices_stride, width, lens_ptr,
-    N, M, ratio,
-    WINDOW: tl.constexpr, MODE: tl.constexpr,
-    BLOCK_REQS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr,
-):  # fmt: skip
+    query_start_ptr,
+    seq_lens_ptr,
+    num_reqs,
+    first_token,
+    topk_ptr,
+    topk_stride,
+    topk,
+    indices_ptr,
+    indices_stride,
+    width,
+    lens_ptr,
+    N,
+    M,
+    ratio,
+    WINDOW: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCK_REQS: tl.constexpr,
+    BLOCK_COLUMNS: tl.constexpr,
+):
     i = tl.program_id(0)
     t = first_token + i
     count = tl.zeros([BLOCK_REQS], dtype=tl.int32)
@@ -68,11 +80,13 @@ def _prefill_index_kernel(
             visible = (pos + 1) // ratio  # entries complete at the token's position
             for col0 in range(0, topk, BLOCK_COLUMNS):
                 col = col0 + tl.arange(0, BLOCK_COLUMNS)
-                entry = tl.load(topk_ptr + i.to(tl.int64) * topk_stride + col, mask=col < topk,
-                                other=-1)  # fmt: skip
+                entry = tl.load(
+                    topk_ptr + i.to(tl.int64) * topk_stride + col, mask=col < topk, other=-1
+                )
                 usable = (entry >= 0) & (entry < visible)
-                tl.store(row_out + col, tl.where(usable, base + entry, -1).to(tl.int32),
-                         mask=col < topk)  # fmt: skip
+                tl.store(
+                    row_out + col, tl.where(usable, base + entry, -1).to(tl.int32), mask=col < topk
+                )
             offset = topk
         col = tl.arange(0, WINDOW)
         value = tl.where(col < wlen, window_base + col, -1)
@@ -103,9 +117,22 @@ def fill_prefill_index(
     mode = 1 if compress_ratio == 4 else 2 if compress_ratio > 1 else 0
     topk = local_topk if local_topk is not None else indices
     _prefill_index_kernel[(num_tokens,)](
-        query_start, seq_lens, seq_lens.shape[0], first_token,
-        topk, topk.stride(0), local_topk.shape[1] if local_topk is not None else 0,
-        indices, indices.stride(0), indices.shape[1], lens,
-        entries, rows, max(compress_ratio, 1),
-        WINDOW=window, MODE=mode, BLOCK_REQS=_BLOCK_REQS, BLOCK_COLUMNS=_BLOCK_COLUMNS,
-    )  # fmt: skip
+        query_start,
+        seq_lens,
+        seq_lens.shape[0],
+        first_token,
+        topk,
+        topk.stride(0),
+        local_topk.shape[1] if local_topk is not None else 0,
+        indices,
+        indices.stride(0),
+        indices.shape[1],
+        lens,
+        entries,
+        rows,
+        max(compress_ratio, 1),
+        WINDOW=window,
+        MODE=mode,
+        BLOCK_REQS=_BLOCK_REQS,
+        BLOCK_COLUMNS=_BLOCK_COLUMNS,
+    )

@@ -31,8 +31,9 @@ _BLOCK_ENTRIES = 256
 
 
 @triton.jit
-def _token_map(t, query_start_ptr, seq_lens_ptr, slot_mapping_ptr, num_reqs,
-               BLOCK_REQS: tl.constexpr):  # fmt: skip
+def _token_map(
+    t, query_start_ptr, seq_lens_ptr, slot_mapping_ptr, num_reqs, BLOCK_REQS: tl.constexpr
+):
     """(request, position, valid) of token ``t``; position 0 for invalid tokens."""
     count = tl.zeros([BLOCK_REQS], dtype=tl.int32)
     for start in range(0, num_reqs, BLOCK_REQS):
@@ -55,8 +56,11 @@ def _row_slots(block_table_ptr, bt_stride, bt_width, req, rows, rows_per_block, 
     """int64 slots of request-local rows (-1 where ``use`` is False or the row's block lies
     outside the request's ``bt_width`` table entries)."""
     inside = use & (rows >= 0) & (rows // rows_per_block < bt_width)
-    block = tl.load(block_table_ptr + req.to(tl.int64) * bt_stride + rows // rows_per_block,
-                    mask=inside, other=0).to(tl.int64)  # fmt: skip
+    block = tl.load(
+        block_table_ptr + req.to(tl.int64) * bt_stride + rows // rows_per_block,
+        mask=inside,
+        other=0,
+    ).to(tl.int64)
     return tl.where(inside, block * rows_per_block + rows % rows_per_block, -1)
 
 
@@ -70,19 +74,31 @@ def _window_span(pos, valid, WINDOW: tl.constexpr):
 
 @triton.jit
 def _window_kernel(
-    query_start_ptr, seq_lens_ptr, slot_mapping_ptr, num_reqs,
-    block_table_ptr, bt_stride, bt_width, block_size,
-    req_out, valid_out, indices_out, indices_stride, lens_out,
-    WINDOW: tl.constexpr, WINDOW_P2: tl.constexpr, BLOCK_REQS: tl.constexpr,
-):  # fmt: skip
+    query_start_ptr,
+    seq_lens_ptr,
+    slot_mapping_ptr,
+    num_reqs,
+    block_table_ptr,
+    bt_stride,
+    bt_width,
+    block_size,
+    req_out,
+    valid_out,
+    indices_out,
+    indices_stride,
+    lens_out,
+    WINDOW: tl.constexpr,
+    WINDOW_P2: tl.constexpr,
+    BLOCK_REQS: tl.constexpr,
+):
     t = tl.program_id(0)
-    req, pos, valid = _token_map(t, query_start_ptr, seq_lens_ptr, slot_mapping_ptr, num_reqs,
-                                 BLOCK_REQS)  # fmt: skip
+    req, pos, valid = _token_map(
+        t, query_start_ptr, seq_lens_ptr, slot_mapping_ptr, num_reqs, BLOCK_REQS
+    )
     first, length = _window_span(pos, valid, WINDOW)
     offset = tl.arange(0, WINDOW_P2)
     use = offset < length
-    slots = _row_slots(block_table_ptr, bt_stride, bt_width, req, first + offset, block_size,
-                       use)  # fmt: skip
+    slots = _row_slots(block_table_ptr, bt_stride, bt_width, req, first + offset, block_size, use)
     row_out = indices_out + t.to(tl.int64) * indices_stride
     tl.store(row_out + offset, slots.to(tl.int32), mask=offset < WINDOW)
     tl.store(lens_out + t, length.to(tl.int32))
@@ -114,28 +130,59 @@ def fill_window_metadata(
     if T == 0:
         return
     _window_kernel[(T,)](
-        query_start_loc, seq_lens, slot_mapping, seq_lens.shape[0],
-        block_table, block_table.stride(0), block_table.shape[1], block_size,
-        token_req, valid.view(torch.int8), swa_indices, swa_indices.stride(0), swa_lens,
-        WINDOW=window, WINDOW_P2=triton.next_power_of_2(window), BLOCK_REQS=_BLOCK_REQS,
-    )  # fmt: skip
+        query_start_loc,
+        seq_lens,
+        slot_mapping,
+        seq_lens.shape[0],
+        block_table,
+        block_table.stride(0),
+        block_table.shape[1],
+        block_size,
+        token_req,
+        valid.view(torch.int8),
+        swa_indices,
+        swa_indices.stride(0),
+        swa_lens,
+        WINDOW=window,
+        WINDOW_P2=triton.next_power_of_2(window),
+        BLOCK_REQS=_BLOCK_REQS,
+    )
 
 
 @triton.jit
 def _compressed_kernel(
-    query_start_ptr, seq_lens_ptr, slot_mapping_ptr, num_reqs,
-    block_table_ptr, bt_stride, bt_width, rows_per_block, ratio,
-    req_out, valid_out, write_slots_out, staging_rows_out,
-    visible_out, visible_stride, visible_width, visible_lens_out, window_lens_out,
-    HAS_VISIBLE: tl.constexpr, HAS_COUNTS: tl.constexpr, WINDOW: tl.constexpr,
-    BLOCK_REQS: tl.constexpr, BLOCK_ENTRIES: tl.constexpr,
-):  # fmt: skip
+    query_start_ptr,
+    seq_lens_ptr,
+    slot_mapping_ptr,
+    num_reqs,
+    block_table_ptr,
+    bt_stride,
+    bt_width,
+    rows_per_block,
+    ratio,
+    req_out,
+    valid_out,
+    write_slots_out,
+    staging_rows_out,
+    visible_out,
+    visible_stride,
+    visible_width,
+    visible_lens_out,
+    window_lens_out,
+    HAS_VISIBLE: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    BLOCK_REQS: tl.constexpr,
+    BLOCK_ENTRIES: tl.constexpr,
+):
     t = tl.program_id(0)
-    req, pos, valid = _token_map(t, query_start_ptr, seq_lens_ptr, slot_mapping_ptr, num_reqs,
-                                 BLOCK_REQS)  # fmt: skip
+    req, pos, valid = _token_map(
+        t, query_start_ptr, seq_lens_ptr, slot_mapping_ptr, num_reqs, BLOCK_REQS
+    )
     completes = valid & ((pos + 1) % ratio == 0)
-    write_slot = _row_slots(block_table_ptr, bt_stride, bt_width, req, pos // ratio,
-                            rows_per_block, completes)  # fmt: skip
+    write_slot = _row_slots(
+        block_table_ptr, bt_stride, bt_width, req, pos // ratio, rows_per_block, completes
+    )
     tl.store(write_slots_out + t, write_slot)
     tl.store(staging_rows_out + t, tl.where(completes, t.to(tl.int64), -1))
     tl.store(req_out + t, req.to(tl.int32))
@@ -145,8 +192,9 @@ def _compressed_kernel(
         row_out = visible_out + t.to(tl.int64) * visible_stride
         for start in range(0, visible_width, BLOCK_ENTRIES):
             entry = start + tl.arange(0, BLOCK_ENTRIES)
-            slots = _row_slots(block_table_ptr, bt_stride, bt_width, req, entry,
-                               rows_per_block, entry < count)  # fmt: skip
+            slots = _row_slots(
+                block_table_ptr, bt_stride, bt_width, req, entry, rows_per_block, entry < count
+            )
             tl.store(row_out + entry, slots.to(tl.int32), mask=entry < visible_width)
         tl.store(visible_lens_out + t, count.to(tl.int32))
     elif HAS_COUNTS:  # the count alone (CSA: bounds the indexer's picks)
@@ -197,25 +245,49 @@ def fill_compressed_metadata(
     if window_lens is not None and window < 1:
         raise ValueError(f"window_lens needs the window size (>= 1), got {window}")
     _compressed_kernel[(T,)](
-        query_start_loc, seq_lens, slot_mapping, seq_lens.shape[0],
-        block_table, block_table.stride(0), block_table.shape[1], rows_per_block, compress_ratio,
-        token_req, valid.view(torch.int8), write_slots, staging_rows,
-        visible, visible.stride(0) if has_visible else 0,
-        visible.shape[1] if has_visible else 0, visible_lens,
+        query_start_loc,
+        seq_lens,
+        slot_mapping,
+        seq_lens.shape[0],
+        block_table,
+        block_table.stride(0),
+        block_table.shape[1],
+        rows_per_block,
+        compress_ratio,
+        token_req,
+        valid.view(torch.int8),
+        write_slots,
+        staging_rows,
+        visible,
+        visible.stride(0) if has_visible else 0,
+        visible.shape[1] if has_visible else 0,
+        visible_lens,
         window_lens if window_lens is not None else write_slots,
-        HAS_VISIBLE=has_visible, HAS_COUNTS=has_counts,
+        HAS_VISIBLE=has_visible,
+        HAS_COUNTS=has_counts,
         WINDOW=window if window_lens is not None else 0,
-        BLOCK_REQS=_BLOCK_REQS, BLOCK_ENTRIES=_BLOCK_ENTRIES,
-    )  # fmt: skip
+        BLOCK_REQS=_BLOCK_REQS,
+        BLOCK_ENTRIES=_BLOCK_ENTRIES,
+    )
 
 
 @triton.jit
 def _entry_slots_kernel(
-    entries_ptr, entries_stride, token_req_ptr, valid_ptr, visible_ptr,
-    block_table_ptr, bt_stride, bt_width, rows_per_block,
-    slots_out, slots_stride, lens_out, width,
+    entries_ptr,
+    entries_stride,
+    token_req_ptr,
+    valid_ptr,
+    visible_ptr,
+    block_table_ptr,
+    bt_stride,
+    bt_width,
+    rows_per_block,
+    slots_out,
+    slots_stride,
+    lens_out,
+    width,
     BLOCK_ENTRIES: tl.constexpr,
-):  # fmt: skip
+):
     t = tl.program_id(0)
     req = tl.load(token_req_ptr + t)
     valid = tl.load(valid_ptr + t) != 0
@@ -226,8 +298,9 @@ def _entry_slots_kernel(
         inside = k < width
         entry = tl.load(entries_ptr + t.to(tl.int64) * entries_stride + k, mask=inside, other=-1)
         use = (entry >= 0) & (entry < visible) & valid
-        slots = _row_slots(block_table_ptr, bt_stride, bt_width, req, entry.to(tl.int64),
-                           rows_per_block, use)  # fmt: skip
+        slots = _row_slots(
+            block_table_ptr, bt_stride, bt_width, req, entry.to(tl.int64), rows_per_block, use
+        )
         tl.store(slots_out + t.to(tl.int64) * slots_stride + k, slots.to(tl.int32), mask=inside)
         length = tl.maximum(length, tl.where(use, k + 1, 0))
     tl.store(lens_out + t, tl.max(length, axis=0))
@@ -259,8 +332,18 @@ def fill_entry_slots(
     if T == 0:
         return
     _entry_slots_kernel[(T,)](
-        local_entries, local_entries.stride(0), token_req, valid.view(torch.int8), visible_counts,
-        block_table, block_table.stride(0), block_table.shape[1], rows_per_block,
-        slots, slots.stride(0), lens, K,
+        local_entries,
+        local_entries.stride(0),
+        token_req,
+        valid.view(torch.int8),
+        visible_counts,
+        block_table,
+        block_table.stride(0),
+        block_table.shape[1],
+        rows_per_block,
+        slots,
+        slots.stride(0),
+        lens,
+        K,
         BLOCK_ENTRIES=_BLOCK_ENTRIES,
-    )  # fmt: skip
+    )

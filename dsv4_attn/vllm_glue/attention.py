@@ -221,9 +221,16 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             return F.pad(q, (0, 0, 0, self.padded_heads - self.n_local_heads))
         swa = cast(DSV4SWAMetadata, attn_metadata[self.swa_cache_layer.prefix])
         return insert_swa_rows(
-            q, kv, positions, self.rotary_emb.cos_sin_cache, self.eps, self.padded_heads,
-            swa.slot_mapping, self.swa_pages(), swa.block_size,
-        )  # fmt: skip
+            q,
+            kv,
+            positions,
+            self.rotary_emb.cos_sin_cache,
+            self.eps,
+            self.padded_heads,
+            swa.slot_mapping,
+            self.swa_pages(),
+            swa.block_size,
+        )
 
     def insert_context_rows(
         self, kv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
@@ -237,8 +244,17 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             raise ValueError(f"{self.prefix}: a {self.kv_format.value} cache is vLLM's to write")
         # The writer also norms and ropes a query; kv itself serves as a one-head dummy.
         cos_sin, block_size = self.rotary_emb.cos_sin_cache, self.swa_cache_layer.block_size
-        insert_swa_rows(kv.unsqueeze(1), kv, positions, cos_sin, self.eps, 1, slot_mapping,
-                        self.swa_pages(), block_size)  # fmt: skip
+        insert_swa_rows(
+            kv.unsqueeze(1),
+            kv,
+            positions,
+            cos_sin,
+            self.eps,
+            1,
+            slot_mapping,
+            self.swa_pages(),
+            block_size,
+        )
 
     # ------------------------------------------------------------------------------------------
     # Attention
@@ -323,8 +339,9 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             if self.device.type == "cuda":
                 self._compile_kernels()
         prefill_peak = self._peak_prefill_scratch()  # prefill chunks, at other times
-        self._reserved_bytes = max(workspace_bytes(self._peak_scratch),
-                                   workspace_bytes(prefill_peak))  # fmt: skip
+        self._reserved_bytes = max(
+            workspace_bytes(self._peak_scratch), workspace_bytes(prefill_peak)
+        )
         manager = _workspace_manager()
         if manager is not None:
             manager.get_simultaneous(*self._peak_scratch)
@@ -333,10 +350,14 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
     def _peak_prefill_scratch(self) -> Shapes:
         """The largest workspace a prefill chunk of this layer asks for."""
         topk = self.topk_indices_buffer.shape[1] if self.compress_ratio == CSA_RATIO else 0
-        return prefill.peak_workspace_shapes(self.max_model_len, self.compress_ratio,
-                                             self.window_size, topk,
-                                             self.max_num_batched_tokens,
-                                             self.padded_heads)  # fmt: skip
+        return prefill.peak_workspace_shapes(
+            self.max_model_len,
+            self.compress_ratio,
+            self.window_size,
+            topk,
+            self.max_num_batched_tokens,
+            self.padded_heads,
+        )
 
     def _scratch(self, shapes: Shapes, what: str) -> list[torch.Tensor]:
         """Views for one forward's scratch tensors (``what``: the path asking, for errors),
@@ -367,9 +388,13 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         the final block size by the profiling run.)"""
         from dsv4_attn.kernels.precompile import compile_layer_kernels
 
-        compile_layer_kernels(self.kv_format, self.compress_ratio,
-                              self.swa_cache_layer.block_size, self.cache_config.block_size,
-                              self._may_run_balanced())  # fmt: skip
+        compile_layer_kernels(
+            self.kv_format,
+            self.compress_ratio,
+            self.swa_cache_layer.block_size,
+            self.cache_config.block_size,
+            self._may_run_balanced(),
+        )
 
     def forward_mqa(
         self,
@@ -446,13 +471,12 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             assert compressed is not None and compressed.window_lens is not None
             window = replace(window, lens=compressed.window_lens[:n])
         workspace = (partials[0], partials[1]) if partials else None
+        args = (q[:n], window, self.attn_sink, self.scale, extra)
+        outputs = {"out": output[:n], "lse": lse, "workspace": workspace, "plan": plan}
         if self._decode_kernel is not None:
-            self._decode_kernel(q[:n], window, self.attn_sink, self.scale, extra, out=output[:n],
-                                lse=lse, workspace=workspace, plan=plan)  # fmt: skip
+            self._decode_kernel(*args, **outputs)
             return
-        ops.sparse_attention(q[:n], window, self.attn_sink, self.scale, extra, out=output[:n],
-                             lse=lse, workspace=workspace, check_values=False,
-                             plan=plan)  # fmt: skip
+        ops.sparse_attention(*args, **outputs, check_values=False)
         dispatch = ops.last_dispatch()
         if dispatch is not None and dispatch.backend == "cutedsl":
             from dsv4_attn.kernels import sparse_decode
@@ -460,8 +484,9 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             self._decode_kernel = sparse_decode.sparse_attention
 
     def _prefill_budget(self) -> int:
-        return prefill.rows_budget(self.max_model_len, self.compress_ratio, self.window_size,
-                                   self.max_num_batched_tokens)  # fmt: skip
+        return prefill.rows_budget(
+            self.max_model_len, self.compress_ratio, self.window_size, self.max_num_batched_tokens
+        )
 
     def _forward_prefill(
         self,
@@ -478,15 +503,20 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         chunks = swa.prefill_plans.get(plan_key)
         if chunks is None:
             chunks = swa.prefill_plans[plan_key] = prefill.plan_chunks(
-                swa.query_start_loc_cpu, swa.seq_lens_cpu, swa.num_decodes, swa.num_prefills,
+                swa.query_start_loc_cpu,
+                swa.seq_lens_cpu,
+                swa.num_decodes,
+                swa.num_prefills,
                 *plan_key,
-            )  # fmt: skip
+            )
         swa_pages = self.swa_pages()
         compressed_pages = self.compressed_pages() if compressed is not None else None
         vllm_caches = None
         if self.kv_format is KVFormat.FP8_DS_MLA:
-            vllm_caches = (self.swa_cache_layer.kv_cache,
-                           self.kv_cache if compressed is not None else None)  # fmt: skip
+            vllm_caches = (
+                self.swa_cache_layer.kv_cache,
+                self.kv_cache if compressed is not None else None,
+            )
         topk = self.topk_indices_buffer.shape[1] if self.compress_ratio == CSA_RATIO else 0
         for chunk in chunks:
             reqs = slice(chunk.first_req, chunk.end_req)
@@ -494,30 +524,45 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             query_start = swa.query_start_loc[chunk.first_req : chunk.end_req + 1]
             seq_lens = swa.seq_lens[reqs]
             C, T = chunk.end_req - chunk.first_req, chunk.end_token - chunk.first_token
-            width = prefill.index_width(self.compress_ratio, topk, chunk.entries,
-                                        self.window_size)  # fmt: skip
+            width = prefill.index_width(self.compress_ratio, topk, chunk.entries, self.window_size)
             rows_ws, indices_ws, lens_ws, lse_ws = self._scratch(
                 prefill.chunk_workspace_shapes(C * chunk.rows, T, width, q.shape[1]), "prefill"
             )
             extra = None
             if compressed is not None and compressed_pages is not None:
-                extra = (compressed_pages, compressed.block_table[reqs],
-                         compressed.rows_per_block, self.compress_ratio)  # fmt: skip
+                extra = (
+                    compressed_pages,
+                    compressed.block_table[reqs],
+                    compressed.rows_per_block,
+                    self.compress_ratio,
+                )
             rows = prefill.gather_rows(
-                rows_ws, chunk, self.kv_format, seq_lens, query_start[1:] - query_start[:-1],
-                self.window_size, (swa_pages, swa.block_table[reqs], swa.block_size), extra,
+                rows_ws,
+                chunk,
+                self.kv_format,
+                seq_lens,
+                query_start[1:] - query_start[:-1],
+                self.window_size,
+                (swa_pages, swa.block_table[reqs], swa.block_size),
+                extra,
                 vllm_caches,
-            )  # fmt: skip
+            )
             local_topk = None
             if self.compress_ratio == CSA_RATIO:
                 assert self.topk_indices_buffer is not None
                 local_topk = self.topk_indices_buffer[tokens]
             indices, lens = prefill.index_lists(
-                chunk, query_start, seq_lens, self.window_size, self.compress_ratio, local_topk,
+                chunk,
+                query_start,
+                seq_lens,
+                self.window_size,
+                self.compress_ratio,
+                local_topk,
                 (indices_ws, lens_ws),
-            )  # fmt: skip
-            prefill.attend(q[tokens], rows, indices, lens, self.attn_sink, self.scale,
-                           output[tokens], lse_ws)  # fmt: skip
+            )
+            prefill.attend(
+                q[tokens], rows, indices, lens, self.attn_sink, self.scale, output[tokens], lse_ws
+            )
         return int(swa.query_start_loc_cpu[swa.num_decodes + swa.num_prefills])
 
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

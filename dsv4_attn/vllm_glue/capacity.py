@@ -34,8 +34,7 @@ from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.vllm_glue import kv_spec
 from dsv4_attn.vllm_glue.compressor_state import state_dtype
 
-__all__ = ["BACKENDS", "SCHEDULES", "Capacity", "GroupCost", "breakdown", "capacity",
-           "layer_specs"]  # fmt: skip
+__all__ = ["BACKENDS", "SCHEDULES", "Capacity", "GroupCost", "breakdown", "capacity", "layer_specs"]
 
 # compress_ratios of the main layers (1: sliding window only; 4: CSA; 128: HCA).
 SCHEDULES: dict[str, list[int]] = {
@@ -81,27 +80,32 @@ def _planner_config(cache_dtype: str, max_model_len: int, max_num_batched_tokens
     from vllm.config.cache import _layout_from_name
 
     cache = SimpleNamespace(
-        cache_dtype=cache_dtype, block_size=CACHE_BLOCK_TOKENS, num_gpu_blocks_override=None,
+        cache_dtype=cache_dtype,
+        block_size=CACHE_BLOCK_TOKENS,
+        num_gpu_blocks_override=None,
         prefix_cache_retention_interval=None,
         get_resolved_kv_cache_layout=lambda: _layout_from_name("BLHNC"),
-    )  # fmt: skip
+    )
     return SimpleNamespace(
         cache_config=cache,
-        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False,
-                                         max_num_batched_tokens=max_num_batched_tokens),
+        scheduler_config=SimpleNamespace(
+            disable_hybrid_kv_cache_manager=False, max_num_batched_tokens=max_num_batched_tokens
+        ),
         attention_config=SimpleNamespace(hisparse_config=None),
-        model_config=SimpleNamespace(max_model_len=max_model_len,
-                                     supports_kv_cache_grouping=False),
+        model_config=SimpleNamespace(max_model_len=max_model_len, supports_kv_cache_grouping=False),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1, tensor_parallel_size=1),
         max_in_flight_tokens=2 * max_num_batched_tokens,
-    )  # fmt: skip
+    )
 
 
 def _state_spec(compress_ratio: int, head_dim: int, dtype: torch.dtype, config) -> KVCacheSpec:
     coff = 1 + (compress_ratio == 4)
-    state = SimpleNamespace(block_size=4 if compress_ratio == 4 else 8,
-                            state_dim=2 * coff * head_dim, dtype=dtype,
-                            sliding_window=coff * compress_ratio)  # fmt: skip
+    state = SimpleNamespace(
+        block_size=4 if compress_ratio == 4 else 8,
+        state_dim=2 * coff * head_dim,
+        dtype=dtype,
+        sliding_window=coff * compress_ratio,
+    )
     return CompressorStateCache.get_kv_cache_spec(state, config)
 
 
@@ -115,8 +119,12 @@ def layer_specs(schedule: list[int], backend: str, config) -> dict[str, KVCacheS
     for i, ratio in enumerate(schedule):
         prefix = f"model.layers.{i}.self_attn"
         if ratio == 4:  # the indexer's keys and its compressor's state (vLLM's, fp32)
-            indexer = SimpleNamespace(cache_config=config.cache_config, head_dim=_INDEXER_HEAD,
-                                      dtype=torch.uint8, compress_ratio=4)  # fmt: skip
+            indexer = SimpleNamespace(
+                cache_config=config.cache_config,
+                head_dim=_INDEXER_HEAD,
+                dtype=torch.uint8,
+                compress_ratio=4,
+            )
             specs[f"{prefix}.indexer.k_cache"] = DeepseekV4IndexerCache.get_kv_cache_spec(
                 indexer, config
             )
@@ -127,11 +135,16 @@ def layer_specs(schedule: list[int], backend: str, config) -> dict[str, KVCacheS
             specs[f"{prefix}.swa_cache"] = kv_spec.swa_cache_spec(SWA_BLOCK_TOKENS, _WINDOW)
         else:
             swa = SimpleNamespace(
-                cache_config=config.cache_config, bounded_replay=False, block_size=SWA_BLOCK_TOKENS,
-                head_dim=HEAD_DIM, dtype=torch.uint8, window_size=_WINDOW,
-                packed_bytes_per_token=584, packed_page_alignment=576,
+                cache_config=config.cache_config,
+                bounded_replay=False,
+                block_size=SWA_BLOCK_TOKENS,
+                head_dim=HEAD_DIM,
+                dtype=torch.uint8,
+                window_size=_WINDOW,
+                packed_bytes_per_token=584,
+                packed_page_alignment=576,
                 packed_block_stride_alignment=None,
-            )  # fmt: skip
+            )
             specs[f"{prefix}.swa_cache"] = DeepseekV4SWACache.get_kv_cache_spec(swa, config)
         if ratio > 1:
             if nvfp4:
@@ -169,8 +182,9 @@ def capacity(
         math.ceil(g.kv_cache_spec.max_memory_usage_bytes(config) / g.kv_cache_spec.page_size_bytes)
         for g in groups
     )
-    return Capacity(bytes_per_block, kv_config.num_blocks, tokens, per_request,
-                    per_request * bytes_per_block)  # fmt: skip
+    return Capacity(
+        bytes_per_block, kv_config.num_blocks, tokens, per_request, per_request * bytes_per_block
+    )
 
 
 def _cache_kind(name: str, schedule: list[int]) -> str:
@@ -230,22 +244,28 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     memory = int(args.memory_gib * 2**30)
-    print(f"{'schedule':9} {'max len':>9} {'backend':17} {'B/block':>9} {'tokens':>13} "
-          f"{'GB/request':>10} {'vs vllm':>7}")  # fmt: skip
+    print(
+        f"{'schedule':9} {'max len':>9} {'backend':17} {'B/block':>9} {'tokens':>13} "
+        f"{'GB/request':>10} {'vs vllm':>7}"
+    )
     for name, schedule in SCHEDULES.items():
         for length in args.max_model_len:
             base = capacity(schedule, "vllm", memory, length, args.max_num_batched_tokens)
             for backend in BACKENDS:
                 c = capacity(schedule, backend, memory, length, args.max_num_batched_tokens)
-                print(f"{name:9} {length:>9} {backend:17} {c.bytes_per_block:>9} "
-                      f"{c.tokens:>13,} {c.bytes_per_request / 1e9:>10.2f} "
-                      f"{c.tokens / base.tokens:>7.3f}")  # fmt: skip
+                print(
+                    f"{name:9} {length:>9} {backend:17} {c.bytes_per_block:>9} "
+                    f"{c.tokens:>13,} {c.bytes_per_request / 1e9:>10.2f} "
+                    f"{c.tokens / base.tokens:>7.3f}"
+                )
                 if args.breakdown:
                     for g in breakdown(schedule, backend, length, args.max_num_batched_tokens):
-                        print(f"    {g.bytes_per_block:>9} B/block {g.blocks_per_request:>7} "
-                              f"blocks  needs {g.needed_bytes / 1e9:6.3f} GB  charged "
-                              f"{g.charged_bytes / 1e9:6.3f} GB  pages {g.page_bytes}  "
-                              f"{g.holds}")  # fmt: skip
+                        print(
+                            f"    {g.bytes_per_block:>9} B/block {g.blocks_per_request:>7} "
+                            f"blocks  needs {g.needed_bytes / 1e9:6.3f} GB  charged "
+                            f"{g.charged_bytes / 1e9:6.3f} GB  pages {g.page_bytes}  "
+                            f"{g.holds}"
+                        )
 
 
 if __name__ == "__main__":

@@ -67,9 +67,20 @@ def compress_rows(
     if state.is_cuda:
         from dsv4_attn.fused import compressor
 
-        compressor.compress_rows(state, block_table, token_req, positions, state_slots,
-                                 out_rows, out, compress_ratio, norm_weight, eps, cos_sin,
-                                 rope_dim)  # fmt: skip
+        compressor.compress_rows(
+            state,
+            block_table,
+            token_req,
+            positions,
+            state_slots,
+            out_rows,
+            out,
+            compress_ratio,
+            norm_weight,
+            eps,
+            cos_sin,
+            rope_dim,
+        )
         return
     T = out_rows.shape[0]
     C = 2 if compress_ratio == 4 else 1

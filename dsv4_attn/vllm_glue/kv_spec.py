@@ -1,6 +1,6 @@
 """KV-cache formats of the DSV4_NVFP4 backend inside vLLM: ``--kv-cache-dtype``, specs, page views.
 
-DeepSeek-V4 keeps two kinds of KV cache per attention layer, both paged (DESIGN.md §3):
+DeepSeek-V4 keeps two kinds of KV cache per attention layer, both paged (docs/design.md §2.4):
 
 * the sliding-window (SWA) cache, one row per token, vLLM pages of 64 tokens;
 * the compressed cache (CSA ratio 4, HCA ratio 128), one row per ``ratio`` tokens; a vLLM block

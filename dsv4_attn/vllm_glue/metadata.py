@@ -3,12 +3,13 @@
 Every token of the step (decode or prefill, spec-decode drafts included) gets its own candidate
 lists, so the attention (:mod:`dsv4_attn.ops`) treats all tokens alike.
 
-Conventions (DESIGN.md §2, §4). Tokens are the step's rows in vLLM's order (``query_start_loc``);
-token ``t`` of request ``r`` sits at position ``pos = seq_len[r] - query_len[r] + (t -
-query_start[r])``. A *slot* is a global row id in a paged cache, ``block_table[r][i //
-rows_per_block] * rows_per_block + i % rows_per_block`` for the request's ``i``-th row; -1 means
-none. A token is *valid* when it is a real token with a cache slot (vLLM pads steps with tokens
-whose ``slot_mapping`` is -1); invalid tokens get empty lists (length 0), hence output 0.
+Conventions (docs/design.md §1.2, §3.6). Tokens are the step's rows in vLLM's order
+(``query_start_loc``); token ``t`` of request ``r`` sits at position ``pos = seq_len[r] -
+query_len[r] + (t - query_start[r])``. A *slot* is a global row id in a paged cache,
+``block_table[r][i // rows_per_block] * rows_per_block + i % rows_per_block`` for the request's
+``i``-th row; -1 means none. A token is *valid* when it is a real token with a cache slot (vLLM pads
+steps with tokens whose ``slot_mapping`` is -1); invalid tokens get empty lists (length 0), hence
+output 0.
 
 * SWA cache group (rows = tokens, 64 per block) — :class:`DSV4SWAMetadataBuilder`: each token's
   request and validity, its window ``max(0, pos - window + 1) .. pos`` as slots ``[T, window]`` and
@@ -196,8 +197,10 @@ def block_window_slots(
     device = tokens.pos.device
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0:
-        return (torch.full((T, width), -1, dtype=torch.int32, device=device),
-                torch.zeros(T, dtype=torch.int32, device=device))  # fmt: skip
+        return (
+            torch.full((T, width), -1, dtype=torch.int32, device=device),
+            torch.zeros(T, dtype=torch.int32, device=device),
+        )
     qsl = query_start_loc[: num_reqs + 1].long()
     seq = seq_lens.long()[tokens.req]
     prefix = seq - (qsl[1:] - qsl[:-1])[tokens.req]
@@ -278,9 +281,16 @@ def fill_window(
         from dsv4_attn.fused.step_metadata import fill_window_metadata
 
         fill_window_metadata(
-            cm.query_start_loc, cm.seq_lens, cm.slot_mapping, cm.block_table_tensor, block_size,
-            token_req=token_req, valid=valid, swa_indices=swa_indices, swa_lens=swa_lens,
-        )  # fmt: skip
+            cm.query_start_loc,
+            cm.seq_lens,
+            cm.slot_mapping,
+            cm.block_table_tensor,
+            block_size,
+            token_req=token_req,
+            valid=valid,
+            swa_indices=swa_indices,
+            swa_lens=swa_lens,
+        )
         return
     tokens = map_tokens(cm.query_start_loc, cm.seq_lens, cm.slot_mapping, T)
     slots, lens = window_slots(tokens, cm.block_table_tensor, block_size, window)
@@ -313,8 +323,9 @@ def fill_block_window(
     )
     slots, lens = window_slots(tokens, cm.block_table_tensor, block_size, window)
     in_block = torch.arange(T, device=swa_indices.device) < num_block_tokens
-    swa_indices.copy_(torch.where(in_block[:, None], block_slots,
-                                  F.pad(slots, (0, width - window), value=-1)))  # fmt: skip
+    swa_indices.copy_(
+        torch.where(in_block[:, None], block_slots, F.pad(slots, (0, width - window), value=-1))
+    )
     swa_lens.copy_(torch.where(in_block, block_lens, lens))
     token_req.copy_(tokens.req)
     valid.copy_(tokens.valid)
@@ -345,11 +356,21 @@ def fill_compressed(
         from dsv4_attn.fused.step_metadata import fill_compressed_metadata
 
         fill_compressed_metadata(
-            cm.query_start_loc, cm.seq_lens, cm.slot_mapping, block_table, rows_per_block,
-            compress_ratio, token_req=token_req, valid=valid, write_slots=write_slots,
-            staging_rows=staging_rows, visible_slots=visible_slots, visible_lens=visible_lens,
-            window=window, window_lens=window_lens,
-        )  # fmt: skip
+            cm.query_start_loc,
+            cm.seq_lens,
+            cm.slot_mapping,
+            block_table,
+            rows_per_block,
+            compress_ratio,
+            token_req=token_req,
+            valid=valid,
+            write_slots=write_slots,
+            staging_rows=staging_rows,
+            visible_slots=visible_slots,
+            visible_lens=visible_lens,
+            window=window,
+            window_lens=window_lens,
+        )
         return
     tokens = map_tokens(cm.query_start_loc, cm.seq_lens, cm.slot_mapping, T)
     slots = compressed_write_slots(tokens, block_table, rows_per_block, compress_ratio)
@@ -386,9 +407,15 @@ def fill_entry_slots(
         from dsv4_attn.fused import step_metadata
 
         step_metadata.fill_entry_slots(
-            local_entries, token_req, valid, visible_counts, block_table, rows_per_block,
-            slots=slots, lens=lens,
-        )  # fmt: skip
+            local_entries,
+            token_req,
+            valid,
+            visible_counts,
+            block_table,
+            rows_per_block,
+            slots=slots,
+            lens=lens,
+        )
         return
     tokens = TokenMap(token_req.long(), torch.zeros_like(token_req, dtype=torch.int64), valid)
     got_slots, got_lens = local_entry_slots(
@@ -501,8 +528,9 @@ class DSV4SWAMetadataBuilder(AttentionMetadataBuilder[DSV4SWAMetadata]):
         self.block_width = dspark_window_width(vllm_config, self.window_size)
         self.block_indices = None
         if self.block_width:
-            self.block_indices = torch.full((max_tokens, self.block_width), -1,
-                                            dtype=torch.int32, device=device)  # fmt: skip
+            self.block_indices = torch.full(
+                (max_tokens, self.block_width), -1, dtype=torch.int32, device=device
+            )
 
     def build(
         self,
@@ -523,13 +551,26 @@ class DSV4SWAMetadataBuilder(AttentionMetadataBuilder[DSV4SWAMetadata]):
                     "server has no DSpark speculation (--speculative-config method 'dspark')"
                 )
             swa_indices = self.block_indices[:T]
-            fill_block_window(cm, self.block_size, self.window_size, num_decode_tokens,
-                              token_req=token_req, valid=valid, swa_indices=swa_indices,
-                              swa_lens=swa_lens)  # fmt: skip
+            fill_block_window(
+                cm,
+                self.block_size,
+                self.window_size,
+                num_decode_tokens,
+                token_req=token_req,
+                valid=valid,
+                swa_indices=swa_indices,
+                swa_lens=swa_lens,
+            )
         else:
             swa_indices = self.swa_indices[:T]
-            fill_window(cm, self.block_size, token_req=token_req, valid=valid,
-                        swa_indices=swa_indices, swa_lens=swa_lens)  # fmt: skip
+            fill_window(
+                cm,
+                self.block_size,
+                token_req=token_req,
+                valid=valid,
+                swa_indices=swa_indices,
+                swa_lens=swa_lens,
+            )
         return DSV4SWAMetadata(
             block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping,
@@ -643,11 +684,18 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
         if self.planner is not None and self.planner.wants(plan_tokens):
             window_lens = self.planner.window_lens[:T]
         fill_compressed(
-            cm, self.rows_per_block, self.compress_ratio, token_req=token_req, valid=valid,
-            write_slots=write_slots, staging_rows=staging_rows, visible_slots=hca_indices,
+            cm,
+            self.rows_per_block,
+            self.compress_ratio,
+            token_req=token_req,
+            valid=valid,
+            write_slots=write_slots,
+            staging_rows=staging_rows,
+            visible_slots=hca_indices,
             visible_lens=hca_lens if hca_lens is not None else visible_counts,
-            window=self.window_size, window_lens=window_lens,
-        )  # fmt: skip
+            window=self.window_size,
+            window_lens=window_lens,
+        )
         decode_plan = None
         if window_lens is not None and hca_lens is not None and self.planner is not None:
             decode_plan = self.planner.build(window_lens[:plan_tokens], hca_lens[:plan_tokens])
@@ -720,10 +768,19 @@ def layer_scopes(
         valid, visible = compressed.is_valid_token, compressed.visible_counts
         assert valid is not None and visible is not None
         token_req = compressed.req_id_per_token[:n]
-        fill_entry_slots(local, token_req, valid[:n], visible[:n], compressed.block_table,
-                         rows_per_block, slots=slots, lens=lens)  # fmt: skip
+        fill_entry_slots(
+            local,
+            token_req,
+            valid[:n],
+            visible[:n],
+            compressed.block_table,
+            rows_per_block,
+            slots=slots,
+            lens=lens,
+        )
         return window, KVScope(compressed_pages, fmt, rows_per_block, slots, lens)
     assert compressed.hca_indices is not None and compressed.hca_lens is not None
-    hca = KVScope(compressed_pages, fmt, rows_per_block, compressed.hca_indices[:n],
-                  compressed.hca_lens[:n])  # fmt: skip
+    hca = KVScope(
+        compressed_pages, fmt, rows_per_block, compressed.hca_indices[:n], compressed.hca_lens[:n]
+    )
     return window, hca

@@ -204,25 +204,45 @@ def gather_rows(
         swa_cache, compressed_cache = vllm_caches
         if compressed is not None and N:
             _, table, per_page, ratio = compressed
-            dequantize_and_gather_k_cache(rows, compressed_cache, seq_lens=seq_lens // ratio,
-                                          gather_lens=None, block_table=table,
-                                          block_size=per_page, offset=0)  # fmt: skip
-        dequantize_and_gather_k_cache(rows, swa_cache, seq_lens=seq_lens, gather_lens=glens,
-                                      block_table=swa_table, block_size=swa_block,
-                                      offset=N)  # fmt: skip
+            dequantize_and_gather_k_cache(
+                rows,
+                compressed_cache,
+                seq_lens=seq_lens // ratio,
+                gather_lens=None,
+                block_table=table,
+                block_size=per_page,
+                offset=0,
+            )
+        dequantize_and_gather_k_cache(
+            rows,
+            swa_cache,
+            seq_lens=seq_lens,
+            gather_lens=glens,
+            block_table=swa_table,
+            block_size=swa_block,
+            offset=N,
+        )
     elif on_cuda and fmt is KVFormat.NVFP4:
         from dsv4_attn.fused.kv_gather import gather_nvfp4_rows
 
         if compressed is not None and N:
             pages, table, per_page, ratio = compressed
             gather_nvfp4_rows(rows, pages, per_page, seq_lens, table, 0, N, ratio=ratio)
-        gather_nvfp4_rows(rows, swa_pages, swa_block, seq_lens, swa_table, N, M - N,
-                          gather_lens=glens)  # fmt: skip
+        gather_nvfp4_rows(
+            rows, swa_pages, swa_block, seq_lens, swa_table, N, M - N, gather_lens=glens
+        )
     else:
         if compressed is not None and N:
             pages, table, per_page, ratio = compressed
-            _read_run(rows[:, :N], pages, fmt, per_page, table, torch.zeros_like(seq_lens),
-                      seq_lens // ratio)  # fmt: skip
+            _read_run(
+                rows[:, :N],
+                pages,
+                fmt,
+                per_page,
+                table,
+                torch.zeros_like(seq_lens),
+                seq_lens // ratio,
+            )
         _read_run(rows[:, N:], swa_pages, fmt, swa_block, swa_table, seq_lens - glens, glens)
     return rows
 
@@ -256,16 +276,28 @@ def index_lists(
     if device.type == "cuda":
         from dsv4_attn.fused.prefill_index import fill_prefill_index
 
-        fill_prefill_index(query_start, seq_lens, chunk.first_token, T, N, M, compress_ratio,
-                           window, local_topk[:T] if local_topk is not None else None, indices,
-                           lens)  # fmt: skip
+        fill_prefill_index(
+            query_start,
+            seq_lens,
+            chunk.first_token,
+            T,
+            N,
+            M,
+            compress_ratio,
+            window,
+            local_topk[:T] if local_topk is not None else None,
+            indices,
+            lens,
+        )
         return indices, lens
-    return _index_lists_torch(chunk, query_start, seq_lens, window, compress_ratio, local_topk,
-                              indices, lens)  # fmt: skip
+    return _index_lists_torch(
+        chunk, query_start, seq_lens, window, compress_ratio, local_topk, indices, lens
+    )
 
 
-def _index_lists_torch(chunk, query_start, seq_lens, window, compress_ratio, local_topk,
-                       indices, lens):  # fmt: skip
+def _index_lists_torch(
+    chunk, query_start, seq_lens, window, compress_ratio, local_topk, indices, lens
+):
     """:func:`index_lists` in torch ops (any device; the reference of the Triton kernel)."""
     device = seq_lens.device
     C, N, M = query_start.shape[0] - 1, chunk.entries, chunk.rows
@@ -323,5 +355,6 @@ def attend(
 ) -> None:
     """The chunk's attention, written into ``out`` (vLLM's output rows of its tokens); its
     log-sum-exp goes to ``lse`` (fp32 ``[tokens, heads]``, workspace: nothing reads it)."""
-    fmha_ops.sparse_prefill(q, rows.view(-1, HEAD_DIM), indices, lens, sink, scale,
-                            check_values=False, out=out, lse=lse)  # fmt: skip
+    fmha_ops.sparse_prefill(
+        q, rows.view(-1, HEAD_DIM), indices, lens, sink, scale, check_values=False, out=out, lse=lse
+    )

@@ -182,13 +182,25 @@ class DSV4NVFP4Compressor(DeepseekCompressor):
         rows = layer.staging_rows
         if state_cache.dtype != torch.float32:  # a narrow state (CSA): ours, vLLM's reads fp32
             compress_rows(
-                state_cache, state_metadata.block_table, state_metadata.token_to_req_indices,
-                positions, state_metadata.slot_mapping, metadata.staging_rows,
-                rows.view(-1, HEAD_DIM), self.compress_ratio, self.norm.weight,
-                self.rms_norm_eps, rotary_emb.cos_sin_cache, self.rope_head_dim,
-            )  # fmt: skip
-            store_staged_rows(rows, metadata.slot_mapping, layer.compressed_pages(),
-                              layer.compressed_rows_per_block)  # fmt: skip
+                state_cache,
+                state_metadata.block_table,
+                state_metadata.token_to_req_indices,
+                positions,
+                state_metadata.slot_mapping,
+                metadata.staging_rows,
+                rows.view(-1, HEAD_DIM),
+                self.compress_ratio,
+                self.norm.weight,
+                self.rms_norm_eps,
+                rotary_emb.cos_sin_cache,
+                self.rope_head_dim,
+            )
+            store_staged_rows(
+                rows,
+                metadata.slot_mapping,
+                layer.compressed_pages(),
+                layer.compressed_rows_per_block,
+            )
             return
         self._store_rows_kernel()(
             state_cache=state_cache,
