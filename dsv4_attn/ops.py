@@ -196,10 +196,10 @@ def sparse_attention(
             backend counts a length outside ``[0, K]`` as clamped into it and treats a slot id
             outside the cache as a hole (:func:`~dsv4_attn.index_checks.counted_entries`).
         plan: the kernel's balanced schedule for exactly these key counts
-            (:func:`dsv4_attn.kernels.sparse_decode.balanced_plan`, made once per step); the
-            workspace then holds its partial slots
-            (:func:`~dsv4_attn.kernels.sparse_decode.balanced_workspace_shape`). The fallbacks
-            ignore it (same result, other work split).
+            (:func:`dsv4_attn.kernels.sparse_decode_schedule.balanced_plan`, made once per
+            step); the workspace then holds its partial slots
+            (:func:`~dsv4_attn.kernels.sparse_decode_schedule.balanced_workspace_shape`). The
+            fallbacks ignore it (same result, other work split).
 
     Returns:
         ``(out, lse)``: ``out`` bf16 ``[T, H, 512]``; ``lse`` float32 ``[T, H]``, natural log over

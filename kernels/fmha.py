@@ -14,16 +14,15 @@ Entry points used by :mod:`dsv4_attn.fmha_ops`:
 ``*_unsupported_reason`` returns None when the kernel runs the case, else a one-line reason.
 Inputs reaching ``run_*`` are already validated by the ops layer (shapes, dtypes, devices).
 
-The row-split mainloop (head_dim <= 256) has two implementations; the intra-warpgroup overlap
-is the default and ``DSV4_FMHA_INTRA_WG_OVERLAP=0`` selects the plain ping-pong one (both are
-compiled and tested; the switch exists to compare and to debug on a GPU).
+The row-split mainloop (head_dim <= 256) has two implementations, a compile-time parameter of
+the variant: the intra-warpgroup overlap (what the ops layer runs) and the plain ping-pong one
+(``run_dense(..., intra_wg_overlap=False)``; both are compiled, tested and benchmarked).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 import tempfile
 from dataclasses import dataclass
 
@@ -87,21 +86,15 @@ class FmhaVariant:
         )
 
 
-def _default_overlap() -> bool:
-    # DSV4_FMHA_INTRA_WG_OVERLAP=0 selects the plain ping-pong mainloop (a debugging switch).
-    return os.environ.get("DSV4_FMHA_INTRA_WG_OVERLAP", "1") != "0"
-
-
 def dense_variant(
     head_dim: int,
     causal: bool,
     local: bool,
     kv_shared: bool,
-    intra_wg_overlap: bool | None = None,
+    intra_wg_overlap: bool = True,
 ) -> FmhaVariant:
-    """The variant ``fmha`` launches for a dense problem."""
-    if intra_wg_overlap is None:
-        intra_wg_overlap = _default_overlap()
+    """The variant ``fmha`` launches for a dense problem (``intra_wg_overlap``: the row-split
+    mainloop's implementation, head_dim <= 256)."""
     return FmhaVariant(
         head_dim=head_dim,
         kv_shared=kv_shared and head_dim > 256,
@@ -322,7 +315,7 @@ def run_dense(
     scale: float,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
-    intra_wg_overlap: bool | None = None,
+    intra_wg_overlap: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on packed ``q [total_q, H, D]``, ``k``/``v`` ``[total_k, Hk, D]``.
 

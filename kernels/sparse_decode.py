@@ -3,9 +3,9 @@
 :func:`unsupported_reason` says, in one line, why the kernel cannot run a case (or None);
 :func:`sparse_attention` runs it. By default it splits each token's keys by a factor picked from
 the shapes alone (one CTA per token once the tokens fill the GPU). Given a *balanced* plan
-(:func:`balanced_plan`, made on the device from the key counts, once per step for every layer
-with the same counts, as vLLM makes FlashMLA's tile-scheduler plan), it runs persistent CTAs,
-each an equal share of all tokens' key tiles (:mod:`~dsv4_attn.kernels.sparse_decode_schedule`):
+(:func:`~dsv4_attn.kernels.sparse_decode_schedule.balanced_plan`, made on the device from the
+key counts, once per step for every layer with the same counts, as vLLM makes FlashMLA's
+tile-scheduler plan), it runs persistent CTAs, each an equal share of all tokens' key tiles:
 for ragged lists (HCA at long contexts) a wave no longer lasts as long as its longest token.
 Neither needs a host sync, so a call can be captured in a CUDA graph with static shapes. Each
 variant is compiled once per process (compile cache keyed on every compile-time parameter); the
@@ -22,27 +22,21 @@ import torch
 
 from dsv4_attn.kernels import sparse_decode_schedule as schedule
 from dsv4_attn.kernels.sparse_decode_config import BLOCK_H, BLOCK_N, MIN_SPLIT_TILES
+from dsv4_attn.kernels.sparse_decode_schedule import num_sms as _num_sms
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 
 __all__ = [
-    "BALANCED_MIN_CAPACITY",
-    "BALANCED_MIN_KEYS_PER_PART",
     "MIN_SPLIT_TILES",
     "PARTIAL_DTYPE",
     "PARTIAL_PAIR_DTYPE",
     "SUPPORTED_HEAD_COUNTS",
     "WORKSPACE_DTYPES",
-    "balanced_parts",
-    "balanced_pays",
-    "balanced_plan",
-    "balanced_workspace_shape",
     "combine_config_for",
     "combine_fake_args",
     "compile_variants",
     "kernel_stack_error",
     "key_capacity",
     "peak_workspace_numel",
-    "plan_for_counts",
     "plan_splits",
     "resolve_splits",
     "sparse_attention",
@@ -70,11 +64,6 @@ _NOT_BALANCED = (None, None, None, None)  # the balanced schedule's partials and
 PARTIAL_DTYPE = torch.float16
 PARTIAL_PAIR_DTYPE = torch.float32
 WORKSPACE_DTYPES = (PARTIAL_DTYPE, PARTIAL_PAIR_DTYPE)
-# When the balanced schedule pays (balanced_pays; docs/design.md §4.1.6): lists of at least
-# window + 2048 entries (a 256K context) and capacity for at least 480 keys per part, from
-# `python -m dsv4_attn.bench decode --against flashmla` on ragged HCA lists.
-BALANCED_MIN_CAPACITY = 128 + 2048
-BALANCED_MIN_KEYS_PER_PART = 480
 
 
 # ----------------------------------------------------------------------------------------------
@@ -148,11 +137,6 @@ def unsupported_reason(q, window, sink, extra) -> str | None:
 # ----------------------------------------------------------------------------------------------
 # Launch planning
 # ----------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def plan_splits(
@@ -413,18 +397,6 @@ def key_capacity(window, extra) -> int:
     return window.capacity + (extra.capacity if extra is not None else 0)
 
 
-def balanced_parts(num_heads: int, device: torch.device) -> int:
-    """Parts (persistent CTAs per 64-head block) of the balanced schedule: one CTA per SM."""
-    return schedule.num_parts(_num_sms(device.index or 0), math.ceil(num_heads / BLOCK_H))
-
-
-def balanced_workspace_shape(parts: int, num_heads: int) -> tuple[tuple, tuple]:
-    """Shapes of the balanced schedule's partials per slot: outputs (:data:`PARTIAL_DTYPE`)
-    and their (lse, row scale) pairs (:data:`PARTIAL_PAIR_DTYPE`)."""
-    slots = max(1, schedule.max_partial_slots(parts))
-    return (slots, num_heads, HEAD_DIM), (slots, num_heads, 2)
-
-
 def workspace_shapes(
     num_tokens: int, num_heads: int, capacity: int, device: torch.device
 ) -> tuple[tuple, tuple] | None:
@@ -476,9 +448,9 @@ def sparse_attention(
     """Same contract as :func:`dsv4_attn.ops.sparse_attention` (validated, supported inputs).
 
     Keyword-only extras: ``num_splits`` overrides the split-KV factor (by default
-    :func:`plan_splits` picks it from the shapes); ``plan`` (from :func:`balanced_plan` for
+    :func:`plan_splits` picks it from the shapes); ``plan`` (from ``schedule.balanced_plan`` for
     these key counts) runs the balanced schedule instead, its partials in a ``workspace`` of
-    :func:`balanced_workspace_shape`; ``out`` (bf16 ``[T, H, 512]``) and ``lse``
+    ``schedule.balanced_workspace_shape``; ``out`` (bf16 ``[T, H, 512]``) and ``lse``
     (fp32 ``[T, H]``) are written in place when given; ``workspace`` is a pair of tensors of
     :data:`WORKSPACE_DTYPES` holding at least :func:`workspace_shape` for the split-KV partials
     (their leading part is used; allocated per call when omitted). Returns ``(out, lse)``.
@@ -567,109 +539,13 @@ def _combine_config(has_sink: bool, balanced: bool, warps_per_row: int):
     return CombineConfig(has_sink, balanced, warps_per_row)
 
 
-def balanced_pays(num_tokens: int, key_capacity: int, num_parts: int) -> bool:
-    """Whether the balanced schedule with ``num_parts`` parts (CTAs per 64-head block) is worth
-    its plan for ``num_tokens`` tokens whose key lists hold up to ``key_capacity`` keys (the
-    policy of ``DSV4_ATTN_DECODE_SCHEDULE=auto``): lists of at least
-    :data:`BALANCED_MIN_CAPACITY` keys, and capacity for :data:`BALANCED_MIN_KEYS_PER_PART`
-    keys per part.
-
-    Measured on ragged HCA lists (each request's count uniform in [0, entries]; H100 and H200, CUDA
-    graphs, fp16 split partials; docs/design.md §4.1.6): the balanced schedule wins by 5-40% from 8
-    tokens at 8192 entries (1M context), from 16 at 4096 and from 32 at 2048, ties or loses below
-    that, and never wins at 1024 entries, where a wave of the split launch is short anyway. (Lists
-    all at the capacity lose 3-12% balanced, e.g. 1M at 8 tokens 1.41x -> 1.32x FlashMLA; the rule
-    cannot see the counts, and real batches are ragged.)
-    """
-    return (
-        key_capacity >= BALANCED_MIN_CAPACITY
-        and num_tokens * key_capacity >= BALANCED_MIN_KEYS_PER_PART * num_parts
-    )
-
-
-def balanced_plan(
-    window,
-    extra,
-    num_heads: int,
-    *,
-    method: str = "triton",
-    out: schedule.DecodeSchedule | None = None,
-) -> schedule.DecodeSchedule:
-    """The balanced schedule of a call with these scopes (``window``, ``extra``: the
-    :class:`~dsv4_attn.scope.KVScope` of the call) for ``num_heads`` query heads, from their key
-    counts, on the device and without a host sync; build it once per step and pass it to every
-    call with the same counts. See :func:`plan_for_counts` for ``method`` and ``out``."""
-    return plan_for_counts(
-        window.lens,
-        extra.lens if extra is not None else None,
-        (window.capacity, extra.capacity if extra is not None else 0),
-        num_heads,
-        method=method,
-        out=out,
-    )
-
-
-def plan_for_counts(
-    lens: torch.Tensor,
-    extra_lens: torch.Tensor | None,
-    capacities: tuple[int, int],
-    num_heads: int,
-    *,
-    method: str = "triton",
-    num_parts: int | None = None,
-    out: schedule.DecodeSchedule | None = None,
-) -> schedule.DecodeSchedule:
-    """The balanced schedule of tokens with ``lens + extra_lens`` keys (int ``[T]``; the very
-    tensors the call's scopes hold) in lists of at most ``capacities = (window, extra)`` keys
-    (the scopes' widths), for ``num_heads`` query heads.
-
-    Each length is clamped into ``0 ..`` its scope's width first, as the kernel clamps it: plan
-    and kernel count the same keys whatever the lengths hold, and no length can push the plan's
-    int32 positions, or the partial slots they give, out of range.
-
-    ``method``: ``"triton"`` (on CUDA: one program, :mod:`dsv4_attn.fused.decode_schedule`) or
-    ``"torch"`` (the construction it reproduces, ~50 small kernels, ~0.12 ms on an H100 even
-    inside a CUDA graph). ``num_parts``: persistent CTAs per 64-head block (default
-    :func:`balanced_parts`: one CTA per SM of the counts' GPU). ``out``: int32 tensors of the
-    plan's shapes to write into (persistent buffers a CUDA graph replays), else new ones.
-    """
-    if method not in ("triton", "torch"):
-        raise ValueError(f"method must be 'triton' or 'torch', got {method!r}")
-    T = lens.shape[0]
-    parts = num_parts if num_parts is not None else balanced_parts(num_heads, lens.device)
-    window_capacity, extra_capacity = capacities if extra_lens is not None else (capacities[0], 0)
-    capacity_tiles = math.ceil((window_capacity + extra_capacity) / BLOCK_N)
-    # Positions on the cost line are int32 in the plan.
-    if T * (capacity_tiles + schedule.TOKEN_OVERHEAD_TILES) >= 2**31:
-        raise ValueError(
-            f"{T} tokens of up to {capacity_tiles} key tiles: the balanced plan's positions "
-            "must stay below 2^31 tiles; split the call"
-        )
-    min_share = schedule.min_share_tiles(capacity_tiles)
-    if method == "triton" and lens.is_cuda:
-        from dsv4_attn.fused import decode_schedule
-
-        return decode_schedule.build_schedule(
-            lens, extra_lens, (window_capacity, extra_capacity), parts, min_share, out=out
-        )
-    key_counts = lens.long().clamp(0, window_capacity)
-    if extra_lens is not None:
-        key_counts = key_counts + extra_lens.long().clamp(0, extra_capacity)
-    plan = schedule.build_schedule(key_counts, parts, min_share)
-    if out is None:
-        return plan
-    out.part_plan.copy_(plan.part_plan)
-    out.token_plan.copy_(plan.token_plan)
-    return out
-
-
 def _balanced_attention(q, window, sink, scale, extra, plan, out, lse, workspace):
     """:func:`sparse_attention` on the balanced schedule ``plan``."""
     T, H, _ = q.shape
     if plan.token_plan.shape[0] != T:
         raise ValueError(f"the plan covers {plan.token_plan.shape[0]} tokens, the call has {T}")
     parts = plan.num_parts
-    o_part, lse_part = _partials(workspace, *balanced_workspace_shape(parts, H), q.device)
+    o_part, lse_part = _partials(workspace, *schedule.balanced_workspace_shape(parts, H), q.device)
     decode_cache = _caches()[0]
     config = decode_config(window, sink, extra, False, balanced=True)
     decode = decode_cache.get(config, lambda: build_decode_kernel(config))

@@ -34,21 +34,31 @@ Plan tensors (int32, on the counts' device):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
-from dsv4_attn.kernels.sparse_decode_config import BLOCK_N
+from dsv4_attn.kernels.sparse_decode_config import BLOCK_H, BLOCK_N
+from dsv4_attn.kv_cache import HEAD_DIM
 
 __all__ = [
+    "BALANCED_MIN_CAPACITY",
+    "BALANCED_MIN_KEYS_PER_PART",
     "SNAP_DIV",
     "TOKEN_OVERHEAD_TILES",
     "DecodeSchedule",
+    "balanced_parts",
+    "balanced_pays",
+    "balanced_plan",
+    "balanced_workspace_shape",
     "build_schedule",
     "max_partial_slots",
     "min_share_tiles",
     "num_parts",
+    "num_sms",
+    "plan_for_counts",
 ]
 
 # What one more token costs a CTA, in tiles of key work (a tile is ~1.3 us at 64 heads: Q's
@@ -60,6 +70,11 @@ MIN_SHARE_TILES = 2
 MAX_PIECES = 32
 # Boundaries within TOKEN_OVERHEAD_TILES + share // SNAP_DIV tiles of a token's edge move to it.
 SNAP_DIV = 16
+# When the balanced schedule pays (balanced_pays; docs/design.md §4.1.6): lists of at least
+# window + 2048 entries (a 256K context) and capacity for at least 480 keys per part, from
+# `python -m dsv4_attn.bench decode --against flashmla` on ragged HCA lists.
+BALANCED_MIN_CAPACITY = 128 + 2048
+BALANCED_MIN_KEYS_PER_PART = 480
 
 
 @dataclass(frozen=True)
@@ -136,3 +151,123 @@ def build_schedule(
     slot_base = torch.where(cut, slot_base, torch.full_like(slot_base, -1))
     token_plan = torch.stack([first_tile_at, tiles, pieces, slot_base, first_part], dim=1)
     return DecodeSchedule(part_plan.to(torch.int32), token_plan.to(torch.int32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Policy, sizes and the plan of a call
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``device_index``."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def balanced_parts(num_heads: int, device: torch.device) -> int:
+    """Parts (persistent CTAs per 64-head block) of the balanced schedule: one CTA per SM."""
+    return num_parts(num_sms(device.index or 0), math.ceil(num_heads / BLOCK_H))
+
+
+def balanced_workspace_shape(parts: int, num_heads: int) -> tuple[tuple, tuple]:
+    """Shapes of the balanced schedule's partials per slot: outputs (fp16,
+    ``sparse_decode.PARTIAL_DTYPE``) and their (lse, row scale) pairs (fp32,
+    ``sparse_decode.PARTIAL_PAIR_DTYPE``)."""
+    slots = max(1, max_partial_slots(parts))
+    return (slots, num_heads, HEAD_DIM), (slots, num_heads, 2)
+
+
+def balanced_pays(num_tokens: int, key_capacity: int, num_parts: int) -> bool:
+    """Whether the balanced schedule with ``num_parts`` parts (CTAs per 64-head block) is worth
+    its plan for ``num_tokens`` tokens whose key lists hold up to ``key_capacity`` keys (the
+    policy of ``DSV4_ATTN_DECODE_SCHEDULE=auto``): lists of at least
+    :data:`BALANCED_MIN_CAPACITY` keys, and capacity for :data:`BALANCED_MIN_KEYS_PER_PART`
+    keys per part.
+
+    Measured on ragged HCA lists (each request's count uniform in [0, entries]; H100 and H200, CUDA
+    graphs, fp16 split partials; docs/design.md §4.1.6): the balanced schedule wins by 5-40% from 8
+    tokens at 8192 entries (1M context), from 16 at 4096 and from 32 at 2048, ties or loses below
+    that, and never wins at 1024 entries, where a wave of the split launch is short anyway. (Lists
+    all at the capacity lose 3-12% balanced, e.g. 1M at 8 tokens 1.41x -> 1.32x FlashMLA; the rule
+    cannot see the counts, and real batches are ragged.)
+    """
+    return (
+        key_capacity >= BALANCED_MIN_CAPACITY
+        and num_tokens * key_capacity >= BALANCED_MIN_KEYS_PER_PART * num_parts
+    )
+
+
+def balanced_plan(
+    window,
+    extra,
+    num_heads: int,
+    *,
+    method: str = "triton",
+    out: DecodeSchedule | None = None,
+) -> DecodeSchedule:
+    """The balanced schedule of a call with these scopes (``window``, ``extra``: the
+    :class:`~dsv4_attn.scope.KVScope` of the call) for ``num_heads`` query heads, from their key
+    counts, on the device and without a host sync; build it once per step and pass it to every
+    call with the same counts. See :func:`plan_for_counts` for ``method`` and ``out``."""
+    return plan_for_counts(
+        window.lens,
+        extra.lens if extra is not None else None,
+        (window.capacity, extra.capacity if extra is not None else 0),
+        num_heads,
+        method=method,
+        out=out,
+    )
+
+
+def plan_for_counts(
+    lens: torch.Tensor,
+    extra_lens: torch.Tensor | None,
+    capacities: tuple[int, int],
+    num_heads: int,
+    *,
+    method: str = "triton",
+    num_parts: int | None = None,
+    out: DecodeSchedule | None = None,
+) -> DecodeSchedule:
+    """The balanced schedule of tokens with ``lens + extra_lens`` keys (int ``[T]``; the very
+    tensors the call's scopes hold) in lists of at most ``capacities = (window, extra)`` keys
+    (the scopes' widths), for ``num_heads`` query heads.
+
+    Each length is clamped into ``0 ..`` its scope's width first, as the kernel clamps it: plan
+    and kernel count the same keys whatever the lengths hold, and no length can push the plan's
+    int32 positions, or the partial slots they give, out of range.
+
+    ``method``: ``"triton"`` (on CUDA: one program, :mod:`dsv4_attn.fused.decode_schedule`) or
+    ``"torch"`` (the construction it reproduces, ~50 small kernels, ~0.12 ms on an H100 even
+    inside a CUDA graph). ``num_parts``: persistent CTAs per 64-head block (default
+    :func:`balanced_parts`: one CTA per SM of the counts' GPU). ``out``: int32 tensors of the
+    plan's shapes to write into (persistent buffers a CUDA graph replays), else new ones.
+    """
+    if method not in ("triton", "torch"):
+        raise ValueError(f"method must be 'triton' or 'torch', got {method!r}")
+    T = lens.shape[0]
+    parts = num_parts if num_parts is not None else balanced_parts(num_heads, lens.device)
+    window_capacity, extra_capacity = capacities if extra_lens is not None else (capacities[0], 0)
+    capacity_tiles = math.ceil((window_capacity + extra_capacity) / BLOCK_N)
+    # Positions on the cost line are int32 in the plan.
+    if T * (capacity_tiles + TOKEN_OVERHEAD_TILES) >= 2**31:
+        raise ValueError(
+            f"{T} tokens of up to {capacity_tiles} key tiles: the balanced plan's positions "
+            "must stay below 2^31 tiles; split the call"
+        )
+    min_share = min_share_tiles(capacity_tiles)
+    if method == "triton" and lens.is_cuda:
+        from dsv4_attn.fused import decode_schedule
+
+        return decode_schedule.build_schedule(
+            lens, extra_lens, (window_capacity, extra_capacity), parts, min_share, out=out
+        )
+    key_counts = lens.long().clamp(0, window_capacity)
+    if extra_lens is not None:
+        key_counts = key_counts + extra_lens.long().clamp(0, extra_capacity)
+    plan = build_schedule(key_counts, parts, min_share)
+    if out is None:
+        return plan
+    out.part_plan.copy_(plan.part_plan)
+    out.token_plan.copy_(plan.token_plan)
+    return out

@@ -331,14 +331,14 @@ def _cpu_stand_ins(monkeypatch) -> list[float]:
     """Run the --against loop on the CPU: the SDPA fallback stands in for our kernel (a balanced
     plan, made on the CPU for 8 parts, changes nothing in its math), each "timing" calls once
     and returns 10, 20, 30, ... µs in call order."""
-    from dsv4_attn.kernels import sparse_decode
+    from dsv4_attn.kernels import sparse_decode, sparse_decode_schedule
 
     def stand_in(*args, plan=None, **kwargs):
         return fallback.sparse_attention(*args, **kwargs)
 
     monkeypatch.setattr(sparse_decode, "unsupported_reason", lambda *args: None)
     monkeypatch.setattr(sparse_decode, "sparse_attention", stand_in)
-    monkeypatch.setattr(sparse_decode, "balanced_parts", lambda num_heads, device: 8)
+    monkeypatch.setattr(sparse_decode_schedule, "balanced_parts", lambda num_heads, device: 8)
     monkeypatch.setattr(decode, "measure_ceilings", lambda: Ceilings(1000.0, 1e9, "cpu"))
     times: list[float] = []
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dsv4_attn import kv_cache, reference
-from dsv4_attn.kernels import sparse_decode
+from dsv4_attn.kernels import sparse_decode, sparse_decode_schedule
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.scope import KVScope
 
@@ -279,8 +279,8 @@ def _run_case(
     capacity = sparse_decode.key_capacity(window, extra)
     plan = None
     if balanced:
-        plan = sparse_decode.balanced_plan(window, extra, H)
-        shapes = sparse_decode.balanced_workspace_shape(plan.num_parts, H)
+        plan = sparse_decode_schedule.balanced_plan(window, extra, H)
+        shapes = sparse_decode_schedule.balanced_workspace_shape(plan.num_parts, H)
     else:
         splits, _ = sparse_decode.resolve_splits(T, H, capacity, device, num_splits)
         shapes = sparse_decode.workspace_shape(splits, T, H)
@@ -410,7 +410,9 @@ def test_poisoned_metadata_stays_inside_the_caches(fmt, H, T, extra_width, sched
     q = (torch.randn(T, H, HEAD_DIM, generator=gen, device=device) * 2).to(torch.bfloat16)
     sink = _sink("finite", H, device, gen)
     args = (q, window, sink, HEAD_DIM**-0.5, extra)
-    plan = sparse_decode.balanced_plan(window, extra, H) if schedule == "balanced" else None
+    plan = (
+        sparse_decode_schedule.balanced_plan(window, extra, H) if schedule == "balanced" else None
+    )
     out = torch.full((T, H, HEAD_DIM), float("nan"), dtype=torch.bfloat16, device=device)
     lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=device)
     sparse_decode.sparse_attention(*args, out=out, lse=lse, plan=plan)
@@ -431,7 +433,9 @@ def test_a_nan_sink_propagates_as_in_the_reference(fmt, schedule):
     window.lens[0] = 0
     extra.lens[0] = 0  # a token without keys
     sink[5] = float("nan")
-    plan = sparse_decode.balanced_plan(window, extra, H) if schedule == "balanced" else None
+    plan = (
+        sparse_decode_schedule.balanced_plan(window, extra, H) if schedule == "balanced" else None
+    )
     out = torch.full((T, H, HEAD_DIM), 7.0, dtype=torch.bfloat16, device=q.device)
     lse = torch.full((T, H), 7.0, dtype=torch.float32, device=q.device)
     sparse_decode.sparse_attention(*args, out=out, lse=lse, plan=plan)
@@ -455,7 +459,7 @@ def test_balanced_schedule_under_cuda_graph_replay():
     device, lens, elens = q.device, window.lens, extra.lens
 
     def call():
-        plan = sparse_decode.balanced_plan(window, extra, H)
+        plan = sparse_decode_schedule.balanced_plan(window, extra, H)
         return sparse_decode.sparse_attention(*args, plan=plan)
 
     graph, (out, lse) = _capture(call)
@@ -498,7 +502,7 @@ def test_split_partials_keep_any_magnitude(fmt, magnitude_log2, balanced):
     window = KVScope(cache, fmt, 64, *_random_lists(T, K, num_slots, device, gen))
     q = torch.randn(T, H, HEAD_DIM, generator=gen, device=device) * 2.0 ** (2 - magnitude_log2)
     args = (q.to(torch.bfloat16), window, None, HEAD_DIM**-0.5, None)
-    plan = sparse_decode.balanced_plan(window, None, H) if balanced else None
+    plan = sparse_decode_schedule.balanced_plan(window, None, H) if balanced else None
     _run_and_check(args, num_splits=None if balanced else 8, plan=plan)
 
 

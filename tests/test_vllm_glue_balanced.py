@@ -9,7 +9,6 @@ from tests import vllm_glue_testing  # noqa: F401 (vLLM's CPU platform, before v
 
 pytest.importorskip("vllm")
 
-from dsv4_attn.kernels import sparse_decode
 from dsv4_attn.kernels import sparse_decode_schedule as schedule
 from dsv4_attn.kernels.sparse_decode_config import BLOCK_N
 from dsv4_attn.vllm_glue import balanced
@@ -41,28 +40,28 @@ def test_no_balanced_schedule_where_the_kernel_does_not_run(monkeypatch):
 
 
 def test_the_policy_needs_long_lists_and_enough_work_per_part():
-    capacity, parts = sparse_decode.BALANCED_MIN_CAPACITY, 132
-    enough = -(-sparse_decode.BALANCED_MIN_KEYS_PER_PART * parts // capacity)
-    assert sparse_decode.balanced_pays(enough, capacity, parts)
-    assert not sparse_decode.balanced_pays(enough - 1, capacity, parts)
-    assert not sparse_decode.balanced_pays(10**6, capacity - 1, parts)
+    capacity, parts = schedule.BALANCED_MIN_CAPACITY, 132
+    enough = -(-schedule.BALANCED_MIN_KEYS_PER_PART * parts // capacity)
+    assert schedule.balanced_pays(enough, capacity, parts)
+    assert not schedule.balanced_pays(enough - 1, capacity, parts)
+    assert not schedule.balanced_pays(10**6, capacity - 1, parts)
     # The measured cases (H100/H200, 132 parts): 1M context (8320 keys) from 8 tokens, 512K
     # (4224) from 16, 256K (2176) from 32, never at 128K (1152).
-    assert sparse_decode.balanced_pays(8, 128 + 8192, 132)
-    assert not sparse_decode.balanced_pays(4, 128 + 8192, 132)
-    assert sparse_decode.balanced_pays(16, 128 + 4096, 132)
-    assert not sparse_decode.balanced_pays(8, 128 + 4096, 132)
-    assert sparse_decode.balanced_pays(32, 128 + 2048, 132)
-    assert not sparse_decode.balanced_pays(16, 128 + 2048, 132)
-    assert not sparse_decode.balanced_pays(512, 128 + 1024, 132)
+    assert schedule.balanced_pays(8, 128 + 8192, 132)
+    assert not schedule.balanced_pays(4, 128 + 8192, 132)
+    assert schedule.balanced_pays(16, 128 + 4096, 132)
+    assert not schedule.balanced_pays(8, 128 + 4096, 132)
+    assert schedule.balanced_pays(32, 128 + 2048, 132)
+    assert not schedule.balanced_pays(16, 128 + 2048, 132)
+    assert not schedule.balanced_pays(512, 128 + 1024, 132)
 
 
 @pytest.mark.parametrize("choice", ["auto", "balanced"])
 def test_which_steps_the_planner_takes(choice, monkeypatch):
     monkeypatch.setenv(balanced.SCHEDULE_ENV, choice)
-    long, short = sparse_decode.BALANCED_MIN_CAPACITY, sparse_decode.BALANCED_MIN_CAPACITY - 1
+    long, short = schedule.BALANCED_MIN_CAPACITY, schedule.BALANCED_MIN_CAPACITY - 1
     planner = BalancedDecodePlanner(64, (128, long - 128), 128, torch.device("cpu"), num_parts=132)
-    many = -(-sparse_decode.BALANCED_MIN_KEYS_PER_PART * 132 // long)
+    many = -(-schedule.BALANCED_MIN_KEYS_PER_PART * 132 // long)
     assert planner.wants(many)
     assert planner.wants(many - 1) == (choice == "balanced")
     assert not planner.wants(0) and not planner.wants(129)  # nothing to plan; beyond the buffers

@@ -411,7 +411,7 @@ def run_against(
     """The ``--against flashmla`` rows: per shape and batch, ours in ``formats`` and FlashMLA
     (when importable) on the same FP8 rows; with ``graphs`` both are timed as CUDA-graph
     replays."""
-    from dsv4_attn.kernels import sparse_decode
+    from dsv4_attn.kernels import sparse_decode, sparse_decode_schedule
 
     device = torch.device(device)
     ceilings = measure_ceilings()
@@ -435,7 +435,7 @@ def run_against(
                 # The balanced schedule, its plan made once (as FlashMLA's below), and the
                 # plan's own time.
                 def make_plan(case=fp8_case, heads=H):
-                    return sparse_decode.balanced_plan(case.window, case.extra, heads)
+                    return sparse_decode_schedule.balanced_plan(case.window, case.extra, heads)
 
                 _, ours_us["balanced"] = _ours(
                     sparse_decode, fp8_case, label, reps, graphs, make_plan()

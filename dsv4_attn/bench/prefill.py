@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 
 import torch
 
@@ -76,6 +75,8 @@ def _sdpa_time(case, reps: int) -> float | None:
 def dense_rows(dims, heads, seqlen: int, reps: int, ceiling: float) -> list[dict]:
     """Causal rows; head_dim <= 256 is timed with both row-split mainloops (``-ov1`` with the
     intra-warpgroup overlap, the default; ``-ov0`` plain ping-pong)."""
+    from dsv4_attn.kernels import fmha as fmha_kernel
+
     rows = []
     for d in dims:
         for h in heads:
@@ -92,18 +93,25 @@ def dense_rows(dims, heads, seqlen: int, reps: int, ceiling: float) -> list[dict
             )
             flops = case.flops()
             sdpa = _sdpa_time(case, max(3, reps // 2))
-            for overlap in ("1", "0") if d <= 256 else ("0",):
-                os.environ["DSV4_FMHA_INTRA_WG_OVERLAP"] = overlap
+            # One sequence, packed as the kernel takes it; the ops layer runs the overlap
+            # mainloop, so the plain one is launched through the kernel's own entry.
+            q, k, v = (t.flatten(0, 1) for t in (case.q, case.k, case.v))
+            cu = torch.tensor([0, seqlen], dtype=torch.int32, device="cuda")
+            for overlap in (1, 0) if d <= 256 else (0,):
 
-                def call(case=case):
-                    return fmha_ops.fmha(
-                        case.q,
-                        case.k,
-                        case.v,
-                        causal=True,
-                        scale=case.scale,
-                        backend="cutedsl",
-                        check_values=False,
+                def call(q=q, k=k, v=v, cu=cu, scale=case.scale, overlap=overlap):
+                    return fmha_kernel.run_dense(
+                        q,
+                        k,
+                        v,
+                        cu,
+                        cu,
+                        seqlen,
+                        True,
+                        None,
+                        None,
+                        scale,
+                        intra_wg_overlap=bool(overlap),
                     )
 
                 t = time_cuda_us(call, reps=reps)["median_us"]
@@ -131,7 +139,6 @@ def dense_rows(dims, heads, seqlen: int, reps: int, ceiling: float) -> list[dict
                     }
                 )
                 print(f"{kind} D={d} H={h}: {t:.0f} us, {tflops:.1f} TFLOP/s", flush=True)
-            os.environ.pop("DSV4_FMHA_INTRA_WG_OVERLAP", None)
             del case
             torch.cuda.empty_cache()
     return rows

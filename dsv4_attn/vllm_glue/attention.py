@@ -40,6 +40,7 @@ from vllm.models.deepseek_v4.attention import DeepseekV4Attention
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from dsv4_attn import ops
+from dsv4_attn.kernels import sparse_decode_schedule
 from dsv4_attn.kernels.sparse_decode_schedule import DecodeSchedule
 from dsv4_attn.kv_cache import KVFormat
 from dsv4_attn.log import LOGGER_PREFIX
@@ -311,15 +312,17 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
                 num_tokens, heads, capacity, self.device
             )
             if self._may_run_balanced():
-                parts = sparse_decode.balanced_parts(heads, self.device)
-                o_shape, lse_shape = sparse_decode.balanced_workspace_shape(parts, heads)
+                parts = sparse_decode_schedule.balanced_parts(heads, self.device)
+                o_shape, lse_shape = sparse_decode_schedule.balanced_workspace_shape(parts, heads)
                 o_numel = max(o_numel, math.prod(o_shape))
                 lse_numel = max(lse_numel, math.prod(lse_shape))
             if o_numel:
                 shapes += [((o_numel,), o_dtype), ((lse_numel,), pair_dtype)]
             return shapes
         if plan is not None:
-            o_shape, lse_shape = sparse_decode.balanced_workspace_shape(plan.num_parts, heads)
+            o_shape, lse_shape = sparse_decode_schedule.balanced_workspace_shape(
+                plan.num_parts, heads
+            )
             return [*shapes, (o_shape, o_dtype), (lse_shape, pair_dtype)]
         split = sparse_decode.workspace_shapes(num_tokens, heads, capacity, self.device)
         if split is not None:

@@ -10,9 +10,9 @@ program, on the device, no host sync) into buffers allocated once: a FULL CUDA g
 the layers' kernels on whatever plan the step's build wrote there, as with every other list.
 
 ``DSV4_ATTN_DECODE_SCHEDULE`` chooses: ``auto`` (default: where
-:func:`dsv4_attn.kernels.sparse_decode.balanced_pays` says it pays, from the layer's key capacity
-and the step's decode tokens), ``balanced`` (every decode step of every HCA layer, for testing)
-or ``split`` (never). The choice for a step depends on its token count and static settings
+:func:`dsv4_attn.kernels.sparse_decode_schedule.balanced_pays` says it pays, from the layer's key
+capacity and the step's decode tokens), ``balanced`` (every decode step of every HCA layer, for
+testing) or ``split`` (never). The choice for a step depends on its token count and static settings
 only, so a captured graph and its replays agree.
 
 The plan counts the keys of the very tensors the kernel reads: the builder writes each token's
@@ -27,7 +27,7 @@ import os
 import torch
 from vllm.logger import init_logger
 
-from dsv4_attn.kernels import sparse_decode
+from dsv4_attn.kernels import sparse_decode_schedule
 from dsv4_attn.kernels.sparse_decode_schedule import DecodeSchedule
 from dsv4_attn.log import LOGGER_PREFIX
 from dsv4_attn.vllm_glue.support import unsupported_device_reason
@@ -64,7 +64,7 @@ def balanced_capable(device: torch.device, key_capacity: int) -> bool:
     choice = decode_schedule_choice()
     if choice == "split" or device.type != "cuda" or unsupported_device_reason(device):
         return False
-    return choice == "balanced" or key_capacity >= sparse_decode.BALANCED_MIN_CAPACITY
+    return choice == "balanced" or key_capacity >= sparse_decode_schedule.BALANCED_MIN_CAPACITY
 
 
 class BalancedDecodePlanner:
@@ -91,7 +91,7 @@ class BalancedDecodePlanner:
         self.num_heads = num_heads
         self.capacities = capacities
         self.key_capacity = sum(capacities)  # the widest key list
-        self.num_parts = num_parts or sparse_decode.balanced_parts(num_heads, device)
+        self.num_parts = num_parts or sparse_decode_schedule.balanced_parts(num_heads, device)
         self.always = decode_schedule_choice() == "balanced"
         self.part_plan = torch.zeros(self.num_parts, 4, dtype=torch.int32, device=device)
         self.token_plan = torch.zeros(max_tokens, 5, dtype=torch.int32, device=device)
@@ -110,7 +110,7 @@ class BalancedDecodePlanner:
         """Whether a step with ``num_tokens`` decode tokens runs on the balanced schedule."""
         if num_tokens <= 0 or num_tokens > self.token_plan.shape[0]:
             return False
-        return self.always or sparse_decode.balanced_pays(
+        return self.always or sparse_decode_schedule.balanced_pays(
             num_tokens, self.key_capacity, self.num_parts
         )
 
@@ -121,7 +121,7 @@ class BalancedDecodePlanner:
         T = window_lens.shape[0]
         out = DecodeSchedule(self.part_plan, self.token_plan[:T])
         method = "triton" if window_lens.is_cuda else "torch"
-        return sparse_decode.plan_for_counts(
+        return sparse_decode_schedule.plan_for_counts(
             window_lens,
             extra_lens,
             self.capacities,
