@@ -11,6 +11,12 @@ Neither needs a host sync, so a call can be captured in a CUDA graph with static
 variant is compiled once per process (compile cache keyed on every compile-time parameter); the
 decode kernel runs on the current stream, followed by the combine kernel when partials were
 written.
+
+The interface: *support* (:func:`kernel_stack_error`, :func:`unsupported_reason`,
+:data:`SUPPORTED_HEAD_COUNTS`), *plan* (:func:`resolve_splits` / :func:`plan_splits`, the split
+workspace (:func:`workspace_shapes`, :func:`peak_workspace_numel`, :data:`WORKSPACE_DTYPES`);
+the balanced plan is :mod:`~dsv4_attn.kernels.sparse_decode_schedule`'s), *run*
+(:func:`sparse_attention`) and *compile ahead* (:func:`compile_variants`). The rest is private.
 """
 
 from __future__ import annotations
@@ -26,13 +32,8 @@ from dsv4_attn.kernels.sparse_decode_schedule import num_sms as _num_sms
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 
 __all__ = [
-    "MIN_SPLIT_TILES",
-    "PARTIAL_DTYPE",
-    "PARTIAL_PAIR_DTYPE",
     "SUPPORTED_HEAD_COUNTS",
     "WORKSPACE_DTYPES",
-    "combine_config_for",
-    "combine_fake_args",
     "compile_variants",
     "kernel_stack_error",
     "key_capacity",
@@ -41,7 +42,6 @@ __all__ = [
     "resolve_splits",
     "sparse_attention",
     "unsupported_reason",
-    "workspace_shape",
     "workspace_shapes",
 ]
 
@@ -272,11 +272,11 @@ def build_combine_kernel(config):
     from dsv4_attn.kernels.compile_cache import compile_tvm_ffi
 
     return compile_tvm_ffi(
-        SplitCombine(config), *combine_fake_args(config.has_sink, config.balanced)
+        SplitCombine(config), *_combine_fake_args(config.has_sink, config.balanced)
     )
 
 
-def combine_fake_args(has_sink: bool, balanced: bool) -> tuple:
+def _combine_fake_args(has_sink: bool, balanced: bool) -> tuple:
     """The fake tensors a combine kernel compiles against (its arguments before the stream)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float16, Float32

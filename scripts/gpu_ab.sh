@@ -8,7 +8,7 @@
 #   BASE_DIR: the base commit's package, e.g. made here with
 #     mkdir -p .devab/base && git archive <commit> dsv4_attn kernels | tar -x -C .devab/base
 # ROUNDS (default 2) alternates base and new; logs and JSON: $OUT/ab_{base,new}_{decode,prefill}_rK.
-# Needs flash_mla importable (../shared/anchors: PYTHONPATH=/tmp/fmb/fm) and the kernel stack.
+# Needs flash_mla importable (its built package on PYTHONPATH) and the kernel stack.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BASE=$(cd "${1:?usage: gpu_ab.sh BASE_DIR}" && pwd)

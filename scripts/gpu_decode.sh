@@ -48,7 +48,7 @@ timeout "$TEST_TIMEOUT" $PY -m pytest -m gpu tests/test_sparse_decode.py \
   -rf $PYTEST_ARGS 2>&1 | tee "$OUT/pytest_gpu_decode.log"
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_gpu_decode.log"
 
-# With FlashMLA built from ../shared/anchors (PYTHONPATH=/tmp/fmb/fm), the ratio table against it;
+# With FlashMLA importable (its built package on PYTHONPATH), the ratio table against it;
 # without, the table against the SDPA fallback.
 if $PY -c "import flash_mla" 2>/dev/null; then
   graphs=()

@@ -3,9 +3,9 @@
 # backend and with DSV4_NVFP4 (fp8 and NVFP4 caches), default flags (CUDA graphs, chunked prefill,
 # prefix caching), compared request by request; plus the GPU tests that need vLLM's CUDA build.
 #
-# Needs vLLM 0.33.0 with torch 2.14 and CUDA: on this project's GPU machine, the environment that
-# ../shared/device/serve/ unpacks (its README: pack.sh here, recv.sh per chunk there, finalize.sh),
-# which writes /tmp/dsv4_env.sh. Each part fits one 10-minute call; run them in this order:
+# Needs vLLM 0.33.0 with torch 2.14 and CUDA, and /tmp/dsv4_env.sh, a shell file that puts that
+# environment on PATH/PYTHONPATH (this package's vLLM plugin entry point installed in it, under
+# /tmp/site). Each part fits one 10-minute call; run them in this order:
 #
 #   bash scripts/gpu_serve.sh prepare   # this checkout over the packed project; the checkpoint
 #   bash scripts/gpu_serve.sh tests     # pytest -m gpu: fused kernels, the layer on CUDA (sync
@@ -64,7 +64,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-[ -f /tmp/dsv4_env.sh ] || { echo "no /tmp/dsv4_env.sh: unpack ../shared/device/serve first" >&2; exit 2; }
+[ -f /tmp/dsv4_env.sh ] || { echo "no /tmp/dsv4_env.sh: set up the vLLM 0.33.0 serve environment first" >&2; exit 2; }
 . /tmp/dsv4_env.sh
 SITE=/tmp/site
 CKPT=/tmp/dsv4_tiny_ckpt

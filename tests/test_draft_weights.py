@@ -57,14 +57,10 @@ def checkpoint_weights(path: str | None = None) -> dict[str, torch.Tensor]:
 
 
 def engine_config(attention_backend: str | None, path: str | None = None):
-    from vllm.engine.arg_utils import EngineArgs
-
     dspark = {"method": "dspark", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
-    args = EngineArgs(
+    args = vt.engine_args(
         model=path or checkpoint(),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        max_model_len=vt.MAX_MODEL_LEN,
+        load_format="auto",
         max_num_seqs=4,
         attention_backend=attention_backend,
         speculative_config=dspark,
@@ -283,17 +279,14 @@ def load_mtp_with_vllm(path: str):
     its own ``load_weights`` from every tensor of the checkpoint (vLLM's registry maps the MTP
     architecture to a refusal on the CPU platform, so it is built directly)."""
     from vllm.config import set_current_vllm_config
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.models.deepseek_v4.nvidia.mtp import DeepSeekV4MTP
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     vt._distributed_ready()
     mtp = {"method": "mtp", "num_speculative_tokens": 1}
-    args = EngineArgs(
+    args = vt.engine_args(
         model=path,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        max_model_len=vt.MAX_MODEL_LEN,
+        load_format="auto",
         max_num_seqs=4,
         attention_backend="DSV4_NVFP4",
         speculative_config=mtp,

@@ -41,19 +41,11 @@ def load_with_vllm(path: str):
     repacking for its kernels afterwards needs vLLM's compiled CPU ops and is not about the
     checkpoint.)"""
     from vllm.config import set_current_vllm_config
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     vt._distributed_ready()
-    args = EngineArgs(
-        model=path,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        max_model_len=vt.MAX_MODEL_LEN,
-        max_num_seqs=4,
-    )
-    config = args.create_engine_config()
+    config = vt.engine_args(model=path, load_format="auto", max_num_seqs=4).create_engine_config()
     loader = get_model_loader(config.load_config)
     with (
         set_current_vllm_config(config),

@@ -317,7 +317,7 @@ def test_decode_goes_straight_to_the_kernel_once_the_first_call_ran_it(
 
     model = vt.tiny_model("auto")
     layer = model.layers[128]
-    monkeypatch.setattr(layer, "_decode_kernel", None)  # layers live for the whole session
+    monkeypatch.setattr(layer, "_decode_kernel", None)  # layers are shared by the test run
     if first_runs_kernel:
         monkeypatch.setattr(ops, "_cutedsl_unsupported_reason", lambda *args: None)
     kernel_calls, op_calls = [], []

@@ -9,14 +9,14 @@ top-k picks among each token's visible entries). Per layer kind it times, on the
 and queries:
 
 * ``old`` — every token through the sparse-decode kernel, reading its own rows from the pages
-  (every prefill token through the decode kernel, for comparison);
-* ``new`` — what ``forward_mqa`` runs now (:mod:`dsv4_attn.vllm_glue.prefill`): gather the
+  (the decode path, for comparison);
+* ``new`` — what ``forward_mqa`` runs (:mod:`dsv4_attn.vllm_glue.prefill`): gather the
   request's rows to bf16 once, build the index lists, the gathered FMHA kernel; also each piece
   alone (``gather``, ``index``, ``fmha``).
 
-Target: a 32K prompt's CSA layer at least 5x faster than the old path. The outputs of
-both paths are compared (max |diff|, bf16); both are checked against the float64 reference in the
-tests.
+Target: a 32K prompt's CSA layer at least 5x faster gathered than through the decode path. The
+outputs of both paths are compared (max |diff|, bf16); both are checked against the float64
+reference in the tests.
 """
 
 from __future__ import annotations
