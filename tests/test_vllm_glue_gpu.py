@@ -83,10 +83,10 @@ def profiled(workspace):
     workspace.lock_workspace()
 
     def build(kv_dtype: str, dspark: bool = False):
-        """A profiled model; ``dspark``: one built and profiled as a DSpark server's, with
-        window lists :data:`DSPARK_WIDTH` wide (one per cache format, for one test)."""
+        """A profiled model; ``dspark``: the one built and profiled as a DSpark server's, with
+        window lists :data:`DSPARK_WIDTH` wide (one per cache format, shared by its tests)."""
         if dspark:
-            return dspark_models.pop(kv_dtype)
+            return dspark_models[kv_dtype]
         model = vt.tiny_model(kv_dtype)
         _profile(model)
         return model
@@ -339,11 +339,14 @@ def test_decode_step_replays_in_a_cuda_graph(
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_dspark_draft_step_replays_in_a_cuda_graph(profiled, kv_dtype, monkeypatch):
+@pytest.mark.parametrize("in_graph", [False, True], ids=["rebuilt", "updated_in_graph"])
+def test_dspark_draft_step_replays_in_a_cuda_graph(profiled, kv_dtype, in_graph, monkeypatch):
     """A DSpark draft step (non-causal metadata: every token of a block sees the window before
     the block and the whole block) through a sliding-window layer, as FULL graphs run it:
-    captured once, rebuilt into the builder's buffers for another batch, replayed; equal to
-    the eager step and to the float64 reference on exactly the block's rows."""
+    captured once, then for another batch either rebuilt into the builder's buffers or
+    (``updated_in_graph``, as vLLM's speculators record it) recomputed by
+    ``update_draft_decode_metadata`` inside the captured graph; the replay equals the eager
+    step and the float64 reference on exactly the block's rows."""
     import dataclasses
 
     from dsv4_attn import kv_cache, reference
@@ -367,20 +370,37 @@ def test_dspark_draft_step_replays_in_a_cuda_graph(profiled, kv_dtype, monkeypat
     out = torch.zeros(T, layer.padded_heads, 512, dtype=torch.bfloat16, device="cuda")
     prefix = layer.swa_cache_layer.prefix
 
-    def prepare(batch):
+    def prepare(batch, build: bool = True):
         runner.load(batch)
         write_step_rows(layer, batch, gen, back=vt.WINDOW)
         q, kv = _inputs(layer, batch, gen)
         q_in.copy_(q)
         kv_in.copy_(kv)
         cm = dataclasses.replace(runner.batch(batch).swa_cm, causal=False)
-        return {prefix: builder.build(0, cm)}
+        return {prefix: builder.build(0, cm)} if build else None
+
+    def draft_step():
+        if in_graph:
+            builder.update_draft_decode_metadata(metadata[prefix])
+        return _step(layer, model, metadata, q_in, kv_in, runner.positions, out)
 
     metadata = prepare(first)
     assert metadata[prefix].swa_indices.shape[1] == DSPARK_WIDTH
-    graph = _capture(lambda: _step(layer, model, metadata, q_in, kv_in, runner.positions, out))
+    graph = _capture(draft_step)
 
-    metadata_again = prepare(second)
+    if in_graph:
+        # The runner's buffers now hold the next step, and only the replay computes its lists;
+        # then a fresh build (what the eager step reads) must give the same ones.
+        prepare(second, build=False)
+        graph.replay()
+        torch.cuda.synchronize()
+        updated = (metadata[prefix].swa_indices.clone(), metadata[prefix].swa_lens.clone())
+        cm = dataclasses.replace(runner.batch(second).swa_cm, causal=False)
+        metadata_again = {prefix: builder.build(0, cm)}
+        assert torch.equal(metadata_again[prefix].swa_indices, updated[0])
+        assert torch.equal(metadata_again[prefix].swa_lens, updated[1])
+    else:
+        metadata_again = prepare(second)
     for name in ("swa_indices", "swa_lens", "slot_mapping"):
         again, captured = getattr(metadata_again[prefix], name), getattr(metadata[prefix], name)
         assert again.data_ptr() == captured.data_ptr(), name

@@ -447,3 +447,41 @@ def test_non_causal_metadata_without_dspark_is_refused(config):
     batch = vt.make_batch(torch.Generator().manual_seed(3), [40], [4])
     with pytest.raises(ValueError, match="no DSpark speculation"):
         swa_builder(config).build(0, dataclasses.replace(batch.swa_cm, causal=False))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["mtp", "dspark"])
+def test_a_draft_step_recomputes_its_lists_in_place(config, monkeypatch, causal):
+    """vLLM's draft steps: after the runner writes the next draft step into its persistent
+    buffers (positions, slots, block tables), ``update_draft_decode_metadata`` leaves in the
+    build's own buffers exactly the lists a fresh build of that step gives (the causal window
+    for MTP, the non-causal block for DSpark)."""
+    gen = torch.Generator().manual_seed(61 + causal)
+    first = vt.make_batch(gen, [300, 9, 700, 64], [4] * 4, padding=2)
+    second = vt.make_batch(gen, [40, 129, 5, 700], [4] * 4, padding=2)  # same shapes
+    builder = block_builder(config, monkeypatch)
+    cm = dataclasses.replace(first.swa_cm, causal=causal)
+    md = builder.build(0, cm)
+    assert builder.supports_draft_decode_metadata_update
+    buffers = (
+        md.swa_indices.data_ptr(),
+        md.swa_lens.data_ptr(),
+        md.token_to_req_indices.data_ptr(),
+    )
+    for name in ("query_start_loc", "seq_lens", "slot_mapping", "block_table_tensor"):
+        getattr(cm, name).copy_(getattr(second.swa_cm, name))
+    fresh = block_builder(config, monkeypatch).build(
+        0, dataclasses.replace(second.swa_cm, causal=causal)
+    )
+    assert md.swa_lens.tolist() != fresh.swa_lens.tolist()  # stale until updated
+    builder.update_draft_decode_metadata(md)
+    assert (
+        md.swa_indices.data_ptr(),
+        md.swa_lens.data_ptr(),
+        md.token_to_req_indices.data_ptr(),
+    ) == buffers
+    assert md.swa_indices.tolist() == fresh.swa_indices.tolist()
+    assert md.swa_lens.tolist() == fresh.swa_lens.tolist()
+    assert md.token_to_req_indices.tolist() == fresh.token_to_req_indices.tolist()
+    assert md.is_valid_token.tolist() == fresh.is_valid_token.tolist()
+    want = brute_block_window(second, BLOCK_WIDTH, 16) if not causal else vt.brute_window(second)
+    assert md.swa_lens.tolist() == want[1]

@@ -34,6 +34,7 @@ share one softmax with the attention sink, row-aligned with the step's query tok
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import ClassVar
 
 import torch
@@ -504,6 +505,10 @@ class DSV4SWAMetadataBuilder(AttentionMetadataBuilder[DSV4SWAMetadata]):
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     reorder_batch_threshold: int | None = None
+    # Draft steps (MTP, DSpark) recompute their lists in place from the step's device buffers
+    # (update_draft_decode_metadata): a FULL draft graph records that instead of vLLM
+    # rebuilding the metadata eagerly before each draft step.
+    supports_draft_decode_metadata_update: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -591,6 +596,35 @@ class DSV4SWAMetadataBuilder(AttentionMetadataBuilder[DSV4SWAMetadata]):
             swa_lens=swa_lens,
             seq_lens_cpu=_seq_lens_cpu(cm) if num_prefills else None,
         )
+
+    def update_draft_decode_metadata(self, metadata: DSV4SWAMetadata) -> None:
+        """Recompute, in place, the lists of a draft decode step whose device inputs
+        (``query_start_loc``, ``seq_lens``, ``slot_mapping``, ``block_table``: the model
+        runner's persistent buffers, which the metadata references) changed since
+        :meth:`build`: the same lists as a new build, in the same buffers, with no host sync
+        (vLLM records this in FULL draft graphs). The step's sizes are the build's; a draft
+        step has no prefill rows."""
+        if metadata.num_decode_tokens == 0:
+            return
+        inputs = SimpleNamespace(
+            query_start_loc=metadata.query_start_loc,
+            seq_lens=metadata.seq_lens,
+            slot_mapping=metadata.slot_mapping,
+            block_table_tensor=metadata.block_table,
+        )
+        views = dict(
+            token_req=metadata.token_to_req_indices,
+            valid=metadata.is_valid_token,
+            swa_indices=metadata.swa_indices,
+            swa_lens=metadata.swa_lens,
+        )
+        blocks = self.block_indices
+        if blocks is not None and metadata.swa_indices.data_ptr() == blocks.data_ptr():
+            fill_block_window(
+                inputs, self.block_size, self.window_size, metadata.num_decode_tokens, **views
+            )
+        else:
+            fill_window(inputs, self.block_size, **views)
 
 
 class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetadata]):
