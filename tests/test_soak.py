@@ -93,25 +93,7 @@ class _Completions(BaseHTTPRequestHandler):
 
 @pytest.mark.parametrize("short", [False, True])
 def test_soak_counts_requests_tokens_and_errors(short, tmp_path):
-    handler = type("Handler", (_Completions,), {"short": short})
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        args = argparse.Namespace(
-            port=httpd.server_address[1],
-            model="m",
-            max_model_len=512,
-            seconds=1.5,
-            concurrency=4,
-            seed=1,
-            gpu=None,
-            wait=10,
-            sample_seconds=0.5,
-            out=str(tmp_path / "soak.json"),
-        )
-        report = soak.soak(args)
-    finally:
-        httpd.shutdown()
+    report = _run(type("Handler", (_Completions,), {"short": short}), tmp_path)
     partial = json.loads((tmp_path / "soak.json").read_text())  # written while it ran
     assert partial["complete"] is False and report["complete"] is True
     assert 0 < partial["requests_total"] <= report["requests_total"]
