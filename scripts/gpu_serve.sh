@@ -267,7 +267,7 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     serve_round "${name}_$method$tokens" 8106 "${extra[@]}" --speculative-config "$spec" \
       > "$OUT/round_spec.log" 2>&1 &
     wait
-    tail -4 "$OUT/round_plain.log" "$OUT/round_spec.log"
+    tail -n 4 "$OUT/round_plain.log" "$OUT/round_spec.log"
     python3 -m dsv4_attn.e2e.serve_check compare "$OUT/serve_${name}_plain.json" \
       "$OUT/serve_${name}_$method$tokens.json" --json "$OUT/spec_compare.json"
     ;;
