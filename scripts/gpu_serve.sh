@@ -64,8 +64,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-[ -f /tmp/dsv4_env.sh ] || { echo "no /tmp/dsv4_env.sh: set up the vLLM 0.33.0 serve environment first" >&2; exit 2; }
-. /tmp/dsv4_env.sh
+ENV_FILE=${DSV4_ENV_FILE:-/tmp/dsv4_env.sh}  # another file: a stand-in environment (tests)
+[ -f "$ENV_FILE" ] || { echo "no $ENV_FILE: set up the vLLM 0.33.0 serve environment first" >&2; exit 2; }
+. "$ENV_FILE"
 SITE=/tmp/site
 CKPT=/tmp/dsv4_tiny_ckpt
 DRAFTABLE=/tmp/dsv4_draftable_ckpt  # layers scaled down, an MTP layer that drafts well

@@ -96,3 +96,91 @@ def test_acceptance_reads_vllms_own_spec_decode_counters():
         "mean_length": round(1 + 26 / 40, 4),
     }
     assert serve_check.acceptance({"phases": {"single": {"counters": {}}}}) is None
+
+
+# A stand-in for `vllm serve CKPT --port P ...`: greedy "tokens" from the prompt, top-2
+# logprobs, /health, and /metrics with vLLM's spec-decode counters (half the drafts accepted)
+# when it speculates. Its log says whether the DSpark opt-in reached it.
+STAND_IN_VLLM = """#!/usr/bin/env python3
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+spec = "--speculative-config" in args
+print("dspark opt-in:", os.environ.get("DSV4_ATTN_EXPERIMENTAL_DSPARK"), flush=True)
+drafts = [0]
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+    def answer(self, text):
+        body = text.encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def do_GET(self):
+        if self.path == "/health":
+            return self.answer("ok")
+        text = "vllm:num_preemptions_total 0.0\\n"
+        if spec:
+            n = drafts[0]
+            for name, value in (("drafts", n), ("draft_tokens", n), ("accepted_tokens", n // 2)):
+                text += f'vllm:spec_decode_num_{name}_total{{engine="0"}} {value}\\n'
+        self.answer(text)
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n, prompt = request["max_tokens"], request["prompt"]
+        tokens = [(prompt[-1] * 7 + i) % 1000 for i in range(n)]
+        drafts[0] += 2 * n
+        choice = {"token_ids": tokens}
+        if request.get("logprobs"):
+            top = [{f"token_id:{t}": -0.1, "token_id:1": -0.5} for t in tokens]
+            choice["logprobs"] = {"top_logprobs": top}
+        self.answer(json.dumps({"choices": [choice]}))
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def test_the_spec_part_serves_both_rounds_and_compares_them(tmp_path):
+    """`scripts/gpu_serve.sh spec fp8 dspark 4` on the CPU with a stand-in `vllm serve`: the
+    server without and the one with speculation start side by side on the draftable DSpark
+    checkpoint with this backend's flags and the opt-in, both answer the request plan, stop,
+    and the comparison reports the agreement and the drafts' acceptance."""
+    import json
+    import os
+    import stat
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    vllm = bin_dir / "vllm"
+    vllm.write_text(STAND_IN_VLLM)
+    vllm.chmod(vllm.stat().st_mode | stat.S_IEXEC)
+    env_file = tmp_path / "env.sh"
+    env_file.write_text(f'export PATH="{bin_dir}:{Path(sys.executable).parent}:$PATH"\n')
+    out = tmp_path / "out"
+    env = {**os.environ, "DSV4_ENV_FILE": str(env_file), "OUT": str(out)}
+    env.update(SKIP_PHASES="preemption", PYTHONPATH=str(root))
+    run = subprocess.run(
+        ["bash", "scripts/gpu_serve.sh", "spec", "fp8", "dspark", "4"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    servers = json.loads((out / "spec_compare.json").read_text())["servers"]
+    assert set(servers) == {"fp8_plain", "fp8_dspark4"}
+    assert servers["fp8_plain"]["speculation"] is None
+    spark = servers["fp8_dspark4"]
+    assert spark["speculation"]["rate"] == 0.5 and spark["errors"] == 0
+    assert spark["agreement"]["phases"]["concurrent"]["identical"] == 16
+    command = (out / "serve_fp8_dspark4.cmd").read_text()
+    assert "/tmp/dsv4_dspark_ckpt" in command and "--kv-cache-dtype fp8" in command
+    assert '{"method": "dspark", "num_speculative_tokens": 4}' in command
+    assert "dspark opt-in: 1" in (out / "serve_fp8_dspark4.log").read_text()
+    assert "server fp8_dspark4 stopped" in (out / "round_spec.log").read_text()
