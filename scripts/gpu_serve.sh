@@ -20,8 +20,8 @@
 #   bash scripts/gpu_serve.sh fp8       # ... --attention-backend DSV4_NVFP4 --kv-cache-dtype fp8
 #   bash scripts/gpu_serve.sh nvfp4     # ... --attention-backend DSV4_NVFP4 (NVFP4: auto)
 #   bash scripts/gpu_serve.sh compare   # agreement table, tokens/s, preemptions, prefix hits
-#   bash scripts/gpu_serve.sh mtp S [K] # server S (vllm, fp8, nvfp4) again with MTP speculation
-#                                       #   (K draft tokens, default 1), compared with its own round
+#   bash scripts/gpu_serve.sh mtp S [K] # server S (vllm, fp8, nvfp4) with and without MTP
+#                                       #   speculation (K draft tokens, default 1), compared
 #   bash scripts/gpu_serve.sh spec S M K # server S on the draftable checkpoint without and with
 #                                       #   speculation M (mtp, dspark), K draft tokens: greedy
 #                                       #   agreement and acceptance (vLLM's spec-decode counters)
@@ -84,6 +84,10 @@ backend_args() {  # server (vllm, fp8, nvfp4): its attention flags, into the arr
     nvfp4) extra=(--attention-backend DSV4_NVFP4) ;;
     *) echo "unknown server $1 (vllm, fp8, nvfp4)" >&2; exit 2 ;;
   esac
+}
+
+wait_up() {  # port [seconds]: until a server answers /health there (exit 1 after seconds)
+  python3 -c "from dsv4_attn.e2e.serve_check import Server; Server($1, '').wait(${2:-600})"
 }
 
 launch() {  # name port [vllm serve args...]: start a server in its own session, log in $OUT
@@ -188,6 +192,24 @@ serve_round() {  # name port [vllm serve args...]
   return "$rc"
 }
 
+spec_pair() {  # server method tokens: $CKPT served by server (vllm, fp8, nvfp4) without and
+  # with speculation side by side (the second starts once the first is up: vLLM's memory
+  # profiling must not see another process release memory); then their greedy agreement and
+  # the acceptance of the drafts ($OUT/spec_compare.json)
+  local name=$1 method=$2 tokens=$3
+  backend_args "$name"
+  local spec="{\"method\": \"$method\", \"num_speculative_tokens\": $tokens}"
+  export SERVE_MEM=${SPEC_MEM:-0.3}
+  serve_round "${name}_plain" 8105 "${extra[@]}" > "$OUT/round_plain.log" 2>&1 &
+  wait_up 8105 || echo "server ${name}_plain did not come up"
+  serve_round "${name}_$method$tokens" 8106 "${extra[@]}" --speculative-config "$spec" \
+    > "$OUT/round_spec.log" 2>&1 &
+  wait
+  tail -n 4 "$OUT/round_plain.log" "$OUT/round_spec.log"
+  python3 -m dsv4_attn.e2e.serve_check compare "$OUT/serve_${name}_plain.json" \
+    "$OUT/serve_${name}_$method$tokens.json" --json "$OUT/spec_compare.json"
+}
+
 case "$PART" in
   prepare)
     # vLLM's processes import the plugin from $SITE (its entry point is registered there).
@@ -235,42 +257,21 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
       "$OUT/serve_nvfp4.json" --json "$OUT/serve_compare.json"
     ;;
   mtp)
-    # The same rounds with MTP speculation (the checkpoint's MTP layer, ${3:-1} draft tokens per
-    # step; ${2:-fp8} picks the server: vllm, fp8 or nvfp4), then its greedy tokens against the
-    # same server without speculation where that round ran first in this $OUT.
-    name=${2:-fp8}; tokens=${3:-1}
-    spec="{\"method\": \"mtp\", \"num_speculative_tokens\": $tokens}"
-    backend_args "$name"
-    serve_round "${name}_mtp$tokens" 8104 "${extra[@]}" --speculative-config "$spec"
-    if [ -f "$OUT/serve_$name.json" ]; then
-      python3 -m dsv4_attn.e2e.serve_check compare "$OUT/serve_$name.json" \
-        "$OUT/serve_${name}_mtp$tokens.json" --json "$OUT/serve_${name}_mtp${tokens}_compare.json"
-    fi
+    # Server ${2:-fp8} with the default checkpoint's MTP layer (${3:-1} draft tokens) against
+    # itself without speculation: spec_pair.
+    spec_pair "${2:-fp8}" mtp "${3:-1}"
     ;;
   spec)
-    # Speculative decoding measured: server ${2:-fp8} (vllm, fp8, nvfp4) on the draftable
-    # checkpoint, without and with ${3:-mtp} speculation (${4:-1} draft tokens), side by side
-    # (the second starts once the first is up: vLLM's memory profiling must not see another
-    # process release memory); then their greedy agreement and the acceptance of the drafts.
-    name=${2:-fp8}; method=${3:-mtp}; tokens=${4:-1}
-    backend_args "$name"
-    spec="{\"method\": \"$method\", \"num_speculative_tokens\": $tokens}"
+    # The same on the draftable checkpoints, whose drafts are accepted about as often as
+    # trained ones: ${3:-mtp} (mtp, dspark) with ${4:-1} draft tokens.
+    method=${3:-mtp}
     case $method in
       mtp) CKPT=$DRAFTABLE ;;
       # DSV4_NVFP4 refuses DSpark until a server has verified it; this part is that check.
       dspark) CKPT=$DSPARK; export DSV4_ATTN_EXPERIMENTAL_DSPARK=1 ;;
       *) echo "unknown speculation $method (mtp, dspark)" >&2; exit 2 ;;
     esac
-    export SERVE_MEM=${SPEC_MEM:-0.3}
-    serve_round "${name}_plain" 8105 "${extra[@]}" > "$OUT/round_plain.log" 2>&1 &
-    python3 -c "from dsv4_attn.e2e.serve_check import Server; Server(8105, '').wait(600)" \
-      || echo "server ${name}_plain did not come up"
-    serve_round "${name}_$method$tokens" 8106 "${extra[@]}" --speculative-config "$spec" \
-      > "$OUT/round_spec.log" 2>&1 &
-    wait
-    tail -n 4 "$OUT/round_plain.log" "$OUT/round_spec.log"
-    python3 -m dsv4_attn.e2e.serve_check compare "$OUT/serve_${name}_plain.json" \
-      "$OUT/serve_${name}_$method$tokens.json" --json "$OUT/spec_compare.json"
+    spec_pair "${2:-fp8}" "$method" "${4:-1}"
     ;;
   capacity)
     # vLLM's "GPU KV cache size" of each server, at the same --gpu-memory-utilization and no
@@ -352,8 +353,8 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
       gpu=0; [ "$gpus" -ge "${#names[@]}" ] && gpu=$i
       CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=$gpu SERVE_MEM=${SOAK_MEM:-0.25} \
         launch "soak_$name" $((port + i)) "${extra[@]}" "${probe[@]}"
-      [ "$gpus" -ge "${#names[@]}" ] || python3 -c "from dsv4_attn.e2e.serve_check import \
-Server; Server($((port + i)), '').wait(600)" || echo "server soak_$name did not come up"
+      [ "$gpus" -ge "${#names[@]}" ] || wait_up $((port + i)) \
+        || echo "server soak_$name did not come up"
       echo "$name $((port + i)) $gpu" >> "$OUT/soak_servers.txt"; i=$((i + 1))
     done
     while read -r name p gpu; do
@@ -448,8 +449,7 @@ compare_greedy(Path('$OUT/bench_serve'), '$layout', '$servers'.split(','))"
     # batch part that must not start while those servers profile their memory)
     shift
     for port in "$@"; do
-      python3 -c "from dsv4_attn.e2e.serve_check import Server; Server($port, '').wait(900)" \
-        || { echo "no server on port $port" >&2; exit 1; }
+      wait_up "$port" 900 || { echo "no server on port $port" >&2; exit 1; }
     done
     ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;

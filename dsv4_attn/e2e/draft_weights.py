@@ -62,6 +62,13 @@ def _mover(gen: torch.Generator):
     return moved
 
 
+def _random(
+    gen: torch.Generator, *shape: int, std: float, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """A seeded normal tensor of standard deviation ``std`` (the weights a main model lacks)."""
+    return (torch.randn(shape, generator=gen) * std).to(dtype)
+
+
 def _draft_layer(weights: dict, config: dict, index: int, moved) -> dict[str, torch.Tensor]:
     """Draft decoder layer ``index`` (``mtp.{index}.*``): the main model's first sliding-window
     layer (vLLM builds draft layers without a compressor), every tensor ``moved``."""
@@ -116,9 +123,6 @@ def add_mtp_layers(
     gen = torch.Generator().manual_seed(seed)
     moved = _mover(gen)
 
-    def projection() -> torch.Tensor:
-        return (torch.randn(hidden, hidden, generator=gen) * hidden**-0.5).to(torch.bfloat16)
-
     # The main model's own tensor (a bigram draft) or a moved copy of it.
     same = (lambda tensor: tensor.clone()) if drafts_bigram else moved
     norm = weights["model.norm.weight"]
@@ -132,8 +136,8 @@ def add_mtp_layers(
             mtp[f"mtp.{i}.h_proj.weight"] = torch.zeros(hidden, hidden, dtype=torch.bfloat16)
         else:
             mtp[f"mtp.{i}.enorm.weight"] = moved(norm)
-            mtp[f"mtp.{i}.e_proj.weight"] = projection()
-            mtp[f"mtp.{i}.h_proj.weight"] = projection()
+            mtp[f"mtp.{i}.e_proj.weight"] = _random(gen, hidden, hidden, std=hidden**-0.5)
+            mtp[f"mtp.{i}.h_proj.weight"] = _random(gen, hidden, hidden, std=hidden**-0.5)
         for part in ("fn", "base", "scale"):
             mtp[f"mtp.{i}.hc_head_{part}"] = same(weights[f"model.hc_head_{part}"])
         mtp[f"mtp.{i}.norm.weight"] = same(norm)
@@ -248,13 +252,10 @@ def add_dspark_layers(
     gen = torch.Generator().manual_seed(seed)
     moved = _mover(gen)
 
-    def random(*shape: int, std: float, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen) * std).to(dtype)
-
     dspark: dict[str, torch.Tensor] = {}
     inputs = hidden * len(DSPARK_TARGET_LAYER_IDS)
     # variance-preserving, so main_norm sees activations of the target's scale
-    dspark["mtp.0.main_proj.weight"] = random(hidden, inputs, std=inputs**-0.5)
+    dspark["mtp.0.main_proj.weight"] = _random(gen, hidden, inputs, std=inputs**-0.5)
     dspark["mtp.0.main_norm.weight"] = moved(weights["model.norm.weight"])
     for i in range(DSPARK_LAYERS):
         dspark.update(_draft_layer(weights, config, i, moved))
@@ -266,16 +267,18 @@ def add_dspark_layers(
     if bigram is None:
         # The Markov bias w2 @ w1[token] has unit-scale entries over the rank: a logit bias of
         # the order of the logits themselves, so a wrong or missing head shows in the drafts.
-        dspark[f"{markov}.markov_w1.weight"] = random(vocab, markov_rank, std=1.0)
-        dspark[f"{markov}.markov_w2.weight"] = random(vocab, markov_rank, std=markov_rank**-0.5)
+        dspark[f"{markov}.markov_w1.weight"] = _random(gen, vocab, markov_rank, std=1.0)
+        dspark[f"{markov}.markov_w2.weight"] = _random(
+            gen, vocab, markov_rank, std=markov_rank**-0.5
+        )
     else:  # w1[token] = bias * e_token; w2[v, token] = 1 where v is the token's bigram
         w1 = torch.eye(vocab) * MARKOV_BIGRAM_BIAS
         w2 = torch.nn.functional.one_hot(bigram, vocab).T.contiguous()
         dspark[f"{markov}.markov_w1.weight"] = w1.to(torch.bfloat16)
         dspark[f"{markov}.markov_w2.weight"] = w2.to(torch.bfloat16)
     width = hidden + markov_rank
-    dspark[f"{last}.confidence_head.proj.weight"] = random(
-        1, width, std=width**-0.5, dtype=torch.float32
+    dspark[f"{last}.confidence_head.proj.weight"] = _random(
+        gen, 1, width, std=width**-0.5, dtype=torch.float32
     )
     _save(
         path,

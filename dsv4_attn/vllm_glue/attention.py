@@ -451,8 +451,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         if n == 0:
             return
         plan = _decode_plan(compressed, n)
-        assert swa.swa_indices is not None
-        capacity = self._key_capacity(hca_width, swa.swa_indices.shape[1])
+        capacity = self._key_capacity(hca_width, swa.decode_swa_width)
         scratch = self._scratch(self._scratch_shapes(n, capacity, plan=plan), "decode")
         entry_slots = None
         if self.compress_ratio == CSA_RATIO:

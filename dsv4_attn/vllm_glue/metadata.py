@@ -556,26 +556,16 @@ class DSV4SWAMetadataBuilder(AttentionMetadataBuilder[DSV4SWAMetadata]):
                     "server has no DSpark speculation (--speculative-config method 'dspark')"
                 )
             swa_indices = self.block_indices[:T]
-            fill_block_window(
-                cm,
-                self.block_size,
-                self.window_size,
-                num_decode_tokens,
-                token_req=token_req,
-                valid=valid,
-                swa_indices=swa_indices,
-                swa_lens=swa_lens,
-            )
         else:
             swa_indices = self.swa_indices[:T]
-            fill_window(
-                cm,
-                self.block_size,
-                token_req=token_req,
-                valid=valid,
-                swa_indices=swa_indices,
-                swa_lens=swa_lens,
-            )
+        self._fill_lists(
+            cm,
+            None if cm.causal else num_decode_tokens,
+            token_req=token_req,
+            valid=valid,
+            swa_indices=swa_indices,
+            swa_lens=swa_lens,
+        )
         return DSV4SWAMetadata(
             block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping,
@@ -612,19 +602,24 @@ class DSV4SWAMetadataBuilder(AttentionMetadataBuilder[DSV4SWAMetadata]):
             slot_mapping=metadata.slot_mapping,
             block_table_tensor=metadata.block_table,
         )
-        views = dict(
+        blocks = self.block_indices
+        in_blocks = blocks is not None and metadata.swa_indices.data_ptr() == blocks.data_ptr()
+        self._fill_lists(
+            inputs,
+            metadata.num_decode_tokens if in_blocks else None,
             token_req=metadata.token_to_req_indices,
             valid=metadata.is_valid_token,
             swa_indices=metadata.swa_indices,
             swa_lens=metadata.swa_lens,
         )
-        blocks = self.block_indices
-        if blocks is not None and metadata.swa_indices.data_ptr() == blocks.data_ptr():
-            fill_block_window(
-                inputs, self.block_size, self.window_size, metadata.num_decode_tokens, **views
-            )
+
+    def _fill_lists(self, cm, block_tokens: int | None, **views: torch.Tensor) -> None:
+        """The step's lists into ``views``: causal windows, or (``block_tokens``: the first
+        that many rows are DSpark draft blocks) :func:`fill_block_window`'s."""
+        if block_tokens is None:
+            fill_window(cm, self.block_size, **views)
         else:
-            fill_window(inputs, self.block_size, **views)
+            fill_block_window(cm, self.block_size, self.window_size, block_tokens, **views)
 
 
 class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetadata]):
