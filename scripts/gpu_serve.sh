@@ -55,6 +55,8 @@
 # at 0.25 (their KV blocks are fixed by the override; three servers of the tiny model fit).
 # SKIP_PHASES=preemption (comma-separated phase names) leaves phases out of a round; PLAN_SEED
 # draws other prompts (a server that already served the default ones would hit its prefix cache).
+# SPEC_MEM (0.3) is SERVE_MEM for the spec/mtp pairs; SPEC_PORT (8105, and the next port) their
+# ports, so that pairs in separate batches can run side by side.
 # Results (JSON, logs) go to $OUT (default ./bench_out). Servers use --num-gpu-blocks-override
 # 2400 (the same block count for every backend: a little more than vLLM's admission check needs
 # for one 4096-token request, and less than the preemption phase of
@@ -98,7 +100,7 @@ launch() {  # name port [vllm serve args...]: start a server in its own session,
   echo "vllm serve ${args[*]}" > "$OUT/serve_$name.cmd"
   # flashinfer is not in the serve environment; vLLM's sampler imports it unless told not to
   (cd /tmp && VLLM_USE_FLASHINFER_SAMPLER=0 setsid vllm serve "${args[@]}" \
-    > "$OUT/serve_$name.log" 2>&1 < /dev/null & echo $! > "/tmp/serve_$name.pid")
+    > "$OUT/serve_$name.log" 2>&1 < /dev/null & echo $! > "$OUT/serve_$name.pid")
 }
 
 timed_start() {  # name port [vllm serve args...]: seconds from launch to /health, then stop
@@ -169,7 +171,7 @@ serve_round() {  # name port [vllm serve args...]
     cat "$OUT/serve_$name.cmd"
     start=$(date +%s)
     python3 -m dsv4_attn.e2e.serve_check query --name "$name" --port "$port" --model "$CKPT" \
-      --wait 420 --pid "$(cat /tmp/serve_$name.pid)" --out "$OUT/serve_$name.json" \
+      --wait 420 --pid "$(cat "$OUT/serve_$name.pid")" --out "$OUT/serve_$name.json" \
       --skip "${SKIP_PHASES:-}" --seed "${PLAN_SEED:-2026}" 2>&1 \
       | tee "$OUT/query_$name.log"
     rc=${PIPESTATUS[0]}
@@ -200,9 +202,10 @@ spec_pair() {  # server method tokens: $CKPT served by server (vllm, fp8, nvfp4)
   backend_args "$name"
   local spec="{\"method\": \"$method\", \"num_speculative_tokens\": $tokens}"
   export SERVE_MEM=${SPEC_MEM:-0.3}
-  serve_round "${name}_plain" 8105 "${extra[@]}" > "$OUT/round_plain.log" 2>&1 &
-  wait_up 8105 || echo "server ${name}_plain did not come up"
-  serve_round "${name}_$method$tokens" 8106 "${extra[@]}" --speculative-config "$spec" \
+  local port=${SPEC_PORT:-8105}  # another SPEC_PORT runs another pair beside this one
+  serve_round "${name}_plain" "$port" "${extra[@]}" > "$OUT/round_plain.log" 2>&1 &
+  wait_up "$port" || echo "server ${name}_plain did not come up"
+  serve_round "${name}_$method$tokens" $((port + 1)) "${extra[@]}" --speculative-config "$spec" \
     > "$OUT/round_spec.log" 2>&1 &
   wait
   tail -n 4 "$OUT/round_plain.log" "$OUT/round_spec.log"

@@ -142,10 +142,11 @@ ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 
 def test_the_spec_part_serves_both_rounds_and_compares_them(tmp_path):
-    """`scripts/gpu_serve.sh spec fp8 dspark 4` on the CPU with a stand-in `vllm serve`: the
-    server without and the one with speculation start side by side on the draftable DSpark
-    checkpoint with this backend's flags and the opt-in, both answer the request plan, stop,
-    and the comparison reports the agreement and the drafts' acceptance."""
+    """`SPEC_PORT=8135 scripts/gpu_serve.sh spec fp8 dspark 4` on the CPU with a stand-in
+    `vllm serve`: the server without and the one with speculation start side by side on the
+    draftable DSpark checkpoint with this backend's flags and the opt-in, on SPEC_PORT and the
+    next port; both answer the request plan, stop, and the comparison reports the agreement
+    and the drafts' acceptance."""
     import json
     import os
     import stat
@@ -163,7 +164,7 @@ def test_the_spec_part_serves_both_rounds_and_compares_them(tmp_path):
     env_file.write_text(f'export PATH="{bin_dir}:{Path(sys.executable).parent}:$PATH"\n')
     out = tmp_path / "out"
     env = {**os.environ, "DSV4_ENV_FILE": str(env_file), "OUT": str(out)}
-    env.update(SKIP_PHASES="preemption", PYTHONPATH=str(root))
+    env.update(SKIP_PHASES="preemption", PYTHONPATH=str(root), SPEC_PORT="8135")
     run = subprocess.run(
         ["bash", "scripts/gpu_serve.sh", "spec", "fp8", "dspark", "4"],
         cwd=root,
@@ -182,5 +183,7 @@ def test_the_spec_part_serves_both_rounds_and_compares_them(tmp_path):
     command = (out / "serve_fp8_dspark4.cmd").read_text()
     assert "/tmp/dsv4_dspark_ckpt" in command and "--kv-cache-dtype fp8" in command
     assert '{"method": "dspark", "num_speculative_tokens": 4}' in command
+    assert "--port 8136 " in command  # SPEC_PORT and the next port: pairs side by side
+    assert "--port 8135 " in (out / "serve_fp8_plain.cmd").read_text()
     assert "dspark opt-in: 1" in (out / "serve_fp8_dspark4.log").read_text()
     assert "server fp8_dspark4 stopped" in (out / "round_spec.log").read_text()
