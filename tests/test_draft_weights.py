@@ -116,6 +116,7 @@ def test_vllm_takes_the_dspark_config(attention_backend):
     from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
         get_eagle3_aux_layers_from_config,
     )
+    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
 
     on_disk = json.loads(Path(checkpoint(), "config.json").read_text())
     assert on_disk["dspark_target_layer_ids"] == list(DSPARK_TARGET_LAYER_IDS)
@@ -123,6 +124,7 @@ def test_vllm_takes_the_dspark_config(attention_backend):
     assert on_disk["dspark_markov_rank"] == DEFAULT_MARKOV_RANK
     assert on_disk["enable_confidence_head"] is True
     assert on_disk["num_nextn_predict_layers"] == 0
+    assert on_disk["dspark_noise_token_id"] == on_disk["vocab_size"] - 1
 
     spec = engine_config(attention_backend).speculative_config
     assert spec.method == "dspark" and spec.num_speculative_tokens == NUM_SPECULATIVE_TOKENS
@@ -131,6 +133,8 @@ def test_vllm_takes_the_dspark_config(attention_backend):
     assert hf.model_type == "deepseek_v4"
     assert list(hf.dspark_target_layer_ids) == list(DSPARK_TARGET_LAYER_IDS)
     assert hf.n_mtp_layers == DSPARK_LAYERS and hf.dspark_markov_rank == DEFAULT_MARKOV_RANK
+    # vLLM's GPU speculator refuses a draft block without a token for its undrafted slots.
+    assert get_parallel_drafting_token_id(hf) == on_disk["vocab_size"] - 1
     # The target hands the draft the stream after each target layer (vLLM's ids are 1-based):
     # every one of them a layer the tiny model has.
     aux = get_eagle3_aux_layers_from_config(spec)

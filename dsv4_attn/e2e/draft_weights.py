@@ -172,8 +172,9 @@ def add_dspark_layers(
       ``confidence_head.proj.weight`` ``[1, H + r]`` (float32, as vLLM keeps it).
 
     No token embedding or output head: vLLM's DSpark aliases the target's. config.json gets
-    ``dspark_target_layer_ids``, ``n_mtp_layers``, ``dspark_markov_rank`` and
-    ``enable_confidence_head``, the keys vLLM's DSpark model reads.
+    ``dspark_target_layer_ids``, ``n_mtp_layers``, ``dspark_markov_rank``,
+    ``enable_confidence_head`` and ``dspark_noise_token_id``, the keys vLLM's DSpark model and
+    its parallel drafting read.
 
     The decoder weights start from the checkpoint's first sliding-window layer, the norms and
     ``hc_head_*`` from the model's own, each moved by seeded noise of its own scale (no tensor
@@ -289,5 +290,8 @@ def add_dspark_layers(
         n_mtp_layers=DSPARK_LAYERS,
         dspark_markov_rank=markov_rank,
         enable_confidence_head=True,
+        # The token vLLM feeds the draft block's not-yet-drafted slots; vLLM refuses parallel
+        # drafting without one. The vocabulary's last id (the tiny model's prompts are random).
+        dspark_noise_token_id=vocab - 1,
     )
     return path
