@@ -58,9 +58,9 @@
 # SPEC_MEM (0.3) is SERVE_MEM for the spec/mtp pairs; SPEC_PORT (8105, and the next port) their
 # ports, so that pairs in separate batches can run side by side.
 # Results (JSON, logs) go to $OUT (default ./bench_out). Servers use --num-gpu-blocks-override
-# 2400 (the same block count for every backend: a little more than vLLM's admission check needs
-# for one 4096-token request, and less than the preemption phase of
-# dsv4_attn/e2e/serve_check.py grows into) and --gpu-memory-utilization 0.5.
+# SERVE_BLOCKS (2400: the same block count for every backend, a little more than vLLM's
+# admission check needs for one 4096-token request, and less than the preemption phase of
+# dsv4_attn/e2e/serve_check.py grows into; 3200 for DSpark) and --gpu-memory-utilization 0.5.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_out}
@@ -95,7 +95,7 @@ wait_up() {  # port [seconds]: until a server answers /health there (exit 1 afte
 launch() {  # name port [vllm serve args...]: start a server in its own session, log in $OUT
   local name=$1 port=$2; shift 2
   local args=("$CKPT" --port "$port" --skip-tokenizer-init --max-model-len 4096 --dtype bfloat16
-              --gpu-memory-utilization "${SERVE_MEM:-0.5}" --num-gpu-blocks-override 2400 --seed 0
+              --gpu-memory-utilization "${SERVE_MEM:-0.5}" --num-gpu-blocks-override "${SERVE_BLOCKS:-2400}" --seed 0
               "$@")
   echo "vllm serve ${args[*]}" > "$OUT/serve_$name.cmd"
   # flashinfer is not in the serve environment; vLLM's sampler imports it unless told not to
@@ -166,7 +166,7 @@ stop_server() {  # name port: every process of the server's session (its engine 
 
 serve_round() {  # name port [vllm serve args...]
   local name=$1 port=$2 attempt rc start
-  for attempt in 1 2; do
+  for attempt in 1 2 3; do
     launch "$@"
     cat "$OUT/serve_$name.cmd"
     start=$(date +%s)
@@ -176,12 +176,12 @@ serve_round() {  # name port [vllm serve args...]
       | tee "$OUT/query_$name.log"
     rc=${PIPESTATUS[0]}
     # vLLM's startup check fails when another process on the GPU frees memory while this
-    # server profiles its own (servers side by side): start it once more.
-    if [ "$rc" -ne 0 ] && [ "$attempt" = 1 ] \
+    # server profiles its own (servers side by side): start it again, up to three times.
+    if [ "$rc" -ne 0 ] && [ "$attempt" -lt 3 ] \
         && grep -q "Error in memory profiling" "$OUT/serve_$name.log"; then
       echo "round $name: memory profiling disturbed by another process; starting it again"
       stop_server "$name" "$port"
-      mv "$OUT/serve_$name.log" "$OUT/serve_${name}_profiling_failed.log"
+      mv "$OUT/serve_$name.log" "$OUT/serve_${name}_profiling_failed_$attempt.log"
       continue
     fi
     break
@@ -270,8 +270,9 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     method=${3:-mtp}
     case $method in
       mtp) CKPT=$DRAFTABLE ;;
-      # DSV4_NVFP4 refuses DSpark until a server has verified it; this part is that check.
-      dspark) CKPT=$DSPARK; export DSV4_ATTN_EXPERIMENTAL_DSPARK=1 ;;
+      # The draft's three window layers share the block table, so a block holds more bytes:
+      # 2400 blocks fall short of one 4096-token request (vLLM's admission check), 3200 do not.
+      dspark) CKPT=$DSPARK; export SERVE_BLOCKS=${SERVE_BLOCKS:-3200} ;;
       *) echo "unknown speculation $method (mtp, dspark)" >&2; exit 2 ;;
     esac
     spec_pair "${2:-fp8}" "$method" "${4:-1}"

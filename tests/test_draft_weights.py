@@ -32,6 +32,7 @@ from dsv4_attn.e2e.draft_weights import (
     add_mtp_layers,
 )
 from dsv4_attn.e2e.tiny_model import VLLM_SPEC, TinySpec, save_vllm_checkpoint
+from dsv4_attn.vllm_glue.support import check_supported
 from tests.test_tiny_model import SPEC
 from tests.test_tiny_model import checkpoint as mtp_checkpoint
 
@@ -82,15 +83,12 @@ def load_dspark_with_vllm(path: str):
     Built directly, as vLLM's ``load_dspark_model`` builds it (the target's vLLM config, prefix
     ""): vLLM's registry maps the DSpark architecture to a refusal on the CPU platform, and
     vLLM's own DeepSeek-V4 attention needs a CUDA device at construction. Besides what the MTP
-    draft needs (``vt._cpu_events``), two things are patched while it is built: the V2 model
-    runner is chosen (above), and the DSV4_NVFP4 layer's build-time check, which refuses DSpark
-    until its draft steps are verified in a server, is skipped; it is about serving, not about
-    which weights the layers have."""
+    draft needs (``vt._cpu_events``), the V2 model runner is chosen while it is built (above). The
+    DSV4_NVFP4 layers run their build-time support check on the DSpark configuration as they
+    do in a server."""
     from vllm.config import set_current_vllm_config
     from vllm.models.deepseek_v4.nvidia.dspark import DSparkDeepseekV4ForCausalLM
     from vllm.utils.torch_utils import set_default_torch_dtype
-
-    from dsv4_attn.vllm_glue import attention
 
     vt._distributed_ready()
     config = engine_config("DSV4_NVFP4", path)
@@ -98,7 +96,6 @@ def load_dspark_with_vllm(path: str):
     assert draft.architectures == ["DSparkDraftModel"]
     with (
         mock.patch.dict(os.environ, _V2_RUNNER),
-        mock.patch.object(attention, "check_supported", lambda vllm_config: None),
         set_current_vllm_config(config),
         vt._cpu_events(),
         set_default_torch_dtype(draft.dtype),
@@ -126,7 +123,9 @@ def test_vllm_takes_the_dspark_config(attention_backend):
     assert on_disk["num_nextn_predict_layers"] == 0
     assert on_disk["dspark_noise_token_id"] == on_disk["vocab_size"] - 1
 
-    spec = engine_config(attention_backend).speculative_config
+    config = engine_config(attention_backend)
+    check_supported(config)  # served as it is, by either backend
+    spec = config.speculative_config
     assert spec.method == "dspark" and spec.num_speculative_tokens == NUM_SPECULATIVE_TOKENS
     hf = spec.draft_model_config.hf_config
     assert spec.draft_model_config.architectures == ["DSparkDraftModel"]

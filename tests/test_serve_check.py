@@ -100,14 +100,13 @@ def test_acceptance_reads_vllms_own_spec_decode_counters():
 
 # A stand-in for `vllm serve CKPT --port P ...`: greedy "tokens" from the prompt, top-2
 # logprobs, /health, and /metrics with vLLM's spec-decode counters (half the drafts accepted)
-# when it speculates. Its log says whether the DSpark opt-in reached it.
+# when it speculates.
 STAND_IN_VLLM = """#!/usr/bin/env python3
 import json, os, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 args = sys.argv[1:]
 port = int(args[args.index("--port") + 1])
 spec = "--speculative-config" in args
-print("dspark opt-in:", os.environ.get("DSV4_ATTN_EXPERIMENTAL_DSPARK"), flush=True)
 drafts = [0]
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):
@@ -144,7 +143,7 @@ ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 def test_the_spec_part_serves_both_rounds_and_compares_them(tmp_path):
     """`SPEC_PORT=8135 scripts/gpu_serve.sh spec fp8 dspark 4` on the CPU with a stand-in
     `vllm serve`: the server without and the one with speculation start side by side on the
-    draftable DSpark checkpoint with this backend's flags and the opt-in, on SPEC_PORT and the
+    draftable DSpark checkpoint with this backend's flags and 3200 KV blocks, on SPEC_PORT and the
     next port; both answer the request plan, stop, and the comparison reports the agreement
     and the drafts' acceptance."""
     import json
@@ -185,5 +184,5 @@ def test_the_spec_part_serves_both_rounds_and_compares_them(tmp_path):
     assert '{"method": "dspark", "num_speculative_tokens": 4}' in command
     assert "--port 8136 " in command  # SPEC_PORT and the next port: pairs side by side
     assert "--port 8135 " in (out / "serve_fp8_plain.cmd").read_text()
-    assert "dspark opt-in: 1" in (out / "serve_fp8_dspark4.log").read_text()
+    assert "--num-gpu-blocks-override 3200 " in command
     assert "server fp8_dspark4 stopped" in (out / "round_spec.log").read_text()

@@ -676,7 +676,6 @@ def test_resolve_kv_format_lists_accepted_values():
         ({"decode_context_parallel_size": 2}, "context parallelism"),
         ({"prefill_context_parallel_size": 2}, "context parallelism"),
         ({"vision_n_layers": 2}, "vision"),
-        ({"dspark": True}, "DSpark"),
         ({"heads": 256}, r"at most 128 query heads per rank .* has 256 per rank"),
         ({"use_ubatching": True, "enable_dbo": True}, r"micro-batching .* --enable-dbo is True"),
     ],
@@ -691,13 +690,10 @@ def test_unsupported_configurations_are_refused(change, message):
         ubatch_size=0,
     )
     hf = SimpleNamespace(vision_n_layers=0)
-    spec = None
     heads = 64
     for key, value in change.items():
         if key == "vision_n_layers":
             hf.vision_n_layers = value
-        elif key == "dspark":
-            spec = SimpleNamespace(use_dspark=lambda: True)
         elif key == "heads":
             heads = value
         else:
@@ -705,24 +701,11 @@ def test_unsupported_configurations_are_refused(change, message):
     config = SimpleNamespace(
         parallel_config=parallel,
         model_config=SimpleNamespace(hf_config=hf, get_num_attention_heads=lambda _: heads),
-        speculative_config=spec,
+        speculative_config=None,
     )
     with pytest.raises(ValueError, match=message):
         check_supported(config)
     check_supported(vt.engine_config())  # the tiny model itself is fine
-
-
-def test_dspark_is_served_only_when_opted_in(monkeypatch):
-    """DSpark is refused with a message naming the opt-in; with it, the check passes."""
-    from dsv4_attn.vllm_glue.support import EXPERIMENTAL_DSPARK_ENV
-
-    config = vt.engine_config()
-    monkeypatch.setattr(config, "speculative_config", SimpleNamespace(use_dspark=lambda: True))
-    monkeypatch.delenv(EXPERIMENTAL_DSPARK_ENV, raising=False)
-    with pytest.raises(ValueError, match=f"DSpark .*\\({EXPERIMENTAL_DSPARK_ENV}=1"):
-        check_supported(config)
-    monkeypatch.setenv(EXPERIMENTAL_DSPARK_ENV, "1")
-    check_supported(config)
 
 
 @pytest.mark.parametrize("setting", [{"enable_dbo": True}, {"ubatch_size": 2}])

@@ -1,8 +1,8 @@
 """What the DSV4_NVFP4 backend serves, checked when vLLM builds the model.
 
 * :func:`check_supported` — configurations the backend does not implement (context parallelism,
-  micro-batching (dual-batch overlap), the vision variant, DSpark speculation, more query heads
-  per rank than its kernels take) raise a ValueError saying so.
+  micro-batching (dual-batch overlap), the vision variant, more query heads per rank than its
+  kernels take) raise a ValueError saying so. Speculative decoding (MTP, DSpark) is served.
 * :func:`check_serving_device` — the backend's attention kernels are Hopper (sm_90) CuTeDSL
   kernels. On any other device, or when the kernel stack cannot be imported, serving would run
   the torch fallback, one to two orders of magnitude slower: startup fails with the device or the
@@ -23,7 +23,6 @@ from dsv4_attn.vllm_glue import BACKEND_NAME
 
 __all__ = [
     "ALLOW_FALLBACK_ENV",
-    "EXPERIMENTAL_DSPARK_ENV",
     "check_serving_device",
     "check_supported",
     "kernel_stack_error",
@@ -35,9 +34,6 @@ logger = init_logger(LOGGER_PREFIX + __name__)  # vLLM's, with its *_once method
 
 ALLOW_FALLBACK_ENV = "DSV4_ATTN_ALLOW_FALLBACK"
 """Set to 1 to serve with the torch fallback where the Hopper kernels cannot run."""
-
-EXPERIMENTAL_DSPARK_ENV = "DSV4_ATTN_EXPERIMENTAL_DSPARK"
-"""Set to 1 to serve DSpark speculation before it is verified in a server (for its tests)."""
 
 _SUPPORTED = "NVIDIA Hopper GPUs (sm_90: H100, H200)"
 
@@ -72,20 +68,6 @@ def check_supported(vllm_config: VllmConfig) -> None:
             f"kernels' widest variant); this model has {heads} per rank at "
             f"--tensor-parallel-size {parallel.tensor_parallel_size}. Raise the tensor-parallel "
             "size."
-        )
-    spec = vllm_config.speculative_config
-    if spec is not None and spec.use_dspark():
-        if os.environ.get(EXPERIMENTAL_DSPARK_ENV) != "1":
-            raise ValueError(
-                f"--attention-backend {BACKEND_NAME} does not serve DSpark speculation yet (its "
-                "draft steps are not verified in a server); use MTP speculation, or leave "
-                f"--attention-backend unset for vLLM's own backend ({EXPERIMENTAL_DSPARK_ENV}=1 "
-                "serves it unverified, for testing)."
-            )
-        logger.warning_once(
-            "%s=1: serving DSpark speculation through %s, not yet verified in a server",
-            EXPERIMENTAL_DSPARK_ENV,
-            BACKEND_NAME,
         )
 
 
