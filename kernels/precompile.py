@@ -38,6 +38,7 @@ __all__ = [
     "SWA_BLOCK_TOKENS",
     "combine_variants",
     "compile_layer_kernels",
+    "compile_serving_layer",
     "decode_variants",
     "model_compress_ratios",
 ]
@@ -105,6 +106,13 @@ def compile_layer_kernels(
     fmha.compile_variant(fmha.sparse_variant())
 
 
+def compile_serving_layer(fmt: KVFormat, compress_ratio: int) -> None:
+    """:func:`compile_layer_kernels` on the page sizes vLLM gives DeepSeek-V4, with the balanced
+    schedule's variants for HCA layers (a ratio above CSA's: the only ones that may run it)."""
+    balanced = compress_ratio > _CSA_RATIO
+    compile_layer_kernels(fmt, compress_ratio, SWA_BLOCK_TOKENS, CACHE_BLOCK_TOKENS, balanced)
+
+
 def model_compress_ratios(model: str | os.PathLike) -> tuple[int, ...]:
     """The compression ratios of a DeepSeek-V4 checkpoint's layers, from its ``config.json``
     (``compress_rates`` per layer type, or the older ``compress_ratios`` list); 1 = window
@@ -156,8 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     for fmt in _FORMATS[args.kv_cache_dtype]:
         for ratio in ratios:
             began = time.perf_counter()
-            balanced = ratio > _CSA_RATIO  # HCA layers may run the balanced schedule
-            compile_layer_kernels(fmt, ratio, SWA_BLOCK_TOKENS, CACHE_BLOCK_TOKENS, balanced)
+            compile_serving_layer(fmt, ratio)
             print(
                 f"{time.perf_counter() - began:6.1f} s  {fmt.value:10s} compress ratio {ratio}",
                 flush=True,

@@ -29,6 +29,7 @@ def test_every_subcommand_is_a_module_with_main():
         "host",
         "wgmma-rate",
         "compressor-state",
+        "sass-digest",
         "ncu-roles",
     }
     for name, module in bench.SUBCOMMANDS.items():
@@ -38,7 +39,7 @@ def test_every_subcommand_is_a_module_with_main():
 def test_unknown_subcommand_names_the_accepted_ones():
     names = (
         r"\{decode,decode-splits,prefill,prefill-layer,fallback,step,host,wgmma-rate,"
-        r"compressor-state,ncu-roles\}"
+        r"compressor-state,sass-digest,ncu-roles\}"
     )
     with pytest.raises(SystemExit, match=names):
         bench.main(["nope"])

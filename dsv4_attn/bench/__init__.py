@@ -1,6 +1,7 @@
 """Benchmarks: ``python -m dsv4_attn.bench SUBCOMMAND [options]``, one of :data:`SUBCOMMANDS`
 (decode, decode-splits, prefill, prefill-layer, fallback, step, host, wgmma-rate,
-compressor-state; and ncu-roles, which reads the ncu page ``scripts/profile_decode.sh`` writes).
+compressor-state, sass-digest; and ncu-roles, which reads the ncu page
+``scripts/profile_decode.sh`` writes).
 
 One module per benchmark, each with a ``main(argv)`` that prints a table and writes JSON; the
 shared timing, ceilings and report helpers are in :mod:`dsv4_attn.bench.timing`, the anchor's
@@ -25,6 +26,7 @@ SUBCOMMANDS = {
     "host": "dsv4_attn.bench.host",
     "wgmma-rate": "dsv4_attn.bench.wgmma_rate",
     "compressor-state": "dsv4_attn.bench.compressor_state",
+    "sass-digest": "dsv4_attn.bench.sass_digest",
     "ncu-roles": "dsv4_attn.bench.ncu_roles",
 }
 
