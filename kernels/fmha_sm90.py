@@ -92,6 +92,30 @@ class _SplitOperands(NamedTuple):
     mbar_q_empty: cute.Pointer | None  # gathered: Q's buffer may be refilled
 
 
+class _RowsOperands(NamedTuple):
+    """What both row-split mainloops and their tile step read and never rebind: MMAs, fragments,
+    this warpgroup's accumulators (updated in place), barriers and the tile's coordinates."""
+
+    mma_qk: cute.TiledMma
+    mma_pv: cute.TiledMma
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor  # (MMA, N, K, stage)
+    tOrVt: cute.Tensor  # (MMA, N, K, stage)
+    acc_o: cute.Tensor  # O, fp32
+    shape_s: tuple  # one S tile's accumulator shape
+    t_coord: cute.Tensor  # (row, col) of each S accumulator element
+    row_max: cute.Tensor
+    row_sum: cute.Tensor
+    kv_barriers: tuple  # (K full, K empty, V full, V empty) mbarrier arrays
+    scale_log2: Float32
+    window: tuple
+    m_block: Int32
+    row0: Int32  # first query row of the tile
+    seqlen_q: Int32
+    seqlen_k: Int32
+    wg: Int32  # which 64 rows of the tile this warpgroup owns
+
+
 class FmhaSm90:
     """Compile-time configuration of one FMHA kernel variant.
 
@@ -421,6 +445,7 @@ class FmhaSm90:
             mbar_k_empty = storage.mbar_k_empty.data_ptr()
             mbar_v_full = storage.mbar_v_full.data_ptr()
             mbar_v_empty = storage.mbar_v_empty.data_ptr()
+            kv_barriers = (mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty)
             if warp_idx == 0:
                 fu.mbar_init(mbar_q, 1, 1)
                 fu.mbar_init(mbar_k_full, self.num_stages, 1)
@@ -436,18 +461,10 @@ class FmhaSm90:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.regs_producer)
                 self._produce_gather(
-                    mQ,
-                    mKV,
-                    mIndices,
-                    mLens,
+                    (mQ, mKV, mIndices, mLens),
                     tma_atom_q,
-                    sQ,
-                    storage,
-                    sK_layout,
-                    mbar_q,
-                    mbar_q_empty,
-                    mbar_full,
-                    mbar_empty,
+                    (sQ, storage, sK_layout),
+                    (mbar_q, mbar_q_empty, mbar_full, mbar_empty),
                     warp_idx,
                     tidx,
                 )
@@ -455,22 +472,11 @@ class FmhaSm90:
                 cute.arch.setmaxregister_increase(self.regs_mma)
                 # No dense tile: the items (token, head block) come from the lists.
                 self._consume_split(
-                    tiled_mma_qk,
-                    tiled_mma_pv,
-                    tiled_mma_pv_rs,
-                    sQ,
-                    storage,
-                    sK_layout,
-                    sP_layout,
-                    mbar_q,
-                    mbar_q_empty,
-                    mbar_full,
-                    mbar_empty,
-                    mO,
-                    mLSE,
-                    mSink,
-                    (mIndices, Int32(mKV.shape[0])),
-                    mLens,
+                    (tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs),
+                    (sQ, storage, sK_layout, sP_layout),
+                    (mbar_q, mbar_q_empty, mbar_full, mbar_empty),
+                    (mO, mLSE, mSink),
+                    ((mIndices, Int32(mKV.shape[0])), mLens),
                     scale_log2,
                     window,
                     None,
@@ -491,52 +497,26 @@ class FmhaSm90:
             q_l = head
             head_kv = head // (cute.size(mO.shape[2]) // cute.size(mKV.shape[2]))
             n_min, n_max = self._kv_block_range(m_block, seqlen_q, seqlen_k, window)
+            dense_tile = (m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min, n_max)
             if row_limit > 0:
                 if warp_idx < 4:
                     cute.arch.setmaxregister_decrease(self.regs_producer)
                     if const_expr(self.split_cols):
                         self._produce_split(
-                            mQ,
-                            mK,
-                            tma_atom_q,
-                            tma_atom_k,
-                            sQ,
-                            storage,
-                            sK_layout,
-                            mbar_q,
-                            mbar_full,
-                            mbar_empty,
-                            q_row0,
-                            q_l,
-                            offset_k,
-                            head_kv,
-                            n_min,
-                            n_max,
+                            (mQ, mK),
+                            (tma_atom_q, tma_atom_k),
+                            (sQ, storage, sK_layout),
+                            (mbar_q, mbar_full, mbar_empty),
+                            (q_row0, q_l, offset_k, head_kv, n_min, n_max),
                             warp_idx,
                         )
                     else:
                         self._produce_rows(
-                            mQ,
-                            mK,
-                            mV,
-                            tma_atom_q,
-                            tma_atom_k,
-                            tma_atom_v,
-                            sQ,
-                            storage,
-                            sK_layout,
-                            sV_layout,
-                            mbar_q,
-                            mbar_k_full,
-                            mbar_k_empty,
-                            mbar_v_full,
-                            mbar_v_empty,
-                            q_row0,
-                            q_l,
-                            offset_k,
-                            head_kv,
-                            n_min,
-                            n_max,
+                            (mQ, mK, mV),
+                            (tma_atom_q, tma_atom_k, tma_atom_v),
+                            (sQ, storage, sK_layout, sV_layout),
+                            (mbar_q, kv_barriers),
+                            (q_row0, q_l, offset_k, head_kv, n_min, n_max),
                             warp_idx,
                         )
                 else:
@@ -544,53 +524,25 @@ class FmhaSm90:
                     ctidx = tidx - _THREADS_PER_WG
                     if const_expr(self.split_cols):
                         self._consume_split(
-                            tiled_mma_qk,
-                            tiled_mma_pv,
-                            tiled_mma_pv_rs,
-                            sQ,
-                            storage,
-                            sK_layout,
-                            sP_layout,
-                            mbar_q,
-                            None,
-                            mbar_full,
-                            mbar_empty,
-                            mO,
-                            mLSE,
-                            mSink,
-                            (None, None),
-                            mLens,
+                            (tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs),
+                            (sQ, storage, sK_layout, sP_layout),
+                            (mbar_q, None, mbar_full, mbar_empty),
+                            (mO, mLSE, mSink),
+                            ((None, None), mLens),
                             scale_log2,
                             window,
-                            (m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min, n_max),
+                            dense_tile,
                             ctidx,
                         )
                     else:
                         self._consume_rows(
-                            tiled_mma_qk,
-                            tiled_mma_pv,
-                            sQ,
-                            storage,
-                            sK_layout,
-                            sV_layout,
-                            mbar_q,
-                            mbar_k_full,
-                            mbar_k_empty,
-                            mbar_v_full,
-                            mbar_v_empty,
-                            mO,
-                            mLSE,
-                            mSink,
+                            (tiled_mma_qk, tiled_mma_pv),
+                            (sQ, storage, sK_layout, sV_layout),
+                            (mbar_q, kv_barriers),
+                            (mO, mLSE, mSink),
                             scale_log2,
                             window,
-                            m_block,
-                            q_row0,
-                            q_l,
-                            row_limit,
-                            seqlen_q,
-                            seqlen_k,
-                            n_min,
-                            n_max,
+                            dense_tile,
                             ctidx,
                         )
 
@@ -646,6 +598,24 @@ class FmhaSm90:
 
     # ---- producers ---------------------------------------------------------------------------
     @cute.jit
+    def _tile_needs_mask(self, ops: _RowsOperands, n_block) -> Boolean:
+        """:meth:`_block_needs_mask` for KV tile ``n_block`` of the row split's tile ``ops``."""
+        return self._block_needs_mask(ops.m_block, n_block, ops.seqlen_q, ops.seqlen_k, ops.window)
+
+    @cute.jit
+    def _mask_tile(self, ops: _RowsOperands, acc_s, n_block):
+        """:meth:`_apply_mask` of S tile ``acc_s`` against KV tile ``n_block``."""
+        self._apply_mask(
+            acc_s,
+            ops.t_coord,
+            ops.row0,
+            n_block * self.tile_n,
+            ops.seqlen_q,
+            ops.seqlen_k,
+            ops.window,
+        )
+
+    @cute.jit
     def _load_q(self, mQ, tma_atom_q, sQ, mbar_q, q_row0, q_l):
         gQ = cute.local_tile(
             cute.domain_offset((q_row0, 0), mQ[None, None, q_l]),
@@ -667,32 +637,17 @@ class FmhaSm90:
         )
 
     @cute.jit
-    def _produce_rows(
-        self,
-        mQ,
-        mK,
-        mV,
-        tma_atom_q,
-        tma_atom_k,
-        tma_atom_v,
-        sQ,
-        storage,
-        sK_layout,
-        sV_layout,
-        mbar_q,
-        mbar_k_full,
-        mbar_k_empty,
-        mbar_v_full,
-        mbar_v_empty,
-        q_row0,
-        q_l,
-        offset_k,
-        head_kv,
-        n_min,
-        n_max,
-        warp_idx,
-    ):
-        """TMA producer of the row split: Q once, then K and V tiles from ``n_max - 1`` down."""
+    def _produce_rows(self, inputs, tma_atoms, smem, barriers, coords, warp_idx):
+        """TMA producer of the row split: Q once, then K and V tiles from ``n_max - 1`` down.
+        ``inputs``: (mQ, mK, mV); ``tma_atoms``: theirs; ``smem``: (sQ, storage, sK layout, sV
+        layout); ``barriers``: (Q's, (K full, K empty, V full, V empty)); ``coords``: (q_row0,
+        q_l, offset_k, head_kv, n_min, n_max)."""
+        mQ, mK, mV = inputs
+        tma_atom_q, tma_atom_k, tma_atom_v = tma_atoms
+        sQ, storage, sK_layout, sV_layout = smem
+        mbar_q, kv_barriers = barriers
+        q_row0, q_l, offset_k, head_kv, n_min, n_max = coords
+        mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty = kv_barriers
         if warp_idx == 0:
             self._load_q(mQ, tma_atom_q, sQ, mbar_q, q_row0, q_l)
             sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -741,34 +696,17 @@ class FmhaSm90:
 
     # ---- row-split consumer --------------------------------------------------------------------
     @cute.jit
-    def _consume_rows(
-        self,
-        tiled_mma_qk,
-        tiled_mma_pv,
-        sQ,
-        storage,
-        sK_layout,
-        sV_layout,
-        mbar_q,
-        mbar_k_full,
-        mbar_k_empty,
-        mbar_v_full,
-        mbar_v_empty,
-        mO,
-        mLSE,
-        mSink,
-        scale_log2,
-        window,
-        m_block,
-        q_row0,
-        q_l,
-        row_limit,
-        seqlen_q,
-        seqlen_k,
-        n_min,
-        n_max,
-        ctidx,
-    ):
+    def _consume_rows(self, mmas, smem, barriers, outputs, scale_log2, window, tile, ctidx):
+        """Both MMA warpgroups of the row split on the CTA's ``tile`` (``(m_block, q_row0, q_l,
+        row_limit, seqlen_q, seqlen_k, n_min, n_max)``): the mainloop over its KV tiles, then
+        the epilogue. ``mmas``: (QK, PV) tiled MMAs; ``smem``: (sQ, storage, sK layout, sV
+        layout); ``barriers``: (Q's, (K full, K empty, V full, V empty)); ``outputs``: (mO,
+        mLSE, mSink)."""
+        tiled_mma_qk, tiled_mma_pv = mmas
+        sQ, storage, sK_layout, sV_layout = smem
+        mbar_q, kv_barriers = barriers
+        mO, mLSE, mSink = outputs
+        m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min, n_max = tile
         wg = cute.arch.make_warp_uniform(ctidx // _THREADS_PER_WG)  # which 64 rows of the tile
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
@@ -795,34 +733,30 @@ class FmhaSm90:
         # Always wait for Q: the epilogue reuses its buffer, and the producer always loads it.
         fu.mbar_wait(mbar_q, 0, 0)
         if num_blocks > 0:
-            args = (
-                tiled_mma_qk,
-                tiled_mma_pv,
-                tSrQ,
-                tSrK,
-                tOrVt,
-                acc_o,
-                shape_s,
-                t_coord,
-                row_max,
-                row_sum,
-                mbar_k_full,
-                mbar_k_empty,
-                mbar_v_full,
-                mbar_v_empty,
-                scale_log2,
-                window,
-                m_block,
-                seqlen_q,
-                seqlen_k,
-                n_max,
-                num_blocks,
-                wg,
+            ops = _RowsOperands(
+                mma_qk=tiled_mma_qk,
+                mma_pv=tiled_mma_pv,
+                tSrQ=tSrQ,
+                tSrK=tSrK,
+                tOrVt=tOrVt,
+                acc_o=acc_o,
+                shape_s=shape_s,
+                t_coord=t_coord,
+                row_max=row_max,
+                row_sum=row_sum,
+                kv_barriers=kv_barriers,
+                scale_log2=scale_log2,
+                window=window,
+                m_block=m_block,
+                row0=m_block * self.tile_m,
+                seqlen_q=seqlen_q,
+                seqlen_k=seqlen_k,
+                wg=wg,
             )
             if const_expr(self.intra_wg_overlap):
-                self._mainloop_rows_overlap(*args)
+                self._mainloop_rows_overlap(ops, n_max, num_blocks)
             else:
-                self._mainloop_rows_pingpong(*args)
+                self._mainloop_rows_pingpong(ops, n_max, num_blocks)
 
         # ---- epilogue: normalise, write LSE and O ---------------------------------------------
         for r in cutlass.range_constexpr(num_rows):
@@ -835,146 +769,43 @@ class FmhaSm90:
         self._store_o(tiled_mma_pv, acc_o, sO, mO, q_row0, q_l, row_limit, ctidx, ctidx)
 
     @cute.jit
-    def _mainloop_rows_pingpong(
-        self,
-        tiled_mma_qk,
-        tiled_mma_pv,
-        tSrQ,
-        tSrK,
-        tOrVt,
-        acc_o,
-        shape_s,
-        t_coord,
-        row_max,
-        row_sum,
-        mbar_k_full,
-        mbar_k_empty,
-        mbar_v_full,
-        mbar_v_empty,
-        scale_log2,
-        window,
-        m_block,
-        seqlen_q,
-        seqlen_k,
-        n_max,
-        num_blocks,
-        wg,
-    ):
+    def _mainloop_rows_pingpong(self, ops: _RowsOperands, n_max, num_blocks):
         """Tiles ``n_max - 1`` down to ``n_max - num_blocks``; warpgroups alternate strictly:
         each issues [PV of tile i, QK of tile i + 1] while the other runs its softmax."""
-        row0 = m_block * self.tile_m
+        wg = ops.wg
         # Warpgroup 1 takes the first turn.
         if wg == 0:
             cute.arch.barrier_arrive(
                 barrier_id=_BAR_SCHED_WG1, number_of_threads=2 * _THREADS_PER_WG
             )
         self._sched_wait(wg)
-        self._rows_block(
-            tiled_mma_qk,
-            tiled_mma_pv,
-            tSrQ,
-            tSrK,
-            tOrVt,
-            acc_o,
-            shape_s,
-            t_coord,
-            row_max,
-            row_sum,
-            mbar_k_full,
-            mbar_k_empty,
-            mbar_v_full,
-            mbar_v_empty,
-            Int32(0),
-            n_max - 1,
-            True,
-            scale_log2,
-            window,
-            m_block,
-            row0,
-            seqlen_q,
-            seqlen_k,
-            wg,
-            True,
-        )
+        self._rows_block(ops, Int32(0), n_max - 1, True, True)
         for i in cutlass.range(1, num_blocks, unroll=1):
             n_block = n_max - 1 - i
-            needs_mask = self._block_needs_mask(m_block, n_block, seqlen_q, seqlen_k, window)
-            self._rows_block(
-                tiled_mma_qk,
-                tiled_mma_pv,
-                tSrQ,
-                tSrK,
-                tOrVt,
-                acc_o,
-                shape_s,
-                t_coord,
-                row_max,
-                row_sum,
-                mbar_k_full,
-                mbar_k_empty,
-                mbar_v_full,
-                mbar_v_empty,
-                i,
-                n_block,
-                needs_mask,
-                scale_log2,
-                window,
-                m_block,
-                row0,
-                seqlen_q,
-                seqlen_k,
-                wg,
-                False,
-            )
+            self._rows_block(ops, i, n_block, self._tile_needs_mask(ops, n_block), False)
         # Hand warpgroup 2 its turn for its last PV (warpgroup 1 always moves first).
         if wg == 0:
             self._sched_arrive_other(wg)
 
     @cute.jit
-    def _mainloop_rows_overlap(
-        self,
-        tiled_mma_qk,
-        tiled_mma_pv,
-        tSrQ,
-        tSrK,
-        tOrVt,
-        acc_o,
-        shape_s,
-        t_coord,
-        row_max,
-        row_sum,
-        mbar_k_full,
-        mbar_k_empty,
-        mbar_v_full,
-        mbar_v_empty,
-        scale_log2,
-        window,
-        m_block,
-        seqlen_q,
-        seqlen_k,
-        n_max,
-        num_blocks,
-        wg,
-    ):
+    def _mainloop_rows_overlap(self, ops: _RowsOperands, n_max, num_blocks):
         """Intra-warpgroup pipelining: S of tile i + 1 is computed while P_i V_i runs, so the
         softmax of tile i + 1 overlaps this warpgroup's own PV. O starts at zero and always
         accumulates; it is rescaled to the new row max once PV_i has completed."""
-        row0 = m_block * self.tile_m
+        mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty = ops.kv_barriers
         # First tile: QK and softmax only; its PV is issued with the next tile's QK.
-        acc_s = cute.make_rmem_tensor(shape_s, Float32)
+        acc_s = cute.make_rmem_tensor(ops.shape_s, Float32)
         fu.mbar_wait(mbar_k_full, 0, 0)
-        fu.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, 0], True)
+        fu.wgmma(ops.mma_qk, acc_s, ops.tSrQ, ops.tSrK[None, None, None, 0], True)
         warpgroup.wait_group(0)
         fu.mbar_arrive_one_per_warp(mbar_k_empty, 0)
-        self._apply_mask(
-            acc_s, t_coord, row0, (n_max - 1) * self.tile_n, seqlen_q, seqlen_k, window
-        )
-        self._online_softmax(acc_s, row_max, row_sum, scale_log2, True)
+        self._mask_tile(ops, acc_s, n_max - 1)
+        self._online_softmax(acc_s, ops.row_max, ops.row_sum, ops.scale_log2, True)
         acc_p = fu.acc_as_operand_a(acc_s)
         tOrP = cute.make_rmem_tensor(acc_p.layout.shape, self.dtype)
         fu.convert_to_bf16(acc_p, tOrP)
         if const_expr(self.use_sched_barrier):  # noqa: SIM102 - static outer, dynamic inner
-            if wg == 0:
+            if ops.wg == 0:
                 cute.arch.barrier_arrive(
                     barrier_id=_BAR_SCHED_WG1, number_of_threads=2 * _THREADS_PER_WG
                 )
@@ -986,32 +817,32 @@ class FmhaSm90:
             prev_phase = ((i - 1) // self.num_stages) & 1
             fu.mbar_wait(mbar_k_full, stage, phase)
             if const_expr(self.use_sched_barrier):
-                self._sched_wait(wg)
-            acc_next = cute.make_rmem_tensor(shape_s, Float32)
-            fu.wgmma(tiled_mma_qk, acc_next, tSrQ, tSrK[None, None, None, stage], True)
+                self._sched_wait(ops.wg)
+            acc_next = cute.make_rmem_tensor(ops.shape_s, Float32)
+            fu.wgmma(ops.mma_qk, acc_next, ops.tSrQ, ops.tSrK[None, None, None, stage], True)
             fu.mbar_wait(mbar_v_full, prev, prev_phase)
-            fu.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, prev], False)
+            fu.wgmma(ops.mma_pv, ops.acc_o, tOrP, ops.tOrVt[None, None, None, prev], False)
             if const_expr(self.use_sched_barrier):  # noqa: SIM102 - static outer, dynamic inner
                 # Warpgroup 2 skips its last hand-over: no turn follows it.
-                if wg == 0 or i < num_blocks - 1:
-                    self._sched_arrive_other(wg)
+                if ops.wg == 0 or i < num_blocks - 1:
+                    self._sched_arrive_other(ops.wg)
             warpgroup.wait_group(1)
             fu.mbar_arrive_one_per_warp(mbar_k_empty, stage)
-            needs_mask = self._block_needs_mask(m_block, n_block, seqlen_q, seqlen_k, window)
+            needs_mask = self._tile_needs_mask(ops, n_block)
             if needs_mask:
-                self._apply_mask(
-                    acc_next, t_coord, row0, n_block * self.tile_n, seqlen_q, seqlen_k, window
-                )
-            row_scale = self._online_softmax(acc_next, row_max, row_sum, scale_log2, False)
+                self._mask_tile(ops, acc_next, n_block)
+            row_scale = self._online_softmax(
+                acc_next, ops.row_max, ops.row_sum, ops.scale_log2, False
+            )
             warpgroup.wait_group(0)
             fu.mbar_arrive_one_per_warp(mbar_v_empty, prev)
             fu.convert_to_bf16(fu.acc_as_operand_a(acc_next), tOrP)
-            self._rescale_rows(acc_o, row_scale)
+            self._rescale_rows(ops.acc_o, row_scale)
         # Last tile's PV.
         last = (num_blocks - 1) % self.num_stages
         last_phase = ((num_blocks - 1) // self.num_stages) & 1
         fu.mbar_wait(mbar_v_full, last, last_phase)
-        fu.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, last], False)
+        fu.wgmma(ops.mma_pv, ops.acc_o, tOrP, ops.tOrVt[None, None, None, last], False)
         warpgroup.wait_group(0)
         fu.mbar_arrive_one_per_warp(mbar_v_empty, last)
 
@@ -1028,30 +859,10 @@ class FmhaSm90:
     @cute.jit
     def _rows_block(
         self,
-        tiled_mma_qk,
-        tiled_mma_pv,
-        tSrQ,
-        tSrK,
-        tOrVt,
-        acc_o,
-        shape_s,
-        t_coord,
-        row_max,
-        row_sum,
-        mbar_k_full,
-        mbar_k_empty,
-        mbar_v_full,
-        mbar_v_empty,
+        ops: _RowsOperands,
         i,
         n_block,
         needs_mask,
-        scale_log2,
-        window,
-        m_block,
-        row0,
-        seqlen_q,
-        seqlen_k,
-        wg,
         is_first: cutlass.Constexpr[bool],
     ):
         """One KV tile of the row split: S = Q K^T, mask, online softmax, O += P V.
@@ -1059,28 +870,27 @@ class FmhaSm90:
         On entry this warpgroup holds the tensor-core turn (it waited on its scheduler
         barrier); it hands the turn over after issuing QK and takes it back before PV.
         """
+        mbar_k_full, mbar_k_empty, mbar_v_full, mbar_v_empty = ops.kv_barriers
         stage = i % self.num_stages
         phase = (i // self.num_stages) & 1
-        acc_s = cute.make_rmem_tensor(shape_s, Float32)
+        acc_s = cute.make_rmem_tensor(ops.shape_s, Float32)
         fu.mbar_wait(mbar_k_full, stage, phase)
-        fu.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True)
-        self._sched_arrive_other(wg)
+        fu.wgmma(ops.mma_qk, acc_s, ops.tSrQ, ops.tSrK[None, None, None, stage], True)
+        self._sched_arrive_other(ops.wg)
         warpgroup.wait_group(0)
         fu.mbar_arrive_one_per_warp(mbar_k_empty, stage)
         if needs_mask:
-            self._apply_mask(
-                acc_s, t_coord, row0, n_block * self.tile_n, seqlen_q, seqlen_k, window
-            )
-        row_scale = self._online_softmax(acc_s, row_max, row_sum, scale_log2, is_first)
+            self._mask_tile(ops, acc_s, n_block)
+        row_scale = self._online_softmax(acc_s, ops.row_max, ops.row_sum, ops.scale_log2, is_first)
         # P in the A-operand register layout of the PV wgmma.
         acc_p = fu.acc_as_operand_a(acc_s)
         tOrP = cute.make_rmem_tensor(acc_p.layout.shape, self.dtype)
         fu.convert_to_bf16(acc_p, tOrP)
         if const_expr(not is_first):
-            self._rescale_rows(acc_o, row_scale)
+            self._rescale_rows(ops.acc_o, row_scale)
         fu.mbar_wait(mbar_v_full, stage, phase)
-        self._sched_wait(wg)
-        fu.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], is_first)
+        self._sched_wait(ops.wg)
+        fu.wgmma(ops.mma_pv, ops.acc_o, tOrP, ops.tOrVt[None, None, None, stage], is_first)
         warpgroup.wait_group(0)
         fu.mbar_arrive_one_per_warp(mbar_v_empty, stage)
 
@@ -1225,27 +1035,15 @@ class FmhaSm90:
         return buffer
 
     @cute.jit
-    def _produce_split(
-        self,
-        mQ,
-        mK,
-        tma_atom_q,
-        tma_atom_k,
-        sQ,
-        storage,
-        sKV_half_layout,
-        mbar_q,
-        mbar_full,
-        mbar_empty,
-        q_row0,
-        q_l,
-        offset_k,
-        head_kv,
-        n_min,
-        n_max,
-        warp_idx,
-    ):
-        """Dense column split: one warp loads Q, then the KV halves by TMA."""
+    def _produce_split(self, inputs, tma_atoms, smem, barriers, coords, warp_idx):
+        """Dense column split: one warp loads Q, then the KV halves by TMA. ``inputs``: (mQ,
+        mK); ``tma_atoms``: theirs; ``smem``: (sQ, storage, the KV half layout); ``barriers``:
+        (Q's, KV full, KV empty); ``coords``: (q_row0, q_l, offset_k, head_kv, n_min, n_max)."""
+        mQ, mK = inputs
+        tma_atom_q, tma_atom_k = tma_atoms
+        sQ, storage, sKV_half_layout = smem
+        mbar_q, mbar_full, mbar_empty = barriers
+        q_row0, q_l, offset_k, head_kv, n_min, n_max = coords
         if warp_idx == 0:
             self._load_q(mQ, tma_atom_q, sQ, mbar_q, q_row0, q_l)
             sKVh = storage.sKV.get_tensor(sKV_half_layout.outer, swizzle=sKV_half_layout.inner)
@@ -1295,27 +1093,16 @@ class FmhaSm90:
         return token, q_row0, num_heads - q_row0, num_keys
 
     @cute.jit
-    def _produce_gather(
-        self,
-        mQ,
-        mKV,
-        mIndices,
-        mLens,
-        tma_atom_q,
-        sQ,
-        storage,
-        sKV_half_layout,
-        mbar_q,
-        mbar_q_empty,
-        mbar_full,
-        mbar_empty,
-        warp_idx,
-        tidx,
-    ):
+    def _produce_gather(self, inputs, tma_atom_q, smem, barriers, warp_idx, tidx):
         """Producer of the persistent gathered kernel: for each item of this CTA, Q by TMA (as
         soon as the previous item's last QK is done) and the rows of its lists by ``cp.async``
         (as soon as a half is free: the next item's first rows stream in during the last PVs).
-        Barrier phases run on across items (``steps_done``)."""
+        Barrier phases run on across items (``steps_done``). ``inputs``: (mQ, mKV, mIndices,
+        mLens); ``smem``: (sQ, storage, the KV half layout); ``barriers``: (Q full, Q empty, KV
+        full, KV empty)."""
+        mQ, mKV, mIndices, mLens = inputs
+        sQ, storage, sKV_half_layout = smem
+        mbar_q, mbar_q_empty, mbar_full, mbar_empty = barriers
         sKVh = storage.sKV.get_tensor(sKV_half_layout.outer, swizzle=sKV_half_layout.inner)
         # 16 groups of 8 threads: a group copies the 128-byte atom rows (8 x 16 B) of rows
         # group + 16 i (i < 4) of a tile, for each of the 4 atoms of a 256-column half. Every
@@ -1384,36 +1171,24 @@ class FmhaSm90:
 
     @cute.jit
     def _consume_split(
-        self,
-        tiled_mma_qk,
-        tiled_mma_pv,
-        tiled_mma_pv_rs,
-        sQ,
-        storage,
-        sKV_half_layout,
-        sP_layout,
-        mbar_q,
-        mbar_q_empty,
-        mbar_full,
-        mbar_empty,
-        mO,
-        mLSE,
-        mSink,
-        gather_lists,
-        mLens,
-        scale_log2,
-        window,
-        dense_tile,
-        ctidx,
+        self, mmas, smem, barriers, outputs, gather, scale_log2, window, dense_tile, ctidx
     ):
         """Compute warpgroups of the column split: set up, then per item (gathered: each item
         of this persistent CTA; dense: the CTA's tile) the staggered mainloop and the store.
 
-        ``dense_tile``: ``(m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min, n_max)``
-        of the CTA's tile (dense), None (gathered). The running row max lives in log2 units
-        (``score * scale_log2``) and starts at the finite :data:`_MAX_INIT`, so that rescale
-        factors never meet ``-inf - -inf``.
+        ``mmas``: (QK, PV, PV with P from registers) tiled MMAs; ``smem``: (sQ, storage, the KV
+        half layout, sP layout); ``barriers``: (Q full, Q empty (gathered) or None, KV full, KV
+        empty); ``outputs``: (mO, mLSE, mSink); ``gather``: ((mIndices, KV rows) or (None,
+        None), mLens); ``dense_tile``: ``(m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k,
+        n_min, n_max)`` of the CTA's tile (dense), None (gathered). The running row max lives
+        in log2 units (``score * scale_log2``) and starts at the finite :data:`_MAX_INIT`, so
+        that rescale factors never meet ``-inf - -inf``.
         """
+        tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs = mmas
+        sQ, storage, sKV_half_layout, sP_layout = smem
+        mbar_q, mbar_q_empty, mbar_full, mbar_empty = barriers
+        mO, mLSE, mSink = outputs
+        gather_lists, mLens = gather
         wtidx = ctidx % _THREADS_PER_WG
         rows = 64
         sKVh = storage.sKV.get_tensor(sKV_half_layout.outer, swizzle=sKV_half_layout.inner)
@@ -1453,20 +1228,9 @@ class FmhaSm90:
         s_sum = storage.row_sum.get_tensor(cute.make_layout((rows, 2, 2)))
         item_args = (
             ops,
-            acc_s,
-            acc_o,
-            row_max,
-            row_sum,
-            s_sum,
-            thr_mma_qk,
-            st_atom,
-            sQ,
-            sP,
-            mbar_q,
-            mO,
-            mLSE,
-            mSink,
-            gather_lists,
+            (acc_s, acc_o, row_max, row_sum, s_sum),
+            (thr_mma_qk, st_atom, sQ, sP, mbar_q),
+            (mO, mLSE, mSink, gather_lists),
             scale_log2,
             window,
         )
@@ -1480,73 +1244,31 @@ class FmhaSm90:
             ):
                 token, item_row0, item_rows, num_keys = self._gather_item(mO, mLens, width, item)
                 num_steps = cute.ceil_div(num_keys, 2 * self.tile_n)
-                self._split_item(
-                    *item_args,
-                    Int32(0),
-                    item_row0,
-                    token,
-                    item_rows,
-                    Int32(0),
-                    num_keys,
-                    Int32(0),
-                    num_steps,
-                    steps_done,
-                    parity,
-                    ctidx,
-                )
+                where = (Int32(0), item_row0, token, item_rows, Int32(0), num_keys, Int32(0))
+                self._split_item(*item_args, where, (num_steps, steps_done), parity, ctidx)
                 steps_done += num_steps
                 parity ^= 1
         else:
             m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min, n_max = dense_tile
-            self._split_item(
-                *item_args,
-                m_block,
-                q_row0,
-                q_l,
-                row_limit,
-                seqlen_q,
-                seqlen_k,
-                n_min,
-                cute.ceil_div(n_max - n_min, 2),
-                Int32(0),
-                Int32(0),
-                ctidx,
-            )
+            where = (m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min)
+            steps = (cute.ceil_div(n_max - n_min, 2), Int32(0))
+            self._split_item(*item_args, where, steps, Int32(0), ctidx)
 
     @cute.jit
     def _split_item(
-        self,
-        ops,
-        acc_s,
-        acc_o,
-        row_max,
-        row_sum,
-        s_sum,
-        thr_mma_qk,
-        st_atom,
-        sQ,
-        sP,
-        mbar_q,
-        mO,
-        mLSE,
-        mSink,
-        gather_lists,
-        scale_log2,
-        window,
-        m_block,
-        q_row0,
-        q_l,
-        row_limit,
-        seqlen_q,
-        seqlen_k,
-        n_min,
-        num_steps,
-        steps_done,
-        parity,
-        ctidx,
+        self, ops, state, shared, outputs, scale_log2, window, where, steps, parity, ctidx
     ):
         """One 64-row output tile: wait for its Q, run the mainloop (barrier phases continue
-        from ``steps_done``), combine the row sums, normalise and store O and the LSE."""
+        from ``steps_done``), combine the row sums, normalise and store O and the LSE.
+        ``state``: (acc_s, acc_o, row_max, row_sum, s_sum); ``shared``: (thr_mma_qk, st_atom,
+        sQ, sP, mbar_q); ``outputs``: (mO, mLSE, mSink, gather_lists); ``where``: (m_block,
+        q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min); ``steps``: (num_steps,
+        steps_done)."""
+        acc_s, acc_o, row_max, row_sum, s_sum = state
+        thr_mma_qk, st_atom, sQ, sP, mbar_q = shared
+        mO, mLSE, mSink, gather_lists = outputs
+        m_block, q_row0, q_l, row_limit, seqlen_q, seqlen_k, n_min = where
+        num_steps, steps_done = steps
         wg = cute.arch.make_warp_uniform(ctidx // _THREADS_PER_WG)
         wtidx = ctidx % _THREADS_PER_WG
         lane = cute.arch.lane_idx()
@@ -1563,20 +1285,12 @@ class FmhaSm90:
                 fu.mbar_arrive_one_per_warp(ops.mbar_q_empty, 0)
         loop_args = (
             ops,
-            acc_s,
-            acc_o,
-            row_max,
-            row_sum,
+            (acc_s, acc_o, row_max, row_sum),
             gather_lists,
             scale_log2,
             window,
-            m_block * rows,
-            q_l,
-            seqlen_q,
-            seqlen_k,
-            n_min,
-            num_steps,
-            steps_done,
+            (m_block * rows, q_l, seqlen_q, seqlen_k, n_min),
+            (num_steps, steps_done),
             lane,
         )
         if wg == 0:
@@ -1677,25 +1391,12 @@ class FmhaSm90:
     # max) and rescales O, the row sum and the P tile it hands over once the follower has merged.
     @cute.jit
     def _split_mainloop_lead(
-        self,
-        ops,
-        acc_s,
-        acc_o,
-        row_max,
-        row_sum,
-        gather_lists,
-        scale_log2,
-        window,
-        row0,
-        q_l,
-        seqlen_q,
-        seqlen_k,
-        n_min,
-        num_steps,
-        steps_done,
-        lane,
+        self, ops, state, gather_lists, scale_log2, window, where, steps, lane
     ):
         """Warpgroup 0 of the column split: S of tile a, output columns 0..255 (halves 0, 2)."""
+        acc_s, acc_o, row_max, row_sum = state
+        row0, q_l, seqlen_q, seqlen_k, n_min = where
+        num_steps, steps_done = steps
         num_rows = cute.size(row_max)
         c_mn = fu.acc_as_mn(ops.t_coord)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
@@ -1755,25 +1456,12 @@ class FmhaSm90:
 
     @cute.jit
     def _split_mainloop_follow(
-        self,
-        ops,
-        acc_s,
-        acc_o,
-        row_max,
-        row_sum,
-        gather_lists,
-        scale_log2,
-        window,
-        row0,
-        q_l,
-        seqlen_q,
-        seqlen_k,
-        n_min,
-        num_steps,
-        steps_done,
-        lane,
+        self, ops, state, gather_lists, scale_log2, window, where, steps, lane
     ):
         """Warpgroup 1 of the column split: S of tile b, output columns 256..511 (halves 3, 1)."""
+        acc_s, acc_o, row_max, row_sum = state
+        row0, q_l, seqlen_q, seqlen_k, n_min = where
+        num_steps, steps_done = steps
         num_rows = cute.size(row_max)
         c_mn = fu.acc_as_mn(ops.t_coord)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)

@@ -487,39 +487,14 @@ def sparse_attention(
     config = decode_config(window, sink, extra, num_splits > 1)
     decode = decode_cache.get(config, lambda: build_decode_kernel(config))
     scale_log2 = float(scale) * math.log2(math.e)
-    extra_args = _extra_args(extra)
-    if num_splits == 1:
-        decode(
-            q,
-            window.cache,
-            window.indices,
-            window.lens,
-            *extra_args,
-            sink,
-            out,
-            lse,
-            *_NOT_BALANCED,
-            scale_log2,
-            1,
-            tiles_per_split,
-        )
-        return out, lse
-    o_part, lse_part = _partials(workspace, *workspace_shape(num_splits, T, H), q.device)
-    decode(
-        q,
-        window.cache,
-        window.indices,
-        window.lens,
-        *extra_args,
-        sink,
-        o_part,
-        lse_part,
-        *_NOT_BALANCED,
-        scale_log2,
-        num_splits,
-        tiles_per_split,
-    )
-    _merge_partials(o_part, lse_part, sink, out, lse, None)
+    if num_splits == 1:  # the kernel writes the final rows
+        o_dest, lse_dest = out, lse
+    else:  # it writes partials, which the combine kernel merges
+        o_dest, lse_dest = _partials(workspace, *workspace_shape(num_splits, T, H), q.device)
+    inputs = _input_args(q, window, extra, sink)
+    decode(*inputs, o_dest, lse_dest, *_NOT_BALANCED, scale_log2, num_splits, tiles_per_split)
+    if num_splits > 1:
+        _merge_partials(o_dest, lse_dest, sink, out, lse, None)
     return out, lse
 
 
@@ -550,23 +525,8 @@ def _balanced_attention(q, window, sink, scale, extra, plan, out, lse, workspace
     config = decode_config(window, sink, extra, False, balanced=True)
     decode = decode_cache.get(config, lambda: build_decode_kernel(config))
     scale_log2 = float(scale) * math.log2(math.e)
-    decode(
-        q,
-        window.cache,
-        window.indices,
-        window.lens,
-        *_extra_args(extra),
-        sink,
-        out,
-        lse,
-        o_part,
-        lse_part,
-        plan.part_plan,
-        plan.token_plan,
-        scale_log2,
-        1,
-        0,
-    )
+    inputs = _input_args(q, window, extra, sink)
+    decode(*inputs, out, lse, o_part, lse_part, plan.part_plan, plan.token_plan, scale_log2, 1, 0)
     if parts > 1:  # one part cuts no token
         _merge_partials(o_part, lse_part, sink, out, lse, plan.token_plan)
     return out, lse
@@ -582,11 +542,12 @@ def _merge_partials(o_part, lse_part, sink, out, lse, token_plan) -> None:
     combine(o_part, lse_part, sink, out, lse, token_plan)
 
 
-def _extra_args(extra) -> tuple:
-    """The kernel's three arguments of the extra scope (cache, slot ids, lengths), or Nones."""
-    if extra is None:
-        return None, None, None
-    return extra.cache, extra.indices, extra.lens
+def _input_args(q, window, extra, sink) -> tuple:
+    """The decode kernel's leading arguments: q, each scope's cache, slot ids and lengths (Nones
+    for a missing extra scope), the sink."""
+    scopes = (window.cache, window.indices, window.lens)
+    scopes += (None, None, None) if extra is None else (extra.cache, extra.indices, extra.lens)
+    return q, *scopes, sink
 
 
 def _partials(workspace, o_shape, lse_shape, device) -> tuple[torch.Tensor, torch.Tensor]:

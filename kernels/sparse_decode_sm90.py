@@ -415,10 +415,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
                     mma_qk_ss,
                     mma_pv_wg0,
                     scale_log2,
-                    t,
-                    head_block,
-                    split,
-                    slot,
+                    (t, head_block, split, slot),
                     g0,
                     n_tiles,
                     tidx,
@@ -447,10 +444,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
                     full_bar,
                     empty_bar,
                     (mma_pv_mid, mma_pv_right),
-                    t,
-                    head_block,
-                    split,
-                    slot,
+                    (t, head_block, split, slot),
                     g0,
                     n_tiles,
                     tidx - 128,
@@ -626,10 +620,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         mma_qk_ss: cute.TiledMma,
         mma_pv: cute.TiledMma,
         scale_log2: Float32,
-        token: Int32,
-        head_block: Int32,
-        split: Int32,
-        slot: Int32,
+        out_at: tuple,
         g0: Int32,
         n_tiles: Int32,
         tidx: Int32,
@@ -770,10 +761,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
             row_l,
             row_m,
             row_stats,
-            token,
-            head_block,
-            split,
-            slot,
+            out_at,
             sQ,
             True,
         )
@@ -840,10 +828,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         full_bar,
         empty_bar,
         mma_pv: tuple,
-        token: Int32,
-        head_block: Int32,
-        split: Int32,
-        slot: Int32,
+        out_at: tuple,
         g0: Int32,
         n_tiles: Int32,
         tidx: Int32,
@@ -909,10 +894,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
             row_l,
             row_m,
             row_stats,
-            token,
-            head_block,
-            split,
-            slot,
+            out_at,
             sQ_staging,
             False,
         )
@@ -929,10 +911,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         row_l: cute.Tensor,
         row_m: cute.Tensor,
         row_stats: cute.Tensor,
-        token: Int32,
-        head_block: Int32,
-        split: Int32,
-        slot: Int32,
+        out_at: tuple,
         sQ_staging: cute.Tensor,
         write_lse: cutlass.Constexpr[bool],
     ):
@@ -941,8 +920,10 @@ class SparseDecodeSm90(SparseDecodeProducer):
         tile (and WG0 the lse) in 16-byte chunks: to the final output (bf16, sink applied) or to
         a partial (fp16 rows scaled by 2^k, ``[lse, k]`` beside them: split ``split`` of
         ``[S, T, H]``, or, balanced, slot ``slot`` of ``[slots, H]`` when ``slot`` >= 0).
-        ``outputs``: (mO, mLse, mOpart, mLsePart)."""
+        ``outputs``: (mO, mLse, mOpart, mLsePart); ``out_at``: (token, head block, split, slot)
+        of this item, as the consumers get it."""
         mO, mLse, mOpart, mLsePart = outputs
+        token, head_block, split, slot = out_at
         tile = (mSink, accs, tidx, wg, row_l, row_m, row_stats, head_block, sQ_staging, write_lse)
         if const_expr(self.cfg.balanced):
             # Both warpgroups take the same branch: the slot is the CTA's.
