@@ -111,3 +111,30 @@ def test_sharded_checkpoint_loads_through_vllms_loader():
     assert "model.layers.0.attn.kv_norm.weight" in index["weight_map"]
     model = load_with_vllm(str(path))
     assert sum(1 for _ in model.parameters()) > 0
+
+
+@pytest.mark.gpu
+def test_a_cuda_built_checkpoint_has_the_cpu_builds_weights_names_and_shapes(tmp_path):
+    """``real_shapes --device cuda`` draws the weights on the GPU: the tiny model built there is
+    written with the same tensor names and shapes as a CPU build of the same seed, finite, and
+    drawn by the GPU's generator (not the CPU's values)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from dsv4_attn.e2e.tiny_model import build_model, tiny_config
+
+    config = tiny_config(TinySpec(num_heads=8, index_heads=VLLM_SPEC.index_heads))
+    on_gpu = build_model(config, seed=0, device="cuda")
+    assert {p.device.type for p in on_gpu.parameters()} == {"cuda"}
+    written = {}
+    for device, model in (("cuda", on_gpu), ("cpu", build_model(config, seed=0))):
+        path = write_vllm_checkpoint(tmp_path / device, model)
+        written[device] = {}
+        for shard in path.glob("*.safetensors"):
+            written[device].update(load_file(str(shard)))
+    gpu, cpu = written["cuda"], written["cpu"]
+    assert gpu.keys() == cpu.keys()
+    assert all(gpu[k].shape == cpu[k].shape and gpu[k].dtype == cpu[k].dtype for k in gpu)
+    assert all(torch.isfinite(t.float()).all() for t in gpu.values())
+    drawn = [k for k in gpu if cpu[k].float().std() > 0]
+    assert drawn and any(not torch.equal(gpu[k], cpu[k]) for k in drawn)

@@ -109,6 +109,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("directory")
     parser.add_argument("--experts", type=int, default=OVERRIDES["n_routed_experts"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the weights are drawn (cuda: seconds instead of minutes; other weights "
+        "than a CPU build of the same seed)",
+    )
     args = parser.parse_args(argv)
     if args.experts < OVERRIDES["num_experts_per_tok"]:
         raise SystemExit(
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built in bf16: half the memory of fp32
     try:
-        model = build_model(config, args.seed)
+        model = build_model(config, args.seed, args.device)
     finally:
         torch.set_default_dtype(default_dtype)
     path = write_vllm_checkpoint(args.directory, model, max_shard_size="2GB")

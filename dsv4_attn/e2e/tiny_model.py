@@ -201,16 +201,19 @@ def _layer_outputs(model) -> list[torch.Tensor]:
     ]
 
 
-def build_model(config, seed: int):
-    """A seeded random-weight ``DeepseekV4ForCausalLM`` of ``config`` (eval mode, CPU, in torch's
-    default dtype): transformers' own initialisation, then random sinks and compressor position
-    biases (transformers zeroes them; random, the sink term and the compressor softmax
-    matter)."""
+def build_model(config, seed: int, device: str | torch.device = "cpu"):
+    """A seeded random-weight ``DeepseekV4ForCausalLM`` of ``config`` (eval mode, on ``device``,
+    in torch's default dtype): transformers' own initialisation, then random sinks and
+    compressor position biases (transformers zeroes them; random, the sink term and the
+    compressor softmax matter). The weights depend on the device's random generator: a CUDA
+    build (seconds for V4-Flash's 8.6 B parameters, where the CPU takes minutes) differs from a
+    CPU build of the same seed."""
     _, DeepseekV4ForCausalLM = _import_transformers()
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = DeepseekV4ForCausalLM(config)
+        with torch.device(device):
+            model = DeepseekV4ForCausalLM(config)
         gen = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
             for layer in model.model.layers:
