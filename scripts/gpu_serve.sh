@@ -395,9 +395,9 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     }
     layout=${2:-tp1}; servers=${BENCH_SERVERS:-vllm,fp8,nvfp4}
     if [ "${BENCH_SPREAD:-0}" = 1 ]; then
-      # One GPU per server, all at once (layout tp1 on a machine with a GPU per server; set b
-      # needs vLLM's capacity first, so BENCH_CASES=a): each server's figures on its own GPU,
-      # then the greedy agreement of them all.
+      # One GPU per server, all at once (layout tp1 on a machine with a GPU per server): each
+      # server's figures on its own GPU, then the greedy agreement of them all. Set b reads
+      # vLLM's capacity from its record, written once that server is up (start vllm first).
       i=0
       for name in ${servers//,/ }; do
         CUDA_VISIBLE_DEVICES=$i bench "$name" $((8200 + 20 * i)) > "$OUT/bench_$name.log" 2>&1 &

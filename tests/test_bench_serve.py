@@ -110,8 +110,12 @@ class _StandIns:
             def wait(self, timeout=None):
                 return 0
 
+        self.log_lines = ""
+
         def popen(command, **kwargs):
             self.launched.append(command)
+            kwargs["stdout"].write(self.log_lines)
+            kwargs["stdout"].flush()
             return _Process()
 
         monkeypatch.setattr(bench_serve.subprocess, "Popen", popen)
@@ -185,6 +189,27 @@ def test_only_runs_the_named_cases_after_the_greedy_set(tmp_path: Path, monkeypa
     bench_serve.run_server(_args(), "nvfp4", tmp_path)
     assert world.ran == ["a_8k_c1", "a_8k_c16", "a_8k_c64"] and len(world.sent) == 1
     assert "--profiler-config" not in world.launched[1] and world.posts.count("bench") == 5
+
+
+def test_the_capacity_is_on_disk_before_the_first_case(tmp_path: Path, monkeypatch):
+    """A server's record, with the KV capacity its log reports, is written as soon as it is
+    up: servers benchmarked side by side (each its own process) read vLLM's from there for
+    set b while it runs its own cases."""
+    world = _StandIns(monkeypatch)
+    world.log_lines = (
+        "(EngineCore pid=7) INFO [kv_cache_utils.py:1147] GPU KV cache size: 2,084,562 "
+        "tokens, Maximum concurrency for 131,072 tokens per request: 15.90x\n"
+    )
+    seen = []
+    run = world._run
+
+    def run_and_look(command, **kwargs):
+        seen.append(json.loads((tmp_path / "tp1_vllm.json").read_text())["kv_tokens"])
+        return run(command, **kwargs)
+
+    monkeypatch.setattr(bench_serve.subprocess, "run", run_and_look)
+    bench_serve.run_server(_args(), "vllm", tmp_path)
+    assert seen == [2084562] * 3
 
 
 def test_greedy_plan_covers_4k_32k_and_the_longest_prompt_that_fits():

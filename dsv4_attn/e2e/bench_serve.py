@@ -231,6 +231,8 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
     try:
         record["ready_s"] = round(server.wait(args.wait, process.pid), 1)
         record["kv_tokens"] = kv_tokens(log.read_text(errors="replace"))
+        # At once: servers benchmarked side by side read vLLM's capacity from here for set b.
+        (out / f"{args.layout}_{name}.json").write_text(json.dumps(record, indent=1))
         if args.greedy:  # before the load: a fresh server, nothing cached
             greedy = {"name": name, **query(server, greedy_plan(args.vocab, args.max_model_len))}
             (out / f"{args.layout}_{name}_greedy.json").write_text(json.dumps(greedy))
