@@ -29,6 +29,7 @@ from dsv4_attn.index_checks import (
     check_index_lists,
     check_index_values,
     counted_entries,
+    int32_lists,
     sanitized_lists,
 )
 from dsv4_attn.log import get_logger
@@ -418,13 +419,7 @@ def sparse_prefill(
         if reason is None:
             from dsv4_attn.kernels import fmha as kernel
 
-            # Narrowed saturating, so an int64 id or length out of int32's range stays out of
-            # kv's rows (a hole) or is clamped, as the wide value would be.
-            idx32, lens32 = indices, lens
-            if indices.dtype != torch.int32:
-                idx32 = indices.clamp(-1, 2**31 - 1).to(torch.int32)
-            if lens.dtype != torch.int32:
-                lens32 = lens.clamp(0, indices.shape[1]).to(torch.int32)
+            idx32, lens32 = int32_lists(indices, lens)  # the kernel reads 32-bit words
             return kernel.run_sparse(
                 q, kv, idx32.contiguous(), lens32.contiguous(), sink, scale, out=out, lse=lse
             )

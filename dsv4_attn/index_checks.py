@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_index_lists", "check_index_values", "counted_entries", "sanitized_lists"]
+__all__ = [
+    "check_index_lists",
+    "check_index_values",
+    "counted_entries",
+    "int32_lists",
+    "sanitized_lists",
+]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -82,3 +88,18 @@ def sanitized_lists(
     reference takes): ids that do not count become -1, lengths are clamped into ``[0, K]``."""
     counted = counted_entries(indices, lens, limit)
     return torch.where(counted, indices, -1), lens.clamp(0, indices.shape[1])
+
+
+def int32_lists(indices: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``indices [T, K]`` and ``lens [T]`` as int32, under the rule of :func:`counted_entries`
+    (for kernels that read 32-bit words: an int64 id whose low word is a slot must not become
+    that slot). An id outside int32's range becomes -1 (a hole: every cache has fewer than
+    2^31 slots), a length outside ``[0, K]`` is clamped into it; int32 inputs come back as
+    they are (no copy)."""
+    if indices.dtype != torch.int32:
+        info = torch.iinfo(torch.int32)
+        inside = (indices >= info.min) & (indices <= info.max)
+        indices = torch.where(inside, indices, -1).to(torch.int32)
+    if lens.dtype != torch.int32:
+        lens = lens.clamp(0, indices.shape[1]).to(torch.int32)
+    return indices, lens

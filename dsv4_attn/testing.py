@@ -178,15 +178,19 @@ def poison_lists(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of ``indices [T, K]`` and ``lens [T]`` with values no builder should produce: about
     a quarter of the lengths outside ``[0, K]`` (negative, past K, the dtype's extremes) and an
-    eighth of the ids outside ``[-1, limit)`` (below -1, at and past ``limit``, the extremes).
+    eighth of the ids outside ``[-1, limit)`` (below -1, at and past ``limit``, the extremes;
+    for int64 also values whose low 32 bits are in range).
     ``gen`` is a CPU generator; the copies keep the inputs' dtype and device."""
     T, K = indices.shape
-    info = torch.iinfo(indices.dtype)
-    bad_ids = torch.tensor([-2, -1000, info.min, limit, limit + 5, info.max], dtype=torch.int64)
-    bad_lens = torch.tensor(
-        [-7, -1, K + 1, K + 37, torch.iinfo(lens.dtype).min, torch.iinfo(lens.dtype).max],
-        dtype=torch.int64,
-    )
+    info, lens_info = torch.iinfo(indices.dtype), torch.iinfo(lens.dtype)
+    bad_ids = [-2, -1000, info.min, limit, limit + 5, info.max]
+    if info.bits > 32:  # low words in range: a reader of 32-bit words would see slots 1 and 2
+        bad_ids += [2**32 + 1, -(2**32) + 2]
+    bad_lens = [-7, -1, K + 1, K + 37, lens_info.min, lens_info.max]
+    if lens_info.bits > 32:
+        bad_lens += [2**32 + 1]
+    bad_ids = torch.tensor(bad_ids, dtype=torch.int64)
+    bad_lens = torch.tensor(bad_lens, dtype=torch.int64)
     pick_id = bad_ids[torch.randint(0, len(bad_ids), (T, K), generator=gen)]
     pick_len = bad_lens[torch.randint(0, len(bad_lens), (T,), generator=gen)]
     id_mask = torch.rand(T, K, generator=gen) < 0.125

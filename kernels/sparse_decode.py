@@ -21,11 +21,13 @@ the balanced plan is :mod:`~dsv4_attn.kernels.sparse_decode_schedule`'s), *run*
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import torch
 
+from dsv4_attn.index_checks import int32_lists
 from dsv4_attn.kernels import sparse_decode_schedule as schedule
 from dsv4_attn.kernels.sparse_decode_config import BLOCK_H, BLOCK_N, MIN_SPLIT_TILES
 from dsv4_attn.kernels.sparse_decode_schedule import num_sms as _num_sms
@@ -456,6 +458,7 @@ def sparse_attention(
     (their leading part is used; allocated per call when omitted). Returns ``(out, lse)``.
     """
     T, H, _ = q.shape
+    window, extra = _int32_scope(window), _int32_scope(extra)
     if out is None:
         out = torch.empty(T, H, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
     if lse is None:
@@ -540,6 +543,16 @@ def _merge_partials(o_part, lse_part, sink, out, lse, token_plan) -> None:
     config = combine_config_for(T * H, sink is not None, token_plan is not None, num_sms)
     combine = _caches()[1].get(config, lambda: build_combine_kernel(config))
     combine(o_part, lse_part, sink, out, lse, token_plan)
+
+
+def _int32_scope(scope):
+    """``scope`` with int32 lists: the kernel reads each slot id as one 32-bit word, so int64
+    lists are narrowed first (``index_checks.int32_lists``: an id past int32 is a hole, not the
+    slot its low word names)."""
+    if scope is None or scope.indices.dtype == scope.lens.dtype == torch.int32:
+        return scope
+    indices, lens = int32_lists(scope.indices, scope.lens)
+    return dataclasses.replace(scope, indices=indices, lens=lens)
 
 
 def _input_args(q, window, extra, sink) -> tuple:

@@ -377,24 +377,26 @@ def test_balanced_schedule_with_ragged_lists(fmt, H, T):
         (16, 9, 2048, "balanced"),
     ],
 )
-def test_poisoned_metadata_stays_inside_the_caches(fmt, H, T, extra_width, schedule):
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_poisoned_metadata_stays_inside_the_caches(fmt, H, T, extra_width, schedule, index_dtype):
     """Lengths outside ``[0, K]`` and slot ids outside the caches (below -1, at and past the
-    last slot, int32's extremes), as serving passes them (unchecked): the kernel reads nothing
-    outside the caches (``compute-sanitizer`` runs this test) and computes exactly what the
-    reference computes with those lengths clamped and those ids as holes; the balanced plan
-    is built from the poisoned lengths as they are."""
+    last slot, the dtype's extremes; int64 also ids and lengths whose low 32 bits are in
+    range), as serving passes them (unchecked): the kernel reads nothing outside the caches
+    (``compute-sanitizer`` runs this test) and computes exactly what the reference computes
+    with those lengths clamped and those ids as holes; the balanced plan is built from the
+    poisoned lengths as they are."""
     from dsv4_attn.testing import poisoned_scope
 
     _needs_hopper()
     device = torch.device("cuda")
-    seed = zlib.crc32(repr((fmt.value, H, T, extra_width, schedule)).encode())
+    seed = zlib.crc32(repr((fmt.value, H, T, extra_width, schedule, str(index_dtype))).encode())
     gen = torch.Generator(device=device).manual_seed(seed)
     poison_gen = torch.Generator().manual_seed(seed)
     window = KVScope(
         _random_cache(fmt, 64, 4096, device, gen),
         fmt,
         64,
-        *_random_lists(T, 128, 4096, device, gen),
+        *(t.to(index_dtype) for t in _random_lists(T, 128, 4096, device, gen)),
     )
     window, clean_window = poisoned_scope(window, poison_gen)
     extra = clean_extra = None
@@ -404,7 +406,7 @@ def test_poisoned_metadata_stays_inside_the_caches(fmt, H, T, extra_width, sched
             _random_cache(fmt, 16, slots, device, gen),
             fmt,
             16,
-            *_random_lists(T, extra_width, slots, device, gen),
+            *(t.to(index_dtype) for t in _random_lists(T, extra_width, slots, device, gen)),
         )
         extra, clean_extra = poisoned_scope(extra, poison_gen)
     q = (torch.randn(T, H, HEAD_DIM, generator=gen, device=device) * 2).to(torch.bfloat16)
