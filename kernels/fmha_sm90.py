@@ -108,7 +108,7 @@ class _RowsOperands(NamedTuple):
     row_sum: cute.Tensor
     kv_barriers: tuple  # (K full, K empty, V full, V empty) mbarrier arrays
     scale_log2: Float32
-    window: tuple
+    window: Int32  # the sliding window's width (local masks)
     m_block: Int32
     row0: Int32  # first query row of the tile
     seqlen_q: Int32
