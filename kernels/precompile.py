@@ -17,7 +17,7 @@ milliseconds. Without this command, a server compiles what it uses in its profil
 it there, so only its first start pays. Compiling needs no GPU (sm_90a is the target).
 
 :func:`decode_variants` and :func:`combine_variants` list every code path of those kernels (also
-those no server uses: int64 lists, no sink), for the tests that compile them all.
+those no server uses: no sink), for the tests that compile them all.
 """
 
 from __future__ import annotations
@@ -58,15 +58,13 @@ _FORMATS = {
 }
 
 
-def decode_variants(
-    block_size: int = 64, extra_block_size: int = 16, index_dtype: str = "int32"
-) -> list[SparseDecodeConfig]:
-    """Every code path of the decode kernel for one pair of page sizes and one index dtype:
+def decode_variants(block_size: int = 64, extra_block_size: int = 16) -> list[SparseDecodeConfig]:
+    """Every code path of the decode kernel for one pair of page sizes:
     format x (extra scope or not) x (sink or not) x (final output, split partials, or the
     balanced schedule's both: with the extra scope, where long key lists come from)."""
     outputs = ((False, False), (True, False), (False, True))  # (write_partial, balanced)
     return [
-        SparseDecodeConfig(fmt, block_size, extra, index_dtype, index_dtype, sink, *output)
+        SparseDecodeConfig(fmt, block_size, extra, sink, *output)
         for fmt, extra, sink, output in itertools.product(
             ("fp8_ds_mla", "nvfp4"), (extra_block_size, 0), (True, False), outputs
         )

@@ -59,7 +59,6 @@ MAX_GRID_TOKENS = 65535  # CUDA's limit on a grid's z axis, which carries the to
 WIDE_COMBINE_ROWS_PER_SM = 4
 _MAX_PACKED_SLOTS = 1 << 30  # the kernel packs (slot, scope) into one int32
 _FORMATS = {KVFormat.FP8_DS_MLA: "fp8_ds_mla", KVFormat.NVFP4: "nvfp4"}
-_INDEX_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 _NOT_BALANCED = (None, None, None, None)  # the balanced schedule's partials and plan
 # Split partials (the kernel's workspace): fp16 output rows scaled by 2^k per row, and fp32
 # (lse, k) pairs; see dsv4_attn.kernels.sparse_decode_sm90.
@@ -172,12 +171,6 @@ def plan_splits(
 # ----------------------------------------------------------------------------------------------
 
 
-def _cute_int_type(name: str):
-    from cutlass import Int32, Int64
-
-    return {"int32": Int32, "int64": Int64}[name]
-
-
 def _fake(dtype, shape, stride, align=16):
     """A fake tensor to compile against (CuTeDSL's, no memory)."""
     import cutlass.cute as cute
@@ -231,15 +224,12 @@ def build_decode_kernel(config):
     from dsv4_attn.kernels.sparse_decode_sm90 import SparseDecodeSm90
 
     sym, sym64 = cute.sym_int, cute.sym_int64
-    idx_t = _cute_int_type(config.index_dtype)
-    len_t = _cute_int_type(config.lens_dtype)
-    idx_align, len_align = idx_t.width // 8, len_t.width // 8
 
-    def scope():
+    def scope():  # int32 slot ids and lengths (sparse_attention narrows int64 lists)
         return (
             _fake(Uint8, (sym(), sym()), (sym64(divisibility=16), 1)),
-            _fake(idx_t, (sym(), sym()), (sym64(), 1), idx_align),
-            _fake(len_t, (sym(),), (1,), len_align),
+            _fake(Int32, (sym(), sym()), (sym64(), 1), 4),
+            _fake(Int32, (sym(),), (1,), 4),
         )
 
     q = _rows(BFloat16, 2)
@@ -310,8 +300,6 @@ def decode_config(window, sink, extra, write_partial: bool, balanced: bool = Fal
         window.fmt,
         window.block_size,
         extra.block_size if extra is not None else 0,
-        window.indices.dtype,
-        window.lens.dtype,
         sink is not None,
         write_partial,
         balanced,
@@ -319,9 +307,7 @@ def decode_config(window, sink, extra, write_partial: bool, balanced: bool = Fal
 
 
 @functools.cache
-def _decode_config(
-    fmt, block_size, extra_block_size, index_dtype, lens_dtype, has_sink, write_partial, balanced
-):
+def _decode_config(fmt, block_size, extra_block_size, has_sink, write_partial, balanced):
     # One config object per distinct call structure: an eager call then pays a dict lookup,
     # not a dataclass construction and its hash.
     from dsv4_attn.kernels.sparse_decode_config import SparseDecodeConfig
@@ -330,8 +316,6 @@ def _decode_config(
         _FORMATS[fmt],
         block_size,
         extra_block_size,
-        _INDEX_DTYPES[index_dtype],
-        _INDEX_DTYPES[lens_dtype],
         has_sink,
         write_partial,
         balanced,
@@ -356,14 +340,7 @@ def compile_variants(
     outputs = [(False, False), (True, False)] + ([(False, True)] if balanced else [])
     for partial, balanced_variant in outputs:  # (write_partial, balanced)
         config = SparseDecodeConfig(
-            _FORMATS[fmt],
-            block_size,
-            extra_block_size,
-            "int32",
-            "int32",
-            True,
-            partial,
-            balanced_variant,
+            _FORMATS[fmt], block_size, extra_block_size, True, partial, balanced_variant
         )
         decode_cache.get(config, lambda c=config: build_decode_kernel(c))
     for balanced_combine in (False, True) if balanced else (False,):

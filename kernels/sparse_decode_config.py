@@ -33,12 +33,13 @@ RAW_STAGES = 4
 RAW_CHUNKS = 11
 RAW_SLOT_BYTES = RAW_CHUNKS * 128 * 16
 # Slot ids travel the same way, one tile further ahead: each producer thread cp.asyncs its key's
-# 4-byte id (the low word of an int64 id) of tile t + 2 RAW_STAGES into a ring of 2 RAW_STAGES
-# tiles, in the cp.async group of tile t's rows; it reads the id back (LDS) when it copies that
-# tile's rows, RAW_STAGES tiles later, and once more when it stages them. No register ever waits
-# on a global load inside the tile loop.
+# 4-byte id (int32: the launcher narrows int64 lists) of tile t + 2 RAW_STAGES into a ring of
+# 2 RAW_STAGES tiles, in the cp.async group of tile t's rows; it reads the id back (LDS) when it
+# copies that tile's rows, RAW_STAGES tiles later, and once more when it stages them. No
+# register ever waits on a global load inside the tile loop.
 ID_STAGES = 2 * RAW_STAGES
-ID_SLOT_BYTES = 128 * 4
+ID_BYTES = 4  # one slot id (int32) in the index lists
+ID_SLOT_BYTES = 128 * ID_BYTES
 
 # Per-format row geometry (bytes), as documented in dsv4_attn.kv_cache.
 FP8_DATA_ROW = 576
@@ -104,8 +105,6 @@ class SparseDecodeConfig:
     fmt: str  # "fp8_ds_mla" or "nvfp4"
     block_size: int  # tokens per page of the window cache
     extra_block_size: int  # tokens per page of the extra cache; 0 = no extra scope
-    index_dtype: str  # "int32" or "int64" (indices and extra_indices)
-    lens_dtype: str  # "int32" or "int64" (lens and extra_lens)
     has_sink: bool
     write_partial: bool  # True: (scaled fp16) partials for the combine kernel; False: final bf16
     # True: persistent CTAs, each a share of the balanced schedule
@@ -120,11 +119,6 @@ class SparseDecodeConfig:
     @property
     def has_extra(self) -> bool:
         return self.extra_block_size > 0
-
-    @property
-    def index_bytes(self) -> int:
-        """Bytes of one slot id in ``indices`` / ``extra_indices``."""
-        return 8 if self.index_dtype == "int64" else 4
 
 
 def swizzled_offset(row, col, rows: int = BLOCK_H):

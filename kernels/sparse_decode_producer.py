@@ -34,6 +34,7 @@ from dsv4_attn.kernels.sparse_decode_config import (
     BLOCK_N,
     CTA_THREADS,
     HEAD_DIM,
+    ID_BYTES,
     ID_SLOT_BYTES,
     ID_STAGES,
     KEYS_PER_PRODUCER_WARP,
@@ -170,7 +171,7 @@ class SparseDecodeProducer:
     @cute.jit
     def id_rows(self, mIdx, mEIdx, token):
         """Addresses of the token's window and extra slot-id rows (the window's twice if none)."""
-        elem = self.cfg.index_bytes
+        elem = ID_BYTES
         window_ids = mIdx.iterator.toint() + Int64(token) * Int64(mIdx.stride[0]) * elem
         extra_ids = window_ids
         if const_expr(self.cfg.has_extra):
@@ -179,9 +180,9 @@ class SparseDecodeProducer:
 
     @cute.jit
     def copy_id(self, window_ids, extra_ids, n_window, key_end, key, dst):
-        """cp.async the slot id of key ``key`` (4 bytes: the low word of an int64 id, as every
-        slot id is < 2^30 and -1 stays -1) to ``dst``; nothing (zeros) past ``key_end``."""
-        elem = self.cfg.index_bytes
+        """cp.async the (int32) slot id of key ``key`` to ``dst``; nothing (zeros) past
+        ``key_end``."""
+        elem = ID_BYTES
         addr = Int64(
             cutlass.select_(
                 key < n_window,

@@ -91,6 +91,7 @@ from dsv4_attn.kernels.sparse_decode_config import (
     FP8_DATA_ROW,
     FP8_SCALE_ROW,
     HEAD_DIM,
+    ID_BYTES,
     ID_SLOT_BYTES,
     ID_STAGES,
     LAUNCH_REGS,
@@ -546,7 +547,7 @@ class SparseDecodeSm90(SparseDecodeProducer):
         """L2 prefetch of ids ``lo .. hi`` (clamped to ``0 .. width``) of a row at ``ids_row``:
         the whole 16-byte units inside (never a byte outside the row; the sectors of the cut
         ends come along anyway)."""
-        elem = self.cfg.index_bytes
+        elem = ID_BYTES
         lo = cutlass.max(lo, Int32(0))
         hi = cutlass.min(hi, width)
         start = (ids_row + Int64(lo) * elem + 15) & Int64(-16)

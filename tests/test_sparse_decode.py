@@ -342,7 +342,8 @@ def test_vllm_page_sizes(fmt, extra_bs, extra, H):
 @pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
 @pytest.mark.parametrize("extra", [0, 512])
 def test_int64_slot_lists(fmt, extra):
-    """int64 indices and lens (another kernel variant) with -1 holes and partial lists."""
+    """int64 indices and lens (narrowed to int32 by the launcher) with -1 holes and partial
+    lists."""
     _needs_hopper()
     seed = zlib.crc32(repr((fmt.value, extra, "int64")).encode())
     _run_case(fmt, 64, 37, extra, "finite", seed=seed, index_dtype=torch.int64)

@@ -21,7 +21,7 @@ def test_producer_rounds_cover_a_tile():
 
 @pytest.mark.parametrize(("extra_block_size", "has_extra"), [(0, False), (16, True), (3, True)])
 def test_has_extra_follows_the_extra_page_size(extra_block_size, has_extra):
-    cfg = config.SparseDecodeConfig("nvfp4", 64, extra_block_size, "int32", "int32", True, False)
+    cfg = config.SparseDecodeConfig("nvfp4", 64, extra_block_size, True, False)
     assert cfg.has_extra is has_extra
 
 

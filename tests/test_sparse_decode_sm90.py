@@ -28,12 +28,8 @@ from dsv4_attn.kernels.sparse_decode_config import (
 )
 
 # Every code path (format x extra scope x sink x output kind) with the usual page sizes, plus
-# int64 indices and page sizes that are not powers of two (division path) for one format each.
-VARIANTS = [
-    *decode_variants(),
-    SparseDecodeConfig("fp8_ds_mla", 64, 16, "int64", "int64", True, True),
-    SparseDecodeConfig("nvfp4", 48, 3, "int32", "int32", True, False),
-]
+# page sizes that are not powers of two (division path) for one format.
+VARIANTS = [*decode_variants(), SparseDecodeConfig("nvfp4", 48, 3, True, False)]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +68,7 @@ def test_variant_compiles_for_sm90a_without_spills(config, cubin_of):
 # One variant per (format, output kind), with the extra scope: the code paths the MMA warpgroups
 # differ in.
 PIPELINE_PROBES = [
-    SparseDecodeConfig(fmt, 64, 16, "int32", "int32", True, partial)
+    SparseDecodeConfig(fmt, 64, 16, True, partial)
     for fmt in ("fp8_ds_mla", "nvfp4")
     for partial in (False, True)
 ]
@@ -136,7 +132,7 @@ def test_unknown_format_is_rejected():
     from dsv4_attn.kernels.sparse_decode_sm90 import SparseDecodeSm90
 
     with pytest.raises(ValueError, match="fmt must be"):
-        SparseDecodeSm90(SparseDecodeConfig("bf16", 64, 0, "int32", "int32", False, False))
+        SparseDecodeSm90(SparseDecodeConfig("bf16", 64, 0, False, False))
 
 
 @pytest.mark.parametrize("config", PIPELINE_PROBES, ids=repr)
