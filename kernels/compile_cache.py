@@ -29,6 +29,7 @@ code into the process, so the cache is guarded (:class:`DiskCache`):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -38,7 +39,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,9 @@ __all__ = [
     "cache_directory",
     "compile_keeping_cubin",
     "compile_tvm_ffi",
+    "cubin_bytes",
     "fake_stream",
+    "keeping_cubins",
 ]
 
 logger = get_logger(__name__)
@@ -88,22 +91,34 @@ def compile_tvm_ffi(entry: Callable[..., Any], *fake_args: Any, options: str = "
     return cute.compile(entry, *fake_args, fake_stream(), options=f"{COMPILE_OPTIONS} {options}")
 
 
-def compile_keeping_cubin(build: Callable[[], Any], dump_dir: str | os.PathLike) -> bytes:
-    """The cubin of ``build()`` (a function that compiles one kernel through
-    :func:`compile_tvm_ffi`), kept by ptxas under ``dump_dir``: what the CPU tests disassemble
-    and read register / stack use from."""
+@contextlib.contextmanager
+def keeping_cubins(dump_dir: str | os.PathLike) -> Iterator[None]:
+    """Within it, every kernel compiled through :func:`compile_tvm_ffi` keeps its cubin under
+    ``dump_dir`` (read it with :func:`cubin_bytes`)."""
     global COMPILE_OPTIONS
     original = COMPILE_OPTIONS
     COMPILE_OPTIONS = f"{original} --keep-cubin --dump-dir={dump_dir}"
     try:
-        compiled = build()
+        yield
     finally:
         COMPILE_OPTIONS = original
+
+
+def cubin_bytes(compiled: Any) -> bytes:
+    """The cubin of a kernel compiled inside :func:`keeping_cubins`."""
     cubin = compiled.artifacts.CUBIN
     if isinstance(cubin, str):  # with --dump-dir the artifact is the file's path
         with open(cubin, "rb") as f:
             cubin = f.read()
     return cubin
+
+
+def compile_keeping_cubin(build: Callable[[], Any], dump_dir: str | os.PathLike) -> bytes:
+    """The cubin of ``build()`` (a function that compiles one kernel through
+    :func:`compile_tvm_ffi`), kept by ptxas under ``dump_dir``: what the CPU tests disassemble
+    and read register / stack use from."""
+    with keeping_cubins(dump_dir):
+        return cubin_bytes(build())
 
 
 @functools.cache

@@ -56,9 +56,7 @@ def measure(fmha_head_dims: tuple[int, ...] = DEFAULT_FMHA_HEAD_DIMS) -> list[di
 
     def digest_build(cache, key, builder, where):
         compiled = build(cache, key, builder, where)
-        cubin = compiled.artifacts.CUBIN
-        if isinstance(cubin, str):  # with --dump-dir the artifact is the file's path
-            cubin = Path(cubin).read_bytes()
+        cubin = compile_cache.cubin_bytes(compiled)
         text = sass.disassemble(cubin)
         records.append(
             {
@@ -71,9 +69,7 @@ def measure(fmha_head_dims: tuple[int, ...] = DEFAULT_FMHA_HEAD_DIMS) -> list[di
         )
         return compiled
 
-    options = compile_cache.COMPILE_OPTIONS
-    with tempfile.TemporaryDirectory() as dump_dir:
-        compile_cache.COMPILE_OPTIONS = f"{options} --keep-cubin --dump-dir={dump_dir}"
+    with tempfile.TemporaryDirectory() as dump_dir, compile_cache.keeping_cubins(dump_dir):
         compile_cache.CompileCache._build = digest_build
         try:
             for fmt in (KVFormat.NVFP4, KVFormat.FP8_DS_MLA):
@@ -84,7 +80,6 @@ def measure(fmha_head_dims: tuple[int, ...] = DEFAULT_FMHA_HEAD_DIMS) -> list[di
                     fmha.compile_variant(variant)
         finally:
             compile_cache.CompileCache._build = build
-            compile_cache.COMPILE_OPTIONS = options
     return records
 
 
