@@ -380,21 +380,44 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     # once), then vllm bench serve of the three servers on layout ${2:-tp1}
     # (dsv4_attn.e2e.bench_serve; BENCH_SERVERS / BENCH_CASES / BENCH_ONLY narrow it,
     # BENCH_GREEDY=1 adds the greedy agreement of the servers, BENCH_PROFILE=CASE a profile of
-    # that case's steps, BENCH_SPREAD=1 a GPU per server at once). Long: run it under
-    # setsid and poll $OUT/bench.log.
+    # that case's steps, BENCH_SPREAD=1 a GPU per server at once, BENCH_SHARED=1 every server
+    # on GPU 0 at once taking turns). Long: run it under setsid and poll $OUT/bench.log.
     FLASH=/tmp/dsv4_flash_ckpt
     # Weights drawn on the GPU (seconds; the CPU takes about 3 minutes), on the CPU if that fails.
     [ -f "$FLASH/tokenizer.json" ] || { python3 -m dsv4_attn.e2e.real_shapes "$FLASH" \
       --device cuda || python3 -m dsv4_attn.e2e.real_shapes "$FLASH"; } 2>&1 \
       | tail -3 | tee "$OUT/real_shapes.log"
-    bench() {  # servers port: bench_serve of those servers on layout ${2:-tp1}
+    bench() {  # servers port [args]: bench_serve of those servers on layout ${2:-tp1}
+      local names=$1 port=$2; shift 2
       VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m dsv4_attn.e2e.bench_serve --model "$FLASH" \
-        --layout "$layout" --servers "$1" --port "$2" \
+        --layout "$layout" --servers "$names" --port "$port" \
         --cases "${BENCH_CASES:-a,b}" --only "${BENCH_ONLY:-}" ${BENCH_GREEDY:+--greedy} \
-        ${BENCH_PROFILE:+--profile "$BENCH_PROFILE"} --out "$OUT/bench_serve"
+        ${BENCH_PROFILE:+--profile "$BENCH_PROFILE"} --out "$OUT/bench_serve" "$@"
+    }
+    compare_greedy() {  # the greedy agreement of the servers run by separate processes
+      python3 -c "from pathlib import Path; \
+from dsv4_attn.e2e.bench_serve import compare_greedy; \
+compare_greedy(Path('$OUT/bench_serve'), '$layout', '$servers'.split(','))"
     }
     layout=${2:-tp1}; servers=${BENCH_SERVERS:-vllm,fp8,nvfp4}
-    if [ "${BENCH_SPREAD:-0}" = 1 ]; then
+    if [ "${BENCH_SHARED:-0}" = 1 ]; then
+      # Every server on GPU 0 at once, each with BENCH_KV_GIB (16) GiB of KV cache
+      # (--kv-cache-memory-bytes: equal caches, no memory profiling for a neighbour to
+      # disturb); their cold starts overlap, then each step runs on one server at a time
+      # (dsv4_attn.e2e.turns), after BENCH_AFTER (a file, e.g. another batch's done) exists.
+      kv_bytes=$(( ${BENCH_KV_GIB:-16} * 1024 * 1024 * 1024 ))
+      i=0
+      for name in ${servers//,/ }; do
+        CUDA_VISIBLE_DEVICES=0 bench "$name" $((8200 + 20 * i)) --turns "$OUT/turns" \
+          --turn-order "$servers" ${BENCH_AFTER:+--start-after "$BENCH_AFTER"} -- \
+          --kv-cache-memory-bytes "$kv_bytes" --gpu-memory-utilization 0.2 \
+          > "$OUT/bench_$name.log" 2>&1 &
+        i=$((i + 1))
+      done
+      wait
+      tail -n 15 "$OUT"/bench_*.log
+      [ -n "${BENCH_GREEDY:-}" ] && compare_greedy
+    elif [ "${BENCH_SPREAD:-0}" = 1 ]; then
       # One GPU per server, all at once (layout tp1 on a machine with a GPU per server): each
       # server's figures on its own GPU, then the greedy agreement of them all. Set b reads
       # vLLM's capacity from its record, written once that server is up (start vllm first).
@@ -405,9 +428,7 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
       done
       wait
       tail -n 15 "$OUT"/bench_*.log
-      [ -n "${BENCH_GREEDY:-}" ] && python3 -c "from pathlib import Path; \
-from dsv4_attn.e2e.bench_serve import compare_greedy; \
-compare_greedy(Path('$OUT/bench_serve'), '$layout', '$servers'.split(','))"
+      [ -n "${BENCH_GREEDY:-}" ] && compare_greedy
     else
       bench "$servers" 8200 2>&1 | tee "$OUT/bench.log"
     fi
@@ -417,7 +438,7 @@ compare_greedy(Path('$OUT/bench_serve'), '$layout', '$servers'.split(','))"
     # from the call (a device call may end, the machine stays while calls keep coming), each
     # with its own OUT under $BATCH; `collect` returns what is there so far.
     shift
-    mkdir -p "$BATCH"
+    mkdir -p "$BATCH"; rm -f "$BATCH/done"
     : > "$BATCH/plan.txt"
     for part in "$@"; do echo "$part" >> "$BATCH/plan.txt"; done
     setsid bash -c '
@@ -429,7 +450,7 @@ compare_greedy(Path('$OUT/bench_serve'), '$layout', '$servers'.split(','))"
         rc=$?
         echo "$(date +%T) end: $part, exit $rc" >> "$0/batch.log"
       done < "$0/plan.txt"
-      echo "$(date +%T) batch done" >> "$0/batch.log"' "$BATCH" > /dev/null 2>&1 < /dev/null &
+      echo "$(date +%T) batch done" >> "$0/batch.log"; touch "$0/done"' "$BATCH" > /dev/null 2>&1 < /dev/null &
     echo "batch of $# parts started; poll with: bash scripts/gpu_serve.sh collect"
     ;;
   collect)

@@ -169,6 +169,9 @@ def _args(**overrides) -> argparse.Namespace:
         profile=None,
         profile_delay=0,
         profile_iterations=0,
+        turns=None,
+        turn_order="vllm,fp8,nvfp4",
+        start_after=None,
     )
     return argparse.Namespace(**{**fields, **overrides})
 
@@ -277,3 +280,47 @@ def test_profiled_case_is_bracketed_and_summarized(tmp_path: Path, monkeypatch):
     profile = record["cases"]["a_8k_c16"]["profile"]
     assert profile["rank0.pt.trace.json"]["kinds"]["decode"]["steps"] == 2
     assert "profile" not in record["cases"]["a_8k_c1"]
+
+
+def test_servers_sharing_a_gpu_take_each_case_in_turn(tmp_path: Path, monkeypatch):
+    """With --turns, three servers (each its own thread here, its own process in use) run
+    the greedy set and then each case server by server in turn order, case after case."""
+    import threading
+
+    world = _StandIns(monkeypatch)
+    order = []
+    run = world._run
+
+    def run_in_turn(command, **kwargs):
+        order.append(command[command.index("--port") + 1])
+        return run(command, **kwargs)
+
+    monkeypatch.setattr(bench_serve.subprocess, "run", run_in_turn)
+    queried = []
+    monkeypatch.setattr(
+        bench_serve, "query", lambda server, plan: queried.append(server.base) or {"errors": {}}
+    )
+    errors = []
+
+    def serve(name: str, port: int) -> None:
+        args = _args(port=port, greedy=True, turns=str(tmp_path / "turns"))
+        try:
+            bench_serve.run_server(args, name, tmp_path)
+        except Exception as error:  # reported by the assertion below
+            errors.append(error)
+
+    ports = {"nvfp4": 3, "fp8": 2, "vllm": 1}
+    threads = [threading.Thread(target=serve, args=item) for item in ports.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
+    assert [base.rsplit(":", 1)[1] for base in queried] == ["1", "2", "3"]
+    assert order == ["1", "2", "3"] * 3
+    assert world.ran == [c for c in ("a_8k_c1", "a_8k_c16", "a_8k_c64") for _ in range(3)]
+    assert sorted(p.name for p in (tmp_path / "turns").glob("*.finished")) == [
+        "fp8.finished",
+        "nvfp4.finished",
+        "vllm.finished",
+    ]

@@ -26,6 +26,10 @@ With ``--profile CASE`` the servers run vLLM's torch profiler on their workers (
 started and stopped around that case; :mod:`dsv4_attn.e2e.step_profile` then says, per kind of
 step (decode only, prefill beside decodes), how its GPU time splits and how much is attention.
 
+With ``--turns DIR`` the servers share one GPU: each process starts its server at once, then
+takes its turn at each step (the greedy set, then each case) server by server, step by step
+(:class:`dsv4_attn.e2e.turns.Turns`), so that no two benchmarks share the GPU.
+
 The checkpoint needs a tokenizer (``python -m dsv4_attn.e2e.real_shapes`` writes one).
 """
 
@@ -38,10 +42,13 @@ import os
 import re
 import signal
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dsv4_attn.e2e.serve_check import Server, greedy_plan, print_comparison, query
+from dsv4_attn.e2e.turns import Turns
 
 __all__ = [
     "LAYOUTS",
@@ -72,6 +79,8 @@ SERVERS = {
     "nvfp4": ["--attention-backend", "DSV4_NVFP4"],
 }
 LONG_INPUT, OUTPUT = 65536, 1024
+TURN_TIMEOUT_S = 4 * 3600.0
+"""The longest a server waits for its turn (the other servers' steps before it)."""
 
 
 @dataclass(frozen=True)
@@ -201,6 +210,25 @@ def _preemptions(server: Server) -> float | None:
         return None
 
 
+def _turns(args: argparse.Namespace) -> Turns | None:
+    if not args.turns:
+        return None
+    return Turns(Path(args.turns), args.turn_order.split(","), args.start_after)
+
+
+@contextmanager
+def _turn(turns: Turns | None, steps: list[str], step: str, name: str) -> Iterator[None]:
+    """Server ``name``'s turn at ``step`` when servers share a GPU (no-op otherwise)."""
+    if turns is None:
+        yield
+        return
+    turns.wait(steps, step, name, TURN_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        turns.done(step, name)
+
+
 def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
     port = args.port
     log = out / f"{args.layout}_{name}.log"
@@ -228,28 +256,41 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
             command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
         )
     server = Server(port, args.model)
+    turns = _turns(args)
     try:
         record["ready_s"] = round(server.wait(args.wait, process.pid), 1)
         record["kv_tokens"] = kv_tokens(log.read_text(errors="replace"))
         # At once: servers benchmarked side by side read vLLM's capacity from here for set b.
         (out / f"{args.layout}_{name}.json").write_text(json.dumps(record, indent=1))
-        if args.greedy:  # before the load: a fresh server, nothing cached
-            greedy = {"name": name, **query(server, greedy_plan(args.vocab, args.max_model_len))}
-            (out / f"{args.layout}_{name}_greedy.json").write_text(json.dumps(greedy))
-            record["greedy_errors"] = len(greedy["errors"])
+        if turns is not None:
+            turns.up(name)
+            record["waited_for_the_others_s"] = round(turns.wait_up(args.wait), 1)
         reference = record["kv_tokens"] if name == "vllm" else args.reference_kv
         if reference is None:
             reference_file = out / f"{args.layout}_vllm.json"
             if reference_file.exists():
                 reference = json.loads(reference_file.read_text()).get("kv_tokens")
+        cases = [
+            case
+            for which in args.cases
+            for case in plan_cases(which, reference)
+            if not args.only or case.name in args.only
+        ]
+        steps = (["greedy"] if args.greedy else []) + [case.name for case in cases]
+        if args.greedy:  # before the load: a fresh server, nothing cached
+            with _turn(turns, steps, "greedy", name):
+                greedy = {
+                    "name": name,
+                    **query(server, greedy_plan(args.vocab, args.max_model_len)),
+                }
+            (out / f"{args.layout}_{name}_greedy.json").write_text(json.dumps(greedy))
+            record["greedy_errors"] = len(greedy["errors"])
         record["cases"] = {}
-        for which in args.cases:
-            for case in plan_cases(which, reference):
-                if args.only and case.name not in args.only:
-                    continue
-                before = _preemptions(server)
-                result_dir = out / f"{args.layout}_{name}"
-                profiling = profile_dir is not None and case.name == args.profile
+        for case in cases:
+            before = _preemptions(server)
+            result_dir = out / f"{args.layout}_{name}"
+            profiling = profile_dir is not None and case.name == args.profile
+            with _turn(turns, steps, case.name, name):
                 if profiling:
                     server.post("/start_profile")
                 run = subprocess.run(
@@ -262,27 +303,29 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
                 if profiling:
                     server.post("/stop_profile")
                     entry["profile"] = profile_summary(profile_dir)
-                result_file = result_dir / f"{case.name}.json"
-                if result_file.exists():
-                    entry.update(summarize(json.loads(result_file.read_text())))
-                else:
-                    entry["stderr"] = run.stderr[-2000:]
-                if before is not None and after is not None:
-                    entry["preemptions"] = after - before
-                record["cases"][case.name] = entry
-                print(
-                    f"{args.layout} {name} {case.name}: {entry.get('output_throughput')} "
-                    f"tok/s out, TPOT p50 {entry.get('median_tpot_ms')} ms, "
-                    f"preemptions {entry.get('preemptions')}",
-                    flush=True,
-                )
-                (out / f"{args.layout}_{name}.json").write_text(json.dumps(record, indent=1))
+            result_file = result_dir / f"{case.name}.json"
+            if result_file.exists():
+                entry.update(summarize(json.loads(result_file.read_text())))
+            else:
+                entry["stderr"] = run.stderr[-2000:]
+            if before is not None and after is not None:
+                entry["preemptions"] = after - before
+            record["cases"][case.name] = entry
+            print(
+                f"{args.layout} {name} {case.name}: {entry.get('output_throughput')} "
+                f"tok/s out, TPOT p50 {entry.get('median_tpot_ms')} ms, "
+                f"preemptions {entry.get('preemptions')}",
+                flush=True,
+            )
+            (out / f"{args.layout}_{name}.json").write_text(json.dumps(record, indent=1))
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
+        if turns is not None:
+            turns.finished(name)
     errors = re.findall(r"^.*(?:Traceback|ERROR).*$", log.read_text(errors="replace"), re.M)
     record["server_log_errors"] = errors[:10]
     (out / f"{args.layout}_{name}.json").write_text(json.dumps(record, indent=1))
@@ -320,6 +363,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--profile-delay", type=int, default=200, help="steps skipped first")
     parser.add_argument("--profile-iterations", type=int, default=40, help="steps profiled")
+    parser.add_argument(
+        "--turns",
+        metavar="DIR",
+        help="servers share one GPU: each (its own process) starts at once, then takes its "
+        "turns at each step through files in DIR (dsv4_attn.e2e.turns)",
+    )
+    parser.add_argument(
+        "--turn-order", default="vllm,fp8,nvfp4", help="the servers sharing the GPU, in turn"
+    )
+    parser.add_argument(
+        "--start-after",
+        metavar="FILE",
+        help="with --turns: the first step also waits until FILE exists",
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("serve_args", nargs="*", help="more `vllm serve` flags (after --)")
     args = parser.parse_args(argv)
