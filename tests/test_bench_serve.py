@@ -216,17 +216,25 @@ def test_the_capacity_is_on_disk_before_the_first_case(tmp_path: Path, monkeypat
 
 
 def test_greedy_plan_covers_4k_32k_and_the_longest_prompt_that_fits():
-    from dsv4_attn.e2e.serve_check import greedy_plan
+    from dsv4_attn.e2e.serve_check import SCORED, greedy_plan
 
     plan = greedy_plan(vocab=129280, max_model_len=131072)
     singles = [r for r in plan if r.phase == "single"]
     assert [len(r.prompt) for r in singles] == [4096, 32768, 131072 - 64]
     assert all(len(r.prompt) + r.max_tokens <= 131072 for r in plan)
-    concurrent = [r for r in plan if r.phase == "concurrent"]
-    assert len(concurrent) == 16 and {len(r.prompt) for r in concurrent} == {4096}
+    greedy = [r for r in plan if r.phase == "concurrent" and not r.scored]
+    assert len(greedy) == 16 and {len(r.prompt) for r in greedy} == {4096}
     ids = {t for r in plan for t in r.prompt}
     assert min(ids) >= 1 and max(ids) < 129280 and max(ids) > 100000
-    assert all(r.logprobs for r in plan)
+    assert all(r.logprobs for r in plan if not r.scored)
+    # The scored prompt, alone and again among the concurrent requests: 4K tokens of context,
+    # then SCORED tokens whose logprobs are compared; fresh tokens, no greedy prompt's prefix.
+    scored = {r.key: r for r in plan if r.scored}
+    alone, batched = scored["scored_4096"], scored["scored_4096_batched"]
+    assert (alone.phase, batched.phase) == ("scored", "concurrent")
+    assert alone.prompt == batched.prompt and len(alone.prompt) == 4096 + SCORED
+    assert alone.scored == batched.scored == SCORED
+    assert all(r.prompt[:64] != alone.prompt[:64] for r in plan if not r.scored)
     assert greedy_plan(1000, 8192) == greedy_plan(1000, 8192)  # fixed seed
     small = [len(r.prompt) for r in greedy_plan(1000, 8192) if r.phase == "single"]
     assert small == [4096, 8192 - 64]
@@ -324,3 +332,31 @@ def test_servers_sharing_a_gpu_take_each_case_in_turn(tmp_path: Path, monkeypatc
         "nvfp4.finished",
         "vllm.finished",
     ]
+
+
+def test_each_case_draws_prompts_no_other_case_shares(tmp_path: Path):
+    """vLLM's random dataset, seeded as bench_command seeds it: one seed for every case would
+    give b_64k_c6 the prompts of b_64k_c4 (found in the prefix cache); each case's own seed
+    draws prompts that share no 64-token prefix with another case's, and the same prompts on
+    every server."""
+    pytest.importorskip("vllm")
+    from vllm.benchmarks.datasets import RandomDataset
+    from vllm.tokenizers import get_tokenizer
+
+    from dsv4_attn.e2e.real_shapes import write_word_tokenizer
+
+    write_word_tokenizer(tmp_path, 129280)
+    tokenizer = get_tokenizer(str(tmp_path), tokenizer_mode="deepseek_v4")
+
+    def prefixes(seed: int, count: int) -> list[str]:
+        requests = RandomDataset(random_seed=seed).sample(
+            tokenizer, count, range_ratio=0.0, input_len=256, output_len=8
+        )
+        return [" ".join(r.prompt.split()[:64]) for r in requests]
+
+    assert prefixes(0, 8) == prefixes(0, 12)[:8]  # the confound: one seed, shared prompts
+    cases = bench_serve.plan_cases("a", None) + bench_serve.plan_cases("b", 312_302)
+    drawn = {c.name: prefixes(bench_serve.case_seed(0, c), 4) for c in cases}
+    every = [p for name in drawn for p in drawn[name]]
+    assert len(set(every)) == len(every)
+    assert drawn["b_64k_c4"] == prefixes(bench_serve.case_seed(0, cases[3]), 4)

@@ -186,3 +186,79 @@ def test_the_spec_part_serves_both_rounds_and_compares_them(tmp_path):
     assert "--port 8135 " in (out / "serve_fp8_plain.cmd").read_text()
     assert "--num-gpu-blocks-override 3200 " in command
     assert "server fp8_dspark4 stopped" in (out / "round_spec.log").read_text()
+
+
+def test_scored_tokens_are_read_from_vllms_own_completion_response():
+    """A completion with prompt logprobs as vLLM's server serializes it (its own response
+    classes): the scored result holds each of the last prompt tokens' own logprob, also where
+    the top-1 entry beside it is another token."""
+    import json
+    import random
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import pytest
+
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.openai.completion.protocol import (
+        CompletionResponse,
+        CompletionResponseChoice,
+    )
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+    from vllm.logprobs import Logprob
+
+    rng = random.Random(5)
+    prompt = [rng.randrange(1, 1000) for _ in range(12)]
+    own = [-rng.uniform(0.5, 9.0) for _ in prompt]
+    positions = [None] + [
+        {token: Logprob(own[i], rank=2, decoded_token=f"w{token}"), 999: Logprob(-0.1, rank=1)}
+        for i, token in enumerate(prompt[1:], start=1)
+    ]
+    reply = CompletionResponse(
+        model="m",
+        choices=[
+            CompletionResponseChoice(index=0, text="", token_ids=[7], prompt_logprobs=positions)
+        ],
+        usage=UsageInfo(prompt_tokens=len(prompt), completion_tokens=1, total_tokens=13),
+    ).model_dump_json()
+    sent = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            sent.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(reply.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = serve_check.Server(server.server_address[1], "m")
+        request = serve_check.Request("scored_x", "scored", prompt, 1, logprobs=False, scored=5)
+        result = client.complete(request)
+    finally:
+        server.shutdown()
+    assert sent[0]["prompt_logprobs"] == 1 and "logprobs" not in sent[0]
+    assert result["scored"] == pytest.approx(own[-5:])
+    assert result["token_ids"] == [7]
+
+
+def test_scored_logprobs_compared_against_the_reference_and_the_servers_own_noise():
+    def record(alone, batched):
+        return {
+            "results": {
+                "scored_4096": {"scored": alone},
+                "scored_4096_batched": {"scored": batched},
+            }
+        }
+
+    ref = record([-1.0, -2.0, -3.0], [-1.0, -2.5, -3.0])
+    other = record([-1.25, -2.0, -2.0], [-1.25, -2.0, -2.0])
+    report = serve_check.compare_scored(other, ref)
+    assert report["self"] == {"mean": 0.0, "max": 0.0}
+    assert report["against_reference"] == {"mean": 0.41667, "max": 1.0}
+    assert serve_check.compare_scored(ref)["self"] == {"mean": 0.16667, "max": 0.5}
+    assert serve_check.compare_scored({"results": {}}) is None

@@ -42,6 +42,7 @@ import os
 import re
 import signal
 import subprocess
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -55,6 +56,7 @@ __all__ = [
     "SERVERS",
     "Case",
     "bench_command",
+    "case_seed",
     "compare_greedy",
     "kv_tokens",
     "main",
@@ -121,6 +123,14 @@ def kv_tokens(log_text: str) -> int | None:
     return sum(per_engine.values()) if per_engine else None
 
 
+def case_seed(seed: int, case: Case) -> int:
+    """The dataset seed of ``case``: the same on every server, another for every case. vLLM's
+    random dataset draws the same first prompts from the same seed whatever their length or
+    count, so cases sharing one seed would find each other's prompts in the prefix cache, more
+    of them on a server with more KV capacity."""
+    return (seed * 1_000_003 + zlib.crc32(case.name.encode())) % 2**31
+
+
 def bench_command(port: int, model: str, case: Case, result_dir: Path, seed: int) -> list[str]:
     return [
         "vllm",
@@ -146,7 +156,7 @@ def bench_command(port: int, model: str, case: Case, result_dir: Path, seed: int
         str(case.concurrency),
         "--ignore-eos",
         "--seed",
-        str(seed),
+        str(case_seed(seed, case)),
         "--percentile-metrics",
         "ttft,tpot,itl,e2el",
         "--metric-percentiles",

@@ -40,8 +40,10 @@ from pathlib import Path
 
 __all__ = [
     "NEAR_TIE",
+    "SCORED",
     "Request",
     "compare",
+    "compare_scored",
     "greedy_plan",
     "main",
     "print_comparison",
@@ -53,6 +55,8 @@ NEAR_TIE = 0.02
 implementations whose logits differ by up to 0.01 (bf16 attention outputs) may pick either."""
 
 VOCAB = 1024
+SCORED = 64
+"""Tokens scored after the 4K-token prompt of the greedy set's scored requests."""
 THROUGHPUT_REPS = 3
 """Timed runs of 32 concurrent requests (300-token prompts, 256 new tokens); the report takes
 their median tokens/s (one run of under a second moved by +-5% between repeats)."""
@@ -65,6 +69,9 @@ class Request:
     prompt: list[int]
     max_tokens: int
     logprobs: bool = True
+    scored: int = 0
+    """The last ``scored`` prompt tokens are scored: the server returns each one's logprob
+    given the tokens before it (``prompt_logprobs``), the same contexts on every server."""
 
 
 def request_plan(seed: int = 2026) -> list[Request]:
@@ -91,7 +98,14 @@ def greedy_plan(vocab: int, max_model_len: int, seed: int = 2026) -> list[Reques
     """The greedy-agreement set for a model at real shapes: one prompt each of 4K, 32K tokens
     and the longest that leaves room for the answer in ``max_model_len`` (sent one after
     another), then 16 concurrent 4K-token prompts; 32 greedy tokens each with top-2 logprobs.
-    Token ids are drawn from ``1 .. vocab - 1``."""
+    Token ids are drawn from ``1 .. vocab - 1``.
+
+    Greedy tokens part at the first step where two servers' logits cross, which a deep model
+    with random weights reaches from rounding alone. So the set also scores fixed tokens on
+    fixed contexts: a 4K-token prompt followed by :data:`SCORED` more tokens, whose logprobs
+    each server returns (``scored_4096``, sent alone), and the same request again among the
+    concurrent ones (``scored_4096_batched``), whose difference from the first is the server's
+    own noise from batch composition (:func:`compare_scored`)."""
     rng = random.Random(seed)
     new_tokens = 32
 
@@ -101,7 +115,12 @@ def greedy_plan(vocab: int, max_model_len: int, seed: int = 2026) -> list[Reques
     longest = max_model_len - 2 * new_tokens
     lengths = sorted({n for n in (4096, 32768, longest) if n <= longest})
     plan = [Request(f"long_{n}", "single", ids(n), new_tokens) for n in lengths]
+    scored = ids(4096 + SCORED)
+    plan.append(Request("scored_4096", "scored", scored, 1, logprobs=False, scored=SCORED))
     plan += [Request(f"concurrent_{i}", "concurrent", ids(4096), new_tokens) for i in range(16)]
+    plan.append(
+        Request("scored_4096_batched", "concurrent", scored, 1, logprobs=False, scored=SCORED)
+    )
     return plan
 
 
@@ -146,6 +165,8 @@ class Server:
         }
         if request.logprobs:
             body.update({"logprobs": 2, "return_tokens_as_token_ids": True})
+        if request.scored:
+            body["prompt_logprobs"] = 1
         http = urllib.request.Request(
             self.base + "/v1/completions",
             data=json.dumps(body).encode(),
@@ -160,6 +181,13 @@ class Server:
         if logprobs.get("top_logprobs"):
             result["top2"] = [
                 sorted(d.values(), reverse=True)[:2] for d in logprobs["top_logprobs"]
+            ]
+        if request.scored:
+            positions = choice["prompt_logprobs"][-request.scored :]
+            tokens = request.prompt[-request.scored :]
+            result["scored"] = [
+                position[str(token)]["logprob"]
+                for position, token in zip(positions, tokens, strict=True)
             ]
         return result
 
@@ -303,8 +331,8 @@ def compare(ref_record: dict, other_record: dict) -> dict:
     per_request = {}
     for key, ref in ref_record["results"].items():
         phase = key.rsplit("_", 1)[0]
-        if phase.startswith("throughput"):
-            continue  # a timing run, without logprobs; the concurrent phase checks tokens
+        if phase.startswith("throughput") or key.startswith("scored"):
+            continue  # a timing run, without logprobs, or scored tokens (compare_scored)
         phase = "preemption" if phase == "preempt" else phase
         row = summary.setdefault(
             phase, {"requests": 0, "identical": 0, "near_tie": 0, "different": 0, "missing": 0}
@@ -325,6 +353,31 @@ def compare(ref_record: dict, other_record: dict) -> dict:
     return {"phases": summary, "requests": per_request}
 
 
+def _logprob_gap(a: list[float], b: list[float]) -> dict:
+    gaps = [abs(x - y) for x, y in zip(a, b, strict=True)]
+    return {"mean": round(statistics.fmean(gaps), 5), "max": round(max(gaps), 5)}
+
+
+def compare_scored(ref_record: dict, other_record: dict | None = None) -> dict | None:
+    """The logprobs of the scored tokens: ``other_record``'s against ``ref_record``'s on the
+    same contexts (each sent alone), and ``ref_record``'s own sent alone against sent among
+    the concurrent requests (``self``); mean and max absolute difference (nats). None where
+    the records lack them."""
+    results = ref_record["results"]
+    alone = results.get("scored_4096", {}).get("scored")
+    if alone is None:
+        return None
+    report: dict = {}
+    batched = results.get("scored_4096_batched", {}).get("scored")
+    if batched is not None:
+        report["self"] = _logprob_gap(alone, batched)
+    if other_record is not None:
+        other = other_record["results"].get("scored_4096", {}).get("scored")
+        if other is not None:
+            report["against_reference"] = _logprob_gap(alone, other)
+    return report
+
+
 def print_comparison(names: list[str], records: list[dict]) -> dict:
     """Print the agreement of every record with the first (per phase) and each server's figures;
     returns the report."""
@@ -340,6 +393,9 @@ def print_comparison(names: list[str], records: list[dict]) -> dict:
         }
         if record is not ref:
             entry["agreement"] = compare(ref, record)
+        scored = compare_scored(record, None if record is ref else ref)
+        if scored is not None:
+            entry["scored"] = scored
         report["servers"][name] = entry
     print(f"reference: {names[0]}; near-tie: reference top-1 - top-2 logprob < {NEAR_TIE}")
     print(
@@ -352,6 +408,13 @@ def print_comparison(names: list[str], records: list[dict]) -> dict:
                 f"{name:>10} {phase:>11} {row['requests']:>8} {row['identical']:>9} "
                 f"{row['near_tie']:>8} {row['different']:>9} {row['missing']:>7}"
             )
+    for name, entry in report["servers"].items():
+        if "scored" in entry:
+            rows = ", ".join(
+                f"{what} mean {gap['mean']:.4f} max {gap['max']:.4f}"
+                for what, gap in entry["scored"].items()
+            )
+            print(f"{name:>10}: |logprob difference| of the {SCORED} scored tokens: {rows}")
     for name, entry in report["servers"].items():
         print(
             f"{name:>10}: throughput {entry['throughput_tok_per_s']} tok/s, errors "
