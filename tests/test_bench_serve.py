@@ -327,6 +327,11 @@ def test_servers_sharing_a_gpu_take_each_case_in_turn(tmp_path: Path, monkeypatc
     assert [base.rsplit(":", 1)[1] for base in queried] == ["1", "2", "3"]
     assert order == ["1", "2", "3"] * 3
     assert world.ran == [c for c in ("a_8k_c1", "a_8k_c16", "a_8k_c64") for _ in range(3)]
+    summary = bench_serve.write_summary(tmp_path, "tp1")  # as the last process to end does
+    assert sorted(summary) == ["fp8", "nvfp4", "vllm"]
+    assert all(len(record["cases"]) == 3 for record in summary.values())
+    assert json.loads((tmp_path / "tp1_summary.json").read_text()) == summary
+    assert not list(tmp_path.glob("*.part"))
     assert sorted(p.name for p in (tmp_path / "turns").glob("*.finished")) == [
         "fp8.finished",
         "nvfp4.finished",

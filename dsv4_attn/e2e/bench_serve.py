@@ -64,6 +64,7 @@ __all__ = [
     "profile_summary",
     "profiler_config",
     "summarize",
+    "write_summary",
 ]
 
 LAYOUTS = {
@@ -220,6 +221,27 @@ def _preemptions(server: Server) -> float | None:
         return None
 
 
+def _write_json(path: Path, data: dict) -> None:
+    """Write ``data`` whole or not at all: servers benchmarked by separate processes read each
+    other's records."""
+    partial = path.with_suffix(f".{os.getpid()}.part")
+    partial.write_text(json.dumps(data, indent=1))
+    partial.replace(path)
+
+
+def write_summary(out: Path, layout: str) -> dict:
+    """``DIR/<layout>_summary.json``: the record of every server of :data:`SERVERS` in ``out``
+    for ``layout``, whichever process ran it (each process writes it as it ends; the last has
+    them all)."""
+    summary = {
+        name: json.loads(path.read_text())
+        for name in SERVERS
+        if (path := out / f"{layout}_{name}.json").exists()
+    }
+    _write_json(out / f"{layout}_summary.json", summary)
+    return summary
+
+
 def _turns(args: argparse.Namespace) -> Turns | None:
     if not args.turns:
         return None
@@ -271,7 +293,7 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
         record["ready_s"] = round(server.wait(args.wait, process.pid), 1)
         record["kv_tokens"] = kv_tokens(log.read_text(errors="replace"))
         # At once: servers benchmarked side by side read vLLM's capacity from here for set b.
-        (out / f"{args.layout}_{name}.json").write_text(json.dumps(record, indent=1))
+        _write_json(out / f"{args.layout}_{name}.json", record)
         if turns is not None:
             turns.up(name)
             record["waited_for_the_others_s"] = round(turns.wait_up(args.wait), 1)
@@ -327,7 +349,7 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
                 f"preemptions {entry.get('preemptions')}",
                 flush=True,
             )
-            (out / f"{args.layout}_{name}.json").write_text(json.dumps(record, indent=1))
+            _write_json(out / f"{args.layout}_{name}.json", record)
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         try:
@@ -338,7 +360,7 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
             turns.finished(name)
     errors = re.findall(r"^.*(?:Traceback|ERROR).*$", log.read_text(errors="replace"), re.M)
     record["server_log_errors"] = errors[:10]
-    (out / f"{args.layout}_{name}.json").write_text(json.dumps(record, indent=1))
+    _write_json(out / f"{args.layout}_{name}.json", record)
     return record
 
 
@@ -398,8 +420,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown servers {unknown}: choose from {sorted(SERVERS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    summary = {name: run_server(args, name, out) for name in servers}
-    (out / f"{args.layout}_summary.json").write_text(json.dumps(summary, indent=1))
+    for name in servers:
+        run_server(args, name, out)
+    write_summary(out, args.layout)
     if args.greedy:
         compare_greedy(out, args.layout, servers)
 
