@@ -382,7 +382,7 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     # BENCH_GREEDY=1 adds the greedy agreement of the servers, BENCH_PROFILE=CASE a profile of
     # that case's steps, BENCH_SPREAD=1 a GPU per server at once, BENCH_SHARED=1 every server
     # on GPU 0 at once taking turns). Long: run it under setsid and poll $OUT/bench.log.
-    FLASH=/tmp/dsv4_flash_ckpt
+    FLASH=${FLASH_CKPT:-/tmp/dsv4_flash_ckpt}  # another FLASH_CKPT: a checkpoint written elsewhere
     # Weights drawn on the GPU (seconds; the CPU takes about 3 minutes), on the CPU if that fails.
     [ -f "$FLASH/tokenizer.json" ] || { python3 -m dsv4_attn.e2e.real_shapes "$FLASH" \
       --device cuda || python3 -m dsv4_attn.e2e.real_shapes "$FLASH"; } 2>&1 \
@@ -416,7 +416,7 @@ compare_greedy(Path('$OUT/bench_serve'), '$layout', '$servers'.split(','))"
       done
       wait
       tail -n 15 "$OUT"/bench_*.log
-      [ -n "${BENCH_GREEDY:-}" ] && compare_greedy
+      if [ -n "${BENCH_GREEDY:-}" ]; then compare_greedy; fi
     elif [ "${BENCH_SPREAD:-0}" = 1 ]; then
       # One GPU per server, all at once (layout tp1 on a machine with a GPU per server): each
       # server's figures on its own GPU, then the greedy agreement of them all. Set b reads
@@ -428,7 +428,7 @@ compare_greedy(Path('$OUT/bench_serve'), '$layout', '$servers'.split(','))"
       done
       wait
       tail -n 15 "$OUT"/bench_*.log
-      [ -n "${BENCH_GREEDY:-}" ] && compare_greedy
+      if [ -n "${BENCH_GREEDY:-}" ]; then compare_greedy; fi
     else
       bench "$servers" 8200 2>&1 | tee "$OUT/bench.log"
     fi
@@ -473,10 +473,11 @@ compare_greedy(Path('$OUT/bench_serve'), '$layout', '$servers'.split(','))"
     ;;
   wait)
     # bash scripts/gpu_serve.sh wait PORT...: until a server answers /health on each port (a
-    # batch part that must not start while those servers profile their memory)
+    # batch part that must not start while those servers profile their memory), at most
+    # WAIT_S (900) seconds each
     shift
     for port in "$@"; do
-      wait_up "$port" 900 || { echo "no server on port $port" >&2; exit 1; }
+      wait_up "$port" "${WAIT_S:-900}" || { echo "no server on port $port" >&2; exit 1; }
     done
     ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;

@@ -102,10 +102,28 @@ def test_acceptance_reads_vllms_own_spec_decode_counters():
 # logprobs, /health, and /metrics with vLLM's spec-decode counters (half the drafts accepted)
 # when it speculates.
 STAND_IN_VLLM = """#!/usr/bin/env python3
-import json, os, sys
+import json, os, sys, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 args = sys.argv[1:]
 port = int(args[args.index("--port") + 1])
+def flag(name):
+    return args[args.index(name) + 1]
+if args[0] == "bench":  # vllm bench serve: log the run, write a result file
+    case = flag("--result-filename").removesuffix(".json")
+    with open(os.environ["STAND_IN_BENCH_LOG"], "a") as log:
+        log.write(f"{time.monotonic():.6f} start {port} {case}\\n")
+    time.sleep(0.2)
+    with open(os.environ["STAND_IN_BENCH_LOG"], "a") as log:
+        log.write(f"{time.monotonic():.6f} end {port} {case}\\n")
+    os.makedirs(flag("--result-dir"), exist_ok=True)
+    result = {"completed": int(flag("--num-prompts")), "failed": 0, "output_throughput": port}
+    with open(os.path.join(flag("--result-dir"), flag("--result-filename")), "w") as f:
+        json.dump(result, f)
+    sys.exit(0)
+if "--kv-cache-memory-bytes" in args:  # what vLLM logs: capacity of the given KV memory
+    tokens = int(flag("--kv-cache-memory-bytes")) // (1000 if "DSV4_NVFP4" in args else 1400)
+    print(f"(EngineCore pid={os.getpid()}) INFO [kv_cache_utils.py:1147] GPU KV cache size: "
+          f"{tokens:,} tokens", flush=True)
 spec = "--speculative-config" in args
 drafts = [0]
 class Handler(BaseHTTPRequestHandler):
