@@ -381,11 +381,16 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     # (dsv4_attn.e2e.bench_serve; BENCH_SERVERS / BENCH_CASES / BENCH_ONLY narrow it,
     # BENCH_GREEDY=1 adds the greedy agreement of the servers, BENCH_PROFILE=CASE a profile of
     # that case's steps, BENCH_SPREAD=1 a GPU per server at once, BENCH_SHARED=1 every server
-    # on GPU 0 at once taking turns). Long: run it under setsid and poll $OUT/bench.log.
-    FLASH=${FLASH_CKPT:-/tmp/dsv4_flash_ckpt}  # another FLASH_CKPT: a checkpoint written elsewhere
+    # on GPU 0 at once taking turns; BENCH_PORT (8200) the first server's port, the next
+    # +20 each). Long: run it under setsid and poll $OUT/bench.log.
+    # REAL_LAYERS (43): the first layers of V4-Flash's schedule (4: a shallow control whose
+    # outputs depth has not amplified); FLASH_CKPT: a checkpoint written elsewhere.
+    layers=${REAL_LAYERS:-43}
+    FLASH=${FLASH_CKPT:-/tmp/dsv4_flash_ckpt$([ "$layers" = 43 ] || echo "_l$layers")}
     # Weights drawn on the GPU (seconds; the CPU takes about 3 minutes), on the CPU if that fails.
     [ -f "$FLASH/tokenizer.json" ] || { python3 -m dsv4_attn.e2e.real_shapes "$FLASH" \
-      --device cuda || python3 -m dsv4_attn.e2e.real_shapes "$FLASH"; } 2>&1 \
+      --layers "$layers" --device cuda \
+      || python3 -m dsv4_attn.e2e.real_shapes "$FLASH" --layers "$layers"; } 2>&1 \
       | tail -3 | tee "$OUT/real_shapes.log"
     bench() {  # servers port [args]: bench_serve of those servers on layout ${2:-tp1}
       local names=$1 port=$2; shift 2
@@ -408,8 +413,8 @@ compare_greedy(Path('$OUT/bench_serve'), '$layout', '$servers'.split(','))"
       kv_bytes=$(( ${BENCH_KV_GIB:-16} * 1024 * 1024 * 1024 ))
       i=0
       for name in ${servers//,/ }; do
-        CUDA_VISIBLE_DEVICES=0 bench "$name" $((8200 + 20 * i)) --turns "$OUT/turns" \
-          --turn-order "$servers" ${BENCH_AFTER:+--start-after "$BENCH_AFTER"} -- \
+        CUDA_VISIBLE_DEVICES=0 bench "$name" $((${BENCH_PORT:-8200} + 20 * i)) \
+          --turns "$OUT/turns" --turn-order "$servers" ${BENCH_AFTER:+--start-after "$BENCH_AFTER"} -- \
           --kv-cache-memory-bytes "$kv_bytes" --gpu-memory-utilization 0.2 \
           > "$OUT/bench_$name.log" 2>&1 &
         i=$((i + 1))
@@ -423,14 +428,15 @@ compare_greedy(Path('$OUT/bench_serve'), '$layout', '$servers'.split(','))"
       # vLLM's capacity from its record, written once that server is up (start vllm first).
       i=0
       for name in ${servers//,/ }; do
-        CUDA_VISIBLE_DEVICES=$i bench "$name" $((8200 + 20 * i)) > "$OUT/bench_$name.log" 2>&1 &
+        CUDA_VISIBLE_DEVICES=$i bench "$name" $((${BENCH_PORT:-8200} + 20 * i)) \
+          > "$OUT/bench_$name.log" 2>&1 &
         i=$((i + 1)); sleep 20  # staggered: vLLM's memory profiling at startup
       done
       wait
       tail -n 15 "$OUT"/bench_*.log
       if [ -n "${BENCH_GREEDY:-}" ]; then compare_greedy; fi
     else
-      bench "$servers" 8200 2>&1 | tee "$OUT/bench.log"
+      bench "$servers" "${BENCH_PORT:-8200}" 2>&1 | tee "$OUT/bench.log"
     fi
     ;;
   batch)

@@ -398,6 +398,7 @@ def test_the_shared_real_part_runs_every_server_on_gpu_0_in_turns(tmp_path: Path
         BENCH_KV_GIB="1",
         BENCH_CASES="b,a",
         BENCH_ONLY="b_64k_c11,b_64k_c17,a_8k_c1",
+        BENCH_PORT="8300",
         STAND_IN_BENCH_LOG=str(log),
     )
     run = subprocess.run(
@@ -418,7 +419,7 @@ def test_the_shared_real_part_runs_every_server_on_gpu_0_in_turns(tmp_path: Path
     for record in summary.values():
         assert sorted(record["cases"]) == ["a_8k_c1", "b_64k_c11", "b_64k_c17"]
         assert kv_flags in record["command"]
-    ports = {"8200": "vllm", "8220": "fp8", "8240": "nvfp4"}
+    ports = {"8300": "vllm", "8320": "fp8", "8340": "nvfp4"}  # BENCH_PORT, +20 each
     starts = [line.split() for line in log.read_text().splitlines()]
     runs = [(case, ports[port]) for _, kind, port, case in starts if kind == "start"]
     cases = ["b_64k_c11", "b_64k_c17", "a_8k_c1"]

@@ -69,6 +69,38 @@ def test_attention_is_v4_flash_as_its_config_states():
     assert {k: config[k] for k in real_shapes.OVERRIDES} == real_shapes.OVERRIDES
 
 
+def test_a_shallow_model_keeps_the_first_layers_of_the_schedule():
+    """--layers N: V4-Flash's first N layers (window, window, CSA, HCA, ...), every other field
+    as in the full model, and vLLM takes it; a count outside 1..43 is refused naming it."""
+    full = real_shapes.flash_config().to_dict()
+    shallow = real_shapes.flash_config(layers=4).to_dict()
+    assert (
+        shallow["layer_types"]
+        == full["layer_types"][:4]
+        == [
+            "sliding_attention",
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+        ]
+    )
+    assert shallow["num_hidden_layers"] == 4 and shallow["mlp_layer_types"] == ["moe"] * 4
+    differ = {k for k in full if full[k] != shallow[k]}
+    assert differ == {"num_hidden_layers", "layer_types", "mlp_layer_types"}
+    config = vt.engine_args(
+        model=_config_dir(real_shapes.flash_config(layers=4)),
+        skip_tokenizer_init=False,
+        max_model_len=131072,
+        attention_backend="DSV4_NVFP4",
+    ).create_engine_config()
+    assert config.model_config.hf_config.num_hidden_layers == 4
+    for layers in (0, 44):
+        with pytest.raises(ValueError, match=f"layers must be 1 to 43 .*got {layers}"):
+            real_shapes.flash_config(layers=layers)
+    with pytest.raises(SystemExit, match="--layers must be 1 to 43"):
+        real_shapes.main([tempfile.mkdtemp(), "--layers", "0"])
+
+
 def test_vllm_takes_the_config_for_dsv4_nvfp4():
     """vLLM builds its engine config from the checkpoint's config.json and tokenizer (1M-token
     context, DSV4_NVFP4) and the backend's model-build checks accept it."""

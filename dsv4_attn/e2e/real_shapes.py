@@ -1,6 +1,6 @@
 """DeepSeek-V4-Flash's attention at its real shapes, the rest shrunk: a checkpoint to serve.
 
-    python -m dsv4_attn.e2e.real_shapes DIR [--experts 8] [--seed 0]
+    python -m dsv4_attn.e2e.real_shapes DIR [--experts 8] [--layers 43] [--seed 0]
 
 writes a random-weight checkpoint that ``vllm serve DIR`` loads as it is, with a word-level
 tokenizer (``tokenizer.json``: token ``i`` is the word ``w<i>``) so that ``vllm bench serve``
@@ -55,25 +55,30 @@ OVERRIDES = {
 """Where this model is not V4-Flash (the MoE and the MTP layer; see the module docstring)."""
 
 
-def flash_config(experts: int = OVERRIDES["n_routed_experts"], **overrides):
+def flash_config(experts: int = OVERRIDES["n_routed_experts"], layers: int = 43, **overrides):
     """The ``DeepseekV4Config`` of V4-Flash's attention with :data:`OVERRIDES` (``experts``
-    routed experts; ``overrides`` replace any field, for tests)."""
+    routed experts; the first ``layers`` of its schedule; ``overrides`` replace any field, for
+    tests)."""
+    if not 1 <= layers <= len(FLASH_LAYER_TYPES):
+        raise ValueError(
+            f"layers must be 1 to {len(FLASH_LAYER_TYPES)} (V4-Flash's schedule), got {layers}"
+        )
     DeepseekV4Config, _ = _import_transformers()
     fields = dict(
         V4_FIXED,
         vocab_size=129280,
         hidden_size=4096,
-        num_hidden_layers=43,
+        num_hidden_layers=layers,
         num_attention_heads=64,
         q_lora_rank=1024,
         o_groups=8,
         o_lora_rank=1024,
-        layer_types=list(FLASH_LAYER_TYPES),
+        layer_types=FLASH_LAYER_TYPES[:layers],
         index_n_heads=64,
         index_topk=512,
         rope_parameters=compressed_rope(65536),
         max_position_embeddings=1048576,
-        **{**OVERRIDES, "n_routed_experts": experts},
+        **{**OVERRIDES, "n_routed_experts": experts, "mlp_layer_types": ["moe"] * layers},
     )
     fields.update(overrides)
     return DeepseekV4Config(**fields)
@@ -110,6 +115,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experts", type=int, default=OVERRIDES["n_routed_experts"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--layers",
+        type=int,
+        default=len(FLASH_LAYER_TYPES),
+        help="the first N layers of V4-Flash's schedule (window, window, CSA, HCA, ...): a "
+        "shallow model with the same layers, whose outputs depth has not amplified",
+    )
+    parser.add_argument(
         "--device",
         default="cpu",
         help="where the weights are drawn (cuda: seconds instead of minutes; other weights "
@@ -121,7 +133,10 @@ def main(argv: list[str] | None = None) -> None:
             f"--experts must be at least {OVERRIDES['num_experts_per_tok']} (the "
             f"experts each token uses), got {args.experts}"
         )
-    config = flash_config(args.experts)
+    try:
+        config = flash_config(args.experts, args.layers)
+    except ValueError as error:
+        raise SystemExit(f"--{error}") from None
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built in bf16: half the memory of fp32
     try:
