@@ -406,14 +406,17 @@ compare_greedy(Path('$OUT/bench_serve'), '$layout', '$servers'.split(','))"
     }
     layout=${2:-tp1}; servers=${BENCH_SERVERS:-vllm,fp8,nvfp4}
     if [ "${BENCH_SHARED:-0}" = 1 ]; then
-      # Every server on GPU 0 at once, each with BENCH_KV_GIB (16) GiB of KV cache
-      # (--kv-cache-memory-bytes: equal caches, no memory profiling for a neighbour to
-      # disturb); their cold starts overlap, then each step runs on one server at a time
-      # (dsv4_attn.e2e.turns), after BENCH_AFTER (a file, e.g. another batch's done) exists.
+      # Every server at once on the same GPUs (BENCH_GPUS: 0 for tp1, else all), each with
+      # BENCH_KV_GIB (16) GiB of KV cache per GPU (--kv-cache-memory-bytes: equal caches, no
+      # memory profiling for a neighbour to disturb); their cold starts overlap, then each step
+      # runs on one server at a time (dsv4_attn.e2e.turns), after BENCH_AFTER (a file, e.g.
+      # another batch's done) exists.
       kv_bytes=$(( ${BENCH_KV_GIB:-16} * 1024 * 1024 * 1024 ))
+      gpus=${BENCH_GPUS:-$([ "$layout" = tp1 ] && echo 0 || nvidia-smi --query-gpu=index \
+        --format=csv,noheader | paste -sd,)}
       i=0
       for name in ${servers//,/ }; do
-        CUDA_VISIBLE_DEVICES=0 bench "$name" $((${BENCH_PORT:-8200} + 20 * i)) \
+        CUDA_VISIBLE_DEVICES=$gpus bench "$name" $((${BENCH_PORT:-8200} + 20 * i)) \
           --turns "$OUT/turns" --turn-order "$servers" ${BENCH_AFTER:+--start-after "$BENCH_AFTER"} -- \
           --kv-cache-memory-bytes "$kv_bytes" --gpu-memory-utilization 0.2 \
           > "$OUT/bench_$name.log" 2>&1 &

@@ -372,27 +372,15 @@ def test_the_shared_real_part_runs_every_server_on_gpu_0_in_turns(tmp_path: Path
     server processes on GPU 0, each with BENCH_KV_GIB of KV memory and no memory profiling;
     set b planned from vLLM's reported capacity; every case run by one server at a time, server
     by server, case by case; one summary of all three at the end."""
-    import os
-    import stat
-    import sys
+    from tests.serve_stand_in import run_gpu_serve
 
-    from tests.test_serve_check import STAND_IN_VLLM
-
-    root = Path(__file__).resolve().parents[1]
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    vllm = bin_dir / "vllm"
-    vllm.write_text(STAND_IN_VLLM)
-    vllm.chmod(vllm.stat().st_mode | stat.S_IEXEC)
-    env_file = tmp_path / "env.sh"
-    env_file.write_text(f'export PATH="{bin_dir}:{Path(sys.executable).parent}:$PATH"\n')
     checkpoint = tmp_path / "flash"
     checkpoint.mkdir()
     (checkpoint / "tokenizer.json").write_text("{}")  # present: no checkpoint is written
     log = tmp_path / "bench_runs.log"
-    out = tmp_path / "out"
-    env = {**os.environ, "DSV4_ENV_FILE": str(env_file), "OUT": str(out), "PYTHONPATH": str(root)}
-    env.update(
+    run = run_gpu_serve(
+        ["real", "tp1"],
+        tmp_path,
         FLASH_CKPT=str(checkpoint),
         BENCH_SHARED="1",
         BENCH_KV_GIB="1",
@@ -401,14 +389,7 @@ def test_the_shared_real_part_runs_every_server_on_gpu_0_in_turns(tmp_path: Path
         BENCH_PORT="8300",
         STAND_IN_BENCH_LOG=str(log),
     )
-    run = subprocess.run(
-        ["bash", "scripts/gpu_serve.sh", "real", "tp1"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = tmp_path / "out"
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = out / "bench_serve"
     summary = json.loads((results / "tp1_summary.json").read_text())
@@ -416,9 +397,10 @@ def test_the_shared_real_part_runs_every_server_on_gpu_0_in_turns(tmp_path: Path
     # 1 GiB / 1400 B per token (vLLM's stand-in): 766,958 tokens, 11 requests of 66,560 fill it
     assert summary["vllm"]["kv_tokens"] == 2**30 // 1400
     kv_flags = "--kv-cache-memory-bytes 1073741824 --gpu-memory-utilization 0.2"
-    for record in summary.values():
+    for name, record in summary.items():
         assert sorted(record["cases"]) == ["a_8k_c1", "b_64k_c11", "b_64k_c17"]
         assert kv_flags in record["command"]
+        assert "CUDA_VISIBLE_DEVICES=0\n" in (results / f"tp1_{name}.log").read_text()
     ports = {"8300": "vllm", "8320": "fp8", "8340": "nvfp4"}  # BENCH_PORT, +20 each
     starts = [line.split() for line in log.read_text().splitlines()]
     runs = [(case, ports[port]) for _, kind, port, case in starts if kind == "start"]

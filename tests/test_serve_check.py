@@ -98,66 +98,6 @@ def test_acceptance_reads_vllms_own_spec_decode_counters():
     assert serve_check.acceptance({"phases": {"single": {"counters": {}}}}) is None
 
 
-# A stand-in for `vllm serve CKPT --port P ...`: greedy "tokens" from the prompt, top-2
-# logprobs, /health, and /metrics with vLLM's spec-decode counters (half the drafts accepted)
-# when it speculates.
-STAND_IN_VLLM = """#!/usr/bin/env python3
-import json, os, sys, time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-args = sys.argv[1:]
-port = int(args[args.index("--port") + 1])
-def flag(name):
-    return args[args.index(name) + 1]
-if args[0] == "bench":  # vllm bench serve: log the run, write a result file
-    case = flag("--result-filename").removesuffix(".json")
-    with open(os.environ["STAND_IN_BENCH_LOG"], "a") as log:
-        log.write(f"{time.monotonic():.6f} start {port} {case}\\n")
-    time.sleep(0.2)
-    with open(os.environ["STAND_IN_BENCH_LOG"], "a") as log:
-        log.write(f"{time.monotonic():.6f} end {port} {case}\\n")
-    os.makedirs(flag("--result-dir"), exist_ok=True)
-    result = {"completed": int(flag("--num-prompts")), "failed": 0, "output_throughput": port}
-    with open(os.path.join(flag("--result-dir"), flag("--result-filename")), "w") as f:
-        json.dump(result, f)
-    sys.exit(0)
-if "--kv-cache-memory-bytes" in args:  # what vLLM logs: capacity of the given KV memory
-    tokens = int(flag("--kv-cache-memory-bytes")) // (1000 if "DSV4_NVFP4" in args else 1400)
-    print(f"(EngineCore pid={os.getpid()}) INFO [kv_cache_utils.py:1147] GPU KV cache size: "
-          f"{tokens:,} tokens", flush=True)
-spec = "--speculative-config" in args
-drafts = [0]
-class Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-    def answer(self, text):
-        body = text.encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-    def do_GET(self):
-        if self.path == "/health":
-            return self.answer("ok")
-        text = "vllm:num_preemptions_total 0.0\\n"
-        if spec:
-            n = drafts[0]
-            for name, value in (("drafts", n), ("draft_tokens", n), ("accepted_tokens", n // 2)):
-                text += f'vllm:spec_decode_num_{name}_total{{engine="0"}} {value}\\n'
-        self.answer(text)
-    def do_POST(self):
-        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        n, prompt = request["max_tokens"], request["prompt"]
-        tokens = [(prompt[-1] * 7 + i) % 1000 for i in range(n)]
-        drafts[0] += 2 * n
-        choice = {"token_ids": tokens}
-        if request.get("logprobs"):
-            top = [{f"token_id:{t}": -0.1, "token_id:1": -0.5} for t in tokens]
-            choice["logprobs"] = {"top_logprobs": top}
-        self.answer(json.dumps({"choices": [choice]}))
-ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
-"""
-
-
 def test_the_spec_part_serves_both_rounds_and_compares_them(tmp_path):
     """`SPEC_PORT=8135 scripts/gpu_serve.sh spec fp8 dspark 4` on the CPU with a stand-in
     `vllm serve`: the server without and the one with speculation start side by side on the
@@ -165,31 +105,13 @@ def test_the_spec_part_serves_both_rounds_and_compares_them(tmp_path):
     next port; both answer the request plan, stop, and the comparison reports the agreement
     and the drafts' acceptance."""
     import json
-    import os
-    import stat
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    vllm = bin_dir / "vllm"
-    vllm.write_text(STAND_IN_VLLM)
-    vllm.chmod(vllm.stat().st_mode | stat.S_IEXEC)
-    env_file = tmp_path / "env.sh"
-    env_file.write_text(f'export PATH="{bin_dir}:{Path(sys.executable).parent}:$PATH"\n')
-    out = tmp_path / "out"
-    env = {**os.environ, "DSV4_ENV_FILE": str(env_file), "OUT": str(out)}
-    env.update(SKIP_PHASES="preemption", PYTHONPATH=str(root), SPEC_PORT="8135")
-    run = subprocess.run(
-        ["bash", "scripts/gpu_serve.sh", "spec", "fp8", "dspark", "4"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    from tests.serve_stand_in import run_gpu_serve
+
+    run = run_gpu_serve(
+        ["spec", "fp8", "dspark", "4"], tmp_path, SKIP_PHASES="preemption", SPEC_PORT="8135"
     )
+    out = tmp_path / "out"
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     servers = json.loads((out / "spec_compare.json").read_text())["servers"]
     assert set(servers) == {"fp8_plain", "fp8_dspark4"}
