@@ -31,8 +31,18 @@ def test_set_b_fills_the_reference_cache_and_goes_beyond():
     assert [c.concurrency for c in bench_serve.plan_cases("b", 70_000)] == [1, 2]
     with pytest.raises(ValueError, match="run the vllm server first"):
         bench_serve.plan_cases("b", None)
-    with pytest.raises(ValueError, match="'a' or 'b'"):
-        bench_serve.plan_cases("c", 1)
+    with pytest.raises(ValueError, match="'a', 'b' or 'c'"):
+        bench_serve.plan_cases("d", 1)
+
+
+def test_set_c_is_one_decode_bound_wave_beyond_the_reference_cache():
+    # 312,302 tokens hold 8 requests of 32768 + 4096 tokens; 1.5x that is 12, sent at once.
+    (case,) = bench_serve.plan_cases("c", 312_302)
+    assert (case.name, case.input_len, case.output_len) == ("c_32k_4k_c12", 32768, 4096)
+    assert case.concurrency == case.num_prompts == 12
+    assert bench_serve.plan_cases("c", 30_000)[0].concurrency == 2  # at least one more than fits
+    with pytest.raises(ValueError, match="set c needs the KV capacity"):
+        bench_serve.plan_cases("c", 0)
 
 
 def test_kv_tokens_sums_the_engines_last_reports():

@@ -14,7 +14,11 @@ end. The cases (:func:`plan_cases`):
 * ``b``: 65536 input / 1024 output at the concurrency that fills vLLM's backend's KV cache
   (the tokens it reports / 66560) and at 1.5x that, where a server with more capacity keeps
   more requests running. The reference capacity is read from ``DIR/<layout>_vllm.json``, so run
-  the ``vllm`` server first (or in an earlier call).
+  the ``vllm`` server first (or in an earlier call). Each request needs 64 prompt tokens per
+  output token, so the prefill bounds the output rate of every server alike;
+* ``c``: 32768 input / 4096 output, one wave of 1.5x the requests vLLM's backend's cache holds
+  (its tokens / 36864): decoding bounds the output rate, so a server that holds more of them at
+  once finishes sooner.
 
 With ``--greedy`` each fresh server first answers the greedy-agreement set
 (:func:`dsv4_attn.e2e.serve_check.greedy_plan`: prompts of 4K, 32K and the longest that fits,
@@ -82,6 +86,9 @@ SERVERS = {
     "nvfp4": ["--attention-backend", "DSV4_NVFP4"],
 }
 LONG_INPUT, OUTPUT = 65536, 1024
+DECODE_INPUT, DECODE_OUTPUT = 32768, 4096
+"""Set c: long outputs on long contexts (a reasoning model's answer), where decoding, not the
+prefill, bounds the output rate, so the requests a KV cache holds at once set it."""
 TURN_TIMEOUT_S = 4 * 3600.0
 """The longest a server waits for its turn (the other servers' steps before it)."""
 
@@ -96,17 +103,21 @@ class Case:
 
 
 def plan_cases(which: str, reference_kv_tokens: int | None) -> list[Case]:
-    """The cases of set ``which`` (``a`` or ``b``); ``b`` needs the reference server's KV
-    capacity in tokens."""
+    """The cases of set ``which`` (``a``, ``b`` or ``c``); ``b`` and ``c`` need the reference
+    server's KV capacity in tokens."""
     if which == "a":
         return [Case(f"a_8k_c{c}", 8192, OUTPUT, c, max(4, 2 * c)) for c in (1, 16, 64)]
-    if which != "b":
-        raise ValueError(f"case set must be 'a' or 'b', got {which!r}")
+    if which not in ("b", "c"):
+        raise ValueError(f"case set must be 'a', 'b' or 'c', got {which!r}")
     if not reference_kv_tokens or reference_kv_tokens < 1:
         raise ValueError(
-            "set b needs the KV capacity vLLM's backend reported: run the vllm "
+            f"set {which} needs the KV capacity vLLM's backend reported: run the vllm "
             f"server first (got {reference_kv_tokens!r})"
         )
+    if which == "c":  # decode-bound: one wave of 1.5x the requests the reference holds
+        full = max(1, reference_kv_tokens // (DECODE_INPUT + DECODE_OUTPUT))
+        c = math.ceil(1.5 * full)
+        return [Case(f"c_32k_4k_c{c}", DECODE_INPUT, DECODE_OUTPUT, c, c)]
     full = max(1, reference_kv_tokens // (LONG_INPUT + OUTPUT))
     return [
         Case(f"b_64k_c{c}", LONG_INPUT, OUTPUT, c, 2 * c)
