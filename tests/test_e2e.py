@@ -365,6 +365,30 @@ def test_cli_demo_prints_summary(capsys, tmp_path):
     assert len(fmt["tokens"]) == 6 and fmt["fallback_reasons"]
 
 
+def test_cli_demo_runs_v4_flash_shapes(capsys, tmp_path):
+    """--shape flash --layers 3: V4-Flash's first three layers (window, window, CSA top-512) at
+    their real shapes, built in memory, through the oracle and our path."""
+    out_json = tmp_path / "flash.json"
+    argv = ["demo", "--shape", "flash", "--layers", "3", "--kv-format", "fp8_ds_mla"]
+    argv += ["--no-sim", "--prompt-len", "24", "--new-tokens", "2", "--json", str(out_json)]
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "V4-Flash-shaped" in text and "SWA | SWA | CSA; 64 heads x 512" in text
+    assert "CSA top-512" in text
+    result = json.loads(out_json.read_text())
+    assert (result["shape"], result["layers"], result["heads"]) == ("flash", 3, 64)
+    fmt = result["seeds"][str(CASE_SEED)]["formats"]["fp8_ds_mla"]
+    assert len(fmt["tokens"]) == 2 and max(fmt["tokens"]) < 129280
+    for bad, message in (
+        (["--layers", "44"], "--layers must be 1 to 43"),
+        (["--heads", "8"], "--heads applies to --shape tiny only"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            cli_main(["demo", "--shape", "flash", *bad, "--no-save"])
+    with pytest.raises(SystemExit, match="--layers applies to --shape flash only"):
+        cli_main(["demo", "--layers", "3", "--no-save"])
+
+
 def test_route_rejects_a_batch_of_two(case):
     model, oracle = case
     with (
