@@ -377,11 +377,21 @@ def test_each_case_draws_prompts_no_other_case_shares(tmp_path: Path):
     assert drawn["b_64k_c4"] == prefixes(bench_serve.case_seed(0, cases[3]), 4)
 
 
-def test_the_shared_real_part_runs_every_server_on_gpu_0_in_turns(tmp_path: Path):
-    """`BENCH_SHARED=1 scripts/gpu_serve.sh real tp1` on the CPU with a stand-in `vllm`: three
-    server processes on GPU 0, each with BENCH_KV_GIB of KV memory and no memory profiling;
-    set b planned from vLLM's reported capacity; every case run by one server at a time, server
-    by server, case by case; one summary of all three at the end."""
+@pytest.mark.parametrize(
+    ("layout", "gpus", "flags"),
+    [
+        ("tp1", {}, ""),
+        ("dp2ep", {"BENCH_GPUS": "0,1"}, "--data-parallel-size 2 --enable-expert-parallel"),
+    ],
+)
+def test_the_shared_real_part_runs_every_server_on_the_same_gpus_in_turns(
+    tmp_path: Path, layout, gpus, flags
+):
+    """`BENCH_SHARED=1 scripts/gpu_serve.sh real LAYOUT` on the CPU with a stand-in `vllm`:
+    three server processes on the same GPUs (GPU 0 for tp1, BENCH_GPUS otherwise), each with
+    the layout's flags and BENCH_KV_GIB of KV memory, no memory profiling; set b planned from
+    vLLM's reported capacity; every case run by one server at a time, server by server, case by
+    case; one summary of all three at the end."""
     from tests.serve_stand_in import run_gpu_serve
 
     checkpoint = tmp_path / "flash"
@@ -389,7 +399,7 @@ def test_the_shared_real_part_runs_every_server_on_gpu_0_in_turns(tmp_path: Path
     (checkpoint / "tokenizer.json").write_text("{}")  # present: no checkpoint is written
     log = tmp_path / "bench_runs.log"
     run = run_gpu_serve(
-        ["real", "tp1"],
+        ["real", layout],
         tmp_path,
         FLASH_CKPT=str(checkpoint),
         BENCH_SHARED="1",
@@ -398,19 +408,21 @@ def test_the_shared_real_part_runs_every_server_on_gpu_0_in_turns(tmp_path: Path
         BENCH_ONLY="b_64k_c11,b_64k_c17,a_8k_c1",
         BENCH_PORT="8300",
         STAND_IN_BENCH_LOG=str(log),
+        **gpus,
     )
     out = tmp_path / "out"
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = out / "bench_serve"
-    summary = json.loads((results / "tp1_summary.json").read_text())
+    summary = json.loads((results / f"{layout}_summary.json").read_text())
     assert sorted(summary) == ["fp8", "nvfp4", "vllm"]
     # 1 GiB / 1400 B per token (vLLM's stand-in): 766,958 tokens, 11 requests of 66,560 fill it
     assert summary["vllm"]["kv_tokens"] == 2**30 // 1400
     kv_flags = "--kv-cache-memory-bytes 1073741824 --gpu-memory-utilization 0.2"
+    visible = f"CUDA_VISIBLE_DEVICES={gpus.get('BENCH_GPUS', '0')}\n"
     for name, record in summary.items():
         assert sorted(record["cases"]) == ["a_8k_c1", "b_64k_c11", "b_64k_c17"]
-        assert kv_flags in record["command"]
-        assert "CUDA_VISIBLE_DEVICES=0\n" in (results / f"tp1_{name}.log").read_text()
+        assert kv_flags in record["command"] and flags in record["command"]
+        assert visible in (results / f"{layout}_{name}.log").read_text()
     ports = {"8300": "vllm", "8320": "fp8", "8340": "nvfp4"}  # BENCH_PORT, +20 each
     starts = [line.split() for line in log.read_text().splitlines()]
     runs = [(case, ports[port]) for _, kind, port, case in starts if kind == "start"]
