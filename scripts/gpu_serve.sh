@@ -378,7 +378,7 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
   real)
     # V4-Flash's attention at its real shapes (dsv4_attn.e2e.real_shapes: 16 GiB written here
     # once), then vllm bench serve of the three servers on layout ${2:-tp1}
-    # (dsv4_attn.e2e.bench_serve; BENCH_SERVERS / BENCH_CASES / BENCH_ONLY narrow it,
+    # (dsv4_attn.e2e.bench_serve; BENCH_SERVERS / BENCH_CASES (empty: none) / BENCH_ONLY narrow it,
     # BENCH_GREEDY=1 adds the greedy agreement of the servers, BENCH_PROFILE=CASE a profile of
     # that case's steps, BENCH_SPREAD=1 a GPU per server at once, BENCH_SHARED=1 every server
     # on GPU 0 at once taking turns; BENCH_PORT (8200) the first server's port, the next
@@ -396,7 +396,7 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
       local names=$1 port=$2; shift 2
       VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m dsv4_attn.e2e.bench_serve --model "$FLASH" \
         --layout "$layout" --servers "$names" --port "$port" \
-        --cases "${BENCH_CASES:-a,b}" --only "${BENCH_ONLY:-}" ${BENCH_GREEDY:+--greedy} \
+        --cases "${BENCH_CASES-a,b}" --only "${BENCH_ONLY:-}" ${BENCH_GREEDY:+--greedy} \
         ${BENCH_PROFILE:+--profile "$BENCH_PROFILE"} --out "$OUT/bench_serve" "$@"
     }
     compare_greedy() {  # the greedy agreement of the servers run by separate processes

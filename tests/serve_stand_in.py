@@ -63,6 +63,10 @@ class Handler(BaseHTTPRequestHandler):
         tokens = [(prompt[-1] * 7 + i) % 1000 for i in range(n)]
         drafts[0] += 2 * n
         choice = {"token_ids": tokens}
+        if request.get("prompt_logprobs") is not None:  # each prompt token's own logprob
+            choice["prompt_logprobs"] = [None] + [
+                {str(t): {"logprob": -1.0 - (t % 7) / 8, "rank": 1}} for t in prompt[1:]
+            ]
         if request.get("logprobs"):
             top = [{f"token_id:{t}": -0.1, "token_id:1": -0.5} for t in tokens]
             choice["logprobs"] = {"top_logprobs": top}

@@ -377,6 +377,44 @@ def test_each_case_draws_prompts_no_other_case_shares(tmp_path: Path):
     assert drawn["b_64k_c4"] == prefixes(bench_serve.case_seed(0, cases[3]), 4)
 
 
+def test_the_shared_real_part_with_no_cases_runs_the_greedy_set_in_turns(tmp_path: Path):
+    """BENCH_CASES empty with BENCH_GREEDY=1 (a shallow control): each server answers the
+    greedy set, scored requests included, one server at a time; the comparison reports each
+    server's scored logprobs against the reference's and its own batch noise."""
+    from tests.serve_stand_in import run_gpu_serve
+
+    checkpoint = tmp_path / "flash"
+    checkpoint.mkdir()
+    (checkpoint / "tokenizer.json").write_text("{}")
+    run = run_gpu_serve(
+        ["real", "tp1"],
+        tmp_path,
+        FLASH_CKPT=str(checkpoint),
+        BENCH_SHARED="1",
+        BENCH_KV_GIB="1",
+        BENCH_CASES="",
+        BENCH_GREEDY="1",
+        BENCH_PORT="8360",
+        STAND_IN_BENCH_LOG=str(tmp_path / "bench_runs.log"),
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = tmp_path / "out" / "bench_serve"
+    assert not (tmp_path / "bench_runs.log").exists()  # no vllm bench serve run
+    turns = sorted(p.name for p in (tmp_path / "out" / "turns").iterdir())
+    assert [t for t in turns if t.startswith("greedy.")] == [
+        "greedy.fp8",
+        "greedy.nvfp4",
+        "greedy.vllm",
+    ]
+    report = json.loads((results / "tp1_greedy.json").read_text())
+    for name in ("fp8", "nvfp4"):
+        entry = report["servers"][name]
+        assert entry["errors"] == 0
+        assert entry["scored"]["against_reference"] == {"mean": 0.0, "max": 0.0}
+        assert entry["scored"]["self"] == {"mean": 0.0, "max": 0.0}
+    assert "scored tokens" in run.stdout
+
+
 @pytest.mark.parametrize(
     ("layout", "gpus", "flags"),
     [
