@@ -377,26 +377,31 @@ def test_each_case_draws_prompts_no_other_case_shares(tmp_path: Path):
     assert drawn["b_64k_c4"] == prefixes(bench_serve.case_seed(0, cases[3]), 4)
 
 
-def test_the_shared_real_part_with_no_cases_runs_the_greedy_set_in_turns(tmp_path: Path):
-    """BENCH_CASES empty with BENCH_GREEDY=1 (a shallow control): each server answers the
-    greedy set, scored requests included, one server at a time; the comparison reports each
-    server's scored logprobs against the reference's and its own batch noise."""
+def _run_shared_real(tmp_path: Path, layout: str, **env: str):
+    """`BENCH_SHARED=1 scripts/gpu_serve.sh real LAYOUT` with the stand-in `vllm` (1 GiB of KV
+    each, runs of `vllm bench serve` logged to tmp_path / "bench_runs.log") on a checkpoint
+    folder that has its tokenizer already (so none is written)."""
     from tests.serve_stand_in import run_gpu_serve
 
     checkpoint = tmp_path / "flash"
     checkpoint.mkdir()
     (checkpoint / "tokenizer.json").write_text("{}")
-    run = run_gpu_serve(
-        ["real", "tp1"],
+    return run_gpu_serve(
+        ["real", layout],
         tmp_path,
         FLASH_CKPT=str(checkpoint),
         BENCH_SHARED="1",
         BENCH_KV_GIB="1",
-        BENCH_CASES="",
-        BENCH_GREEDY="1",
-        BENCH_PORT="8360",
         STAND_IN_BENCH_LOG=str(tmp_path / "bench_runs.log"),
+        **env,
     )
+
+
+def test_the_shared_real_part_with_no_cases_runs_the_greedy_set_in_turns(tmp_path: Path):
+    """BENCH_CASES empty with BENCH_GREEDY=1 (a shallow control): each server answers the
+    greedy set, scored requests included, one server at a time; the comparison reports each
+    server's scored logprobs against the reference's and its own batch noise."""
+    run = _run_shared_real(tmp_path, "tp1", BENCH_CASES="", BENCH_GREEDY="1", BENCH_PORT="8360")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = tmp_path / "out" / "bench_serve"
     assert not (tmp_path / "bench_runs.log").exists()  # no vllm bench serve run
@@ -430,22 +435,13 @@ def test_the_shared_real_part_runs_every_server_on_the_same_gpus_in_turns(
     the layout's flags and BENCH_KV_GIB of KV memory, no memory profiling; set b planned from
     vLLM's reported capacity; every case run by one server at a time, server by server, case by
     case; one summary of all three at the end."""
-    from tests.serve_stand_in import run_gpu_serve
-
-    checkpoint = tmp_path / "flash"
-    checkpoint.mkdir()
-    (checkpoint / "tokenizer.json").write_text("{}")  # present: no checkpoint is written
     log = tmp_path / "bench_runs.log"
-    run = run_gpu_serve(
-        ["real", layout],
+    run = _run_shared_real(
         tmp_path,
-        FLASH_CKPT=str(checkpoint),
-        BENCH_SHARED="1",
-        BENCH_KV_GIB="1",
+        layout,
         BENCH_CASES="b,a",
         BENCH_ONLY="b_64k_c11,b_64k_c17,a_8k_c1",
         BENCH_PORT="8300",
-        STAND_IN_BENCH_LOG=str(log),
         **gpus,
     )
     out = tmp_path / "out"
