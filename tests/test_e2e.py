@@ -370,15 +370,17 @@ def test_cli_demo_runs_v4_flash_shapes(capsys, tmp_path):
     their real shapes, built in memory, through the oracle and our path."""
     out_json = tmp_path / "flash.json"
     argv = ["demo", "--shape", "flash", "--layers", "3", "--kv-format", "fp8_ds_mla"]
-    argv += ["--no-sim", "--prompt-len", "24", "--new-tokens", "2", "--json", str(out_json)]
-    assert cli_main(argv) == 0
+    argv += ["--no-sim", "--prompt-len", "24", "--new-tokens", "2", "--rounding-control"]
+    assert cli_main([*argv, "--json", str(out_json)]) == 0
     text = capsys.readouterr().out
     assert "V4-Flash-shaped" in text and "SWA | SWA | CSA; 64 heads x 512" in text
-    assert "CSA top-512" in text
+    assert "CSA top-512" in text and "rounding control" in text
     result = json.loads(out_json.read_text())
     assert (result["shape"], result["layers"], result["heads"]) == ("flash", 3, 64)
     fmt = result["seeds"][str(CASE_SEED)]["formats"]["fp8_ds_mla"]
     assert len(fmt["tokens"]) == 2 and max(fmt["tokens"]) < 129280
+    # fp32 against bf16 q and output: a rounding-level change that moves logits, not by much
+    assert 0 < fmt["rounding_control"]["median"] <= fmt["rounding_control"]["max"] < 1
     for bad, message in (
         (["--layers", "44"], "--layers must be 1 to 43"),
         (["--heads", "8"], "--heads applies to --shape tiny only"),

@@ -96,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-sim", action="store_true", help="skip the storage-matched oracle runs (faster)"
     )
     parser.add_argument(
+        "--rounding-control",
+        action="store_true",
+        help="also run the storage-matched oracle with q and output in fp32: how far a "
+        "rounding-level change moves a correct run's logits (the yardstick for our path's)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -135,6 +141,25 @@ def _build_flash(config, seed: int, device: torch.device):
         return build_model(config, seed, device)
     finally:
         torch.set_default_dtype(default_dtype)
+
+
+def _rounding_spread(model, oracle: harness.OracleRun, fmt: KVFormat) -> dict:
+    """How far a rounding-level change moves a correct run's logits: the storage-matched
+    oracle teacher-forced over the oracle's tokens with q and output in bf16 (as our path has
+    them) against the same with both in fp32. Our path's distance from the storage-matched
+    oracle is judged against it."""
+    from dsv4_attn.e2e.attention_route import simulate_kv_format
+
+    prompt_len = oracle.prompt.shape[1]
+    with simulate_kv_format(model, fmt):
+        bf16_ops = harness.teacher_forced(model, oracle.sequence, prompt_len)
+    with simulate_kv_format(model, fmt, q_dtype=None, round_output=False):
+        fp32_ops = harness.teacher_forced(model, oracle.sequence, prompt_len)
+    difference = (bf16_ops.float() - fp32_ops.float()).abs()
+    return {
+        "max": round(difference.max().item(), 4),
+        "median": round(difference.median().item(), 5),
+    }
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -350,6 +375,14 @@ def run(args: argparse.Namespace, out=print) -> dict:
             reports.append(report)
             seed_results["formats"][fmt.value] = _report_json(report)
             out(_format_row(report))
+            if args.rounding_control:
+                spread = _rounding_spread(model, oracle, fmt)
+                seed_results["formats"][fmt.value]["rounding_control"] = spread
+                out(
+                    f"  {'':<11} rounding control: the storage-matched oracle with q and output "
+                    f"in fp32 instead of bf16 moves its logits by up to {spread['max']:.4f} "
+                    f"(median {spread['median']:.5f})"
+                )
         # One block per distinct backend summary (usually all formats share one).
         summaries: dict[tuple[str, ...], list[str]] = {}
         for report in reports:
