@@ -33,7 +33,7 @@ torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu
 
 if [[ $PART == flash ]]; then
   timeout "$DEMO_TIMEOUT" $PY -m dsv4_attn demo --shape flash --layers "${FLASH_LAYERS:-43}" \
-    --device cuda --prompt-len "${FLASH_PROMPT:-4096}" --new-tokens 32 \
+    --device cuda --prompt-len "${FLASH_PROMPT:-4096}" --new-tokens 32 --rounding-control \
     --json "$OUT/demo_flash.json" 2>&1 | grep -v "Warning" | tee "$OUT/demo_flash.log"
   echo "demo exit: ${PIPESTATUS[0]}"
   exit 0
