@@ -463,3 +463,11 @@ def test_the_shared_real_part_runs_every_server_on_the_same_gpus_in_turns(
     cases = ["b_64k_c11", "b_64k_c17", "a_8k_c1"]
     assert runs == [(case, name) for case in cases for name in ("vllm", "fp8", "nvfp4")]
     assert [kind for _, kind, _, _ in starts] == ["start", "end"] * len(runs)  # never two at once
+
+
+def test_a_turn_order_without_the_server_is_refused_before_any_server_starts(tmp_path: Path):
+    common = ["--model", "m", "--out", str(tmp_path), "--servers", "nvfp4"]
+    for order in ("vllm,fp8", "vllm,vllm,nvfp4"):
+        with pytest.raises(SystemExit, match=r"--turn-order .* must name each server once"):
+            bench_serve.main([*common, "--turns", str(tmp_path / "t"), "--turn-order", order])
+    assert not list(tmp_path.iterdir())  # nothing started, nothing written

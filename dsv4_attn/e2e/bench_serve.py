@@ -429,6 +429,13 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [s for s in servers if s not in SERVERS]
     if unknown:
         raise SystemExit(f"unknown servers {unknown}: choose from {sorted(SERVERS)}")
+    if args.turns:
+        order = args.turn_order.split(",")
+        if len(set(order)) != len(order) or not set(servers) <= set(order):
+            raise SystemExit(
+                f"--turn-order {args.turn_order!r} must name each server once, these "
+                f"({args.servers!r}) among them"
+            )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in servers:
