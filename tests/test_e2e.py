@@ -383,6 +383,7 @@ def test_cli_demo_runs_v4_flash_shapes(capsys, tmp_path):
     assert 0 < fmt["rounding_control"]["median"] <= fmt["rounding_control"]["max"] < 1
     for bad, message in (
         (["--layers", "44"], "--layers must be 1 to 43"),
+        (["--layers", "0"], "--layers must be 1 to 43"),
         (["--heads", "8"], "--heads applies to --shape tiny only"),
     ):
         with pytest.raises(SystemExit, match=message):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from dsv4_attn.e2e import harness
-from dsv4_attn.e2e.tiny_model import LAYER_TYPES, TinySpec, load_or_build
+from dsv4_attn.e2e.tiny_model import LAYER_TYPES, TinySpec, build_model, load_or_build
 from dsv4_attn.kv_cache import KVFormat
 
 __all__ = ["add_arguments", "default_model_dir", "main", "run"]
@@ -128,19 +128,6 @@ def _describe_layers(layer_types: list[str]) -> str:
         return " | ".join(short)
     counts = Counter(short)
     return f"{len(short)} (" + ", ".join(f"{counts[k]} {k}" for k in dict.fromkeys(short)) + ")"
-
-
-def _build_flash(config, seed: int, device: torch.device):
-    """The V4-Flash-shaped model of ``config``, drawn on ``device`` and held in fp32 like the
-    tiny model (the oracle's precision)."""
-    from dsv4_attn.e2e.tiny_model import build_model
-
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        return build_model(config, seed, device)
-    finally:
-        torch.set_default_dtype(default_dtype)
 
 
 def _rounding_spread(model, oracle: harness.OracleRun, fmt: KVFormat) -> dict:
@@ -290,10 +277,11 @@ def run(args: argparse.Namespace, out=print) -> dict:
         torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     )
     if flash:
-        from dsv4_attn.e2e.real_shapes import flash_config
+        from dsv4_attn.e2e.real_shapes import FLASH_LAYER_TYPES, flash_config
 
+        layers = len(FLASH_LAYER_TYPES) if args.layers is None else args.layers
         try:
-            config = flash_config(layers=args.layers or 43)
+            config = flash_config(layers=layers)
         except ValueError as error:
             raise SystemExit(f"--{error}") from None
         layer_types, topk, name = config.layer_types, config.index_topk, "V4-Flash-shaped"
@@ -337,7 +325,8 @@ def run(args: argparse.Namespace, out=print) -> dict:
     for seed in seeds:
         start = time.perf_counter()
         if flash:
-            model = _build_flash(config, seed, device)
+            # fp32 like the tiny model: the oracle's precision
+            model = build_model(config, seed, device, dtype=torch.float32)
             path, how, vocab_size = None, "built in memory on " + str(device), config.vocab_size
         else:
             spec = TinySpec(seed=seed, num_heads=heads)

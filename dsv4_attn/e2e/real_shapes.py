@@ -55,7 +55,9 @@ OVERRIDES = {
 """Where this model is not V4-Flash (the MoE and the MTP layer; see the module docstring)."""
 
 
-def flash_config(experts: int = OVERRIDES["n_routed_experts"], layers: int = 43, **overrides):
+def flash_config(
+    experts: int = OVERRIDES["n_routed_experts"], layers: int = len(FLASH_LAYER_TYPES), **overrides
+):
     """The ``DeepseekV4Config`` of V4-Flash's attention with :data:`OVERRIDES` (``experts``
     routed experts; the first ``layers`` of its schedule; ``overrides`` replace any field, for
     tests)."""
@@ -137,12 +139,8 @@ def main(argv: list[str] | None = None) -> None:
         config = flash_config(args.experts, args.layers)
     except ValueError as error:
         raise SystemExit(f"--{error}") from None
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # built in bf16: half the memory of fp32
-    try:
-        model = build_model(config, args.seed, args.device)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    # built in bf16: half the memory of fp32
+    model = build_model(config, args.seed, args.device, dtype=torch.bfloat16)
     path = write_vllm_checkpoint(args.directory, model, max_shard_size="2GB")
     write_word_tokenizer(path, config.vocab_size)
     print(f"{path}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters")

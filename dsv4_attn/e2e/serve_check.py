@@ -358,12 +358,12 @@ def _logprob_gap(a: list[float], b: list[float]) -> dict:
     return {"mean": round(statistics.fmean(gaps), 5), "max": round(max(gaps), 5)}
 
 
-def compare_scored(ref_record: dict, other_record: dict | None = None) -> dict | None:
-    """The logprobs of the scored tokens: ``other_record``'s against ``ref_record``'s on the
-    same contexts (each sent alone), and ``ref_record``'s own sent alone against sent among
-    the concurrent requests (``self``); mean and max absolute difference (nats). None where
-    the records lack them."""
-    results = ref_record["results"]
+def compare_scored(record: dict, reference: dict | None = None) -> dict | None:
+    """The logprobs of ``record``'s scored tokens: sent alone against sent among the concurrent
+    requests (``self``, the server's own batch noise), and against ``reference``'s on the same
+    contexts, each sent alone (``against_reference``); mean and max absolute difference (nats).
+    None where ``record`` lacks them."""
+    results = record["results"]
     alone = results.get("scored_4096", {}).get("scored")
     if alone is None:
         return None
@@ -371,8 +371,8 @@ def compare_scored(ref_record: dict, other_record: dict | None = None) -> dict |
     batched = results.get("scored_4096_batched", {}).get("scored")
     if batched is not None:
         report["self"] = _logprob_gap(alone, batched)
-    if other_record is not None:
-        other = other_record["results"].get("scored_4096", {}).get("scored")
+    if reference is not None:
+        other = reference["results"].get("scored_4096", {}).get("scored")
         if other is not None:
             report["against_reference"] = _logprob_gap(alone, other)
     return report

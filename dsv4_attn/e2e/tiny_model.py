@@ -201,19 +201,25 @@ def _layer_outputs(model) -> list[torch.Tensor]:
     ]
 
 
-def build_model(config, seed: int, device: str | torch.device = "cpu"):
+def build_model(
+    config, seed: int, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+):
     """A seeded random-weight ``DeepseekV4ForCausalLM`` of ``config`` (eval mode, on ``device``,
-    in torch's default dtype): transformers' own initialisation, then random sinks and
-    compressor position biases (transformers zeroes them; random, the sink term and the
-    compressor softmax matter). The weights depend on the device's random generator: a CUDA
-    build (seconds for V4-Flash's 8.6 B parameters, where the CPU takes minutes) differs from a
-    CPU build of the same seed."""
+    drawn in ``dtype``, torch's default dtype when None): transformers' own initialisation, then
+    random sinks and compressor position biases (transformers zeroes them; random, the sink term
+    and the compressor softmax matter). The weights depend on the device's random generator: a
+    CUDA build (seconds for V4-Flash's 8.6 B parameters, where the CPU takes minutes) differs
+    from a CPU build of the same seed."""
     _, DeepseekV4ForCausalLM = _import_transformers()
     generator_state = torch.random.get_rng_state()
+    default_dtype = torch.get_default_dtype()
     try:
         torch.manual_seed(seed)
+        if dtype is not None:  # transformers builds every weight in torch's default dtype
+            torch.set_default_dtype(dtype)
         with torch.device(device):
             model = DeepseekV4ForCausalLM(config)
+        torch.set_default_dtype(default_dtype)
         gen = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
             for layer in model.model.layers:
@@ -229,6 +235,7 @@ def build_model(config, seed: int, device: str | torch.device = "cpu"):
                 for bias in biases:
                     bias.copy_(0.5 * torch.randn(bias.shape, generator=gen))
     finally:
+        torch.set_default_dtype(default_dtype)
         torch.random.set_rng_state(generator_state)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
