@@ -88,8 +88,15 @@ backend_args() {  # server (vllm, fp8, nvfp4): its attention flags, into the arr
   esac
 }
 
-wait_up() {  # port [seconds]: until a server answers /health there (exit 1 after seconds)
-  python3 -c "from dsv4_attn.e2e.serve_check import Server; Server($1, '').wait(${2:-600})"
+wait_up() {  # port [seconds] [pid file]: until a server answers /health there (exit 1 after
+  # seconds, or as soon as the process named in the pid file has exited)
+  python3 - "$@" <<'PY'
+import sys
+from pathlib import Path
+from dsv4_attn.e2e.serve_check import Server
+port, seconds, pid_file = (sys.argv[1:] + ["600", ""])[:3]
+Server(int(port), "").wait(float(seconds), Path(pid_file) if pid_file else None)
+PY
 }
 
 launch() {  # name port [vllm serve args...]: start a server in its own session, log in $OUT
@@ -203,8 +210,10 @@ spec_pair() {  # server method tokens: $CKPT served by server (vllm, fp8, nvfp4)
   local spec="{\"method\": \"$method\", \"num_speculative_tokens\": $tokens}"
   export SERVE_MEM=${SPEC_MEM:-0.3}
   local port=${SPEC_PORT:-8105}  # another SPEC_PORT runs another pair beside this one
+  rm -f "$OUT/serve_${name}_plain.pid"
   serve_round "${name}_plain" "$port" "${extra[@]}" > "$OUT/round_plain.log" 2>&1 &
-  wait_up "$port" || echo "server ${name}_plain did not come up"
+  wait_up "$port" 600 "$OUT/serve_${name}_plain.pid" \
+    || echo "server ${name}_plain did not come up"
   serve_round "${name}_$method$tokens" $((port + 1)) "${extra[@]}" --speculative-config "$spec" \
     > "$OUT/round_spec.log" 2>&1 &
   wait
@@ -357,7 +366,7 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
       gpu=0; [ "$gpus" -ge "${#names[@]}" ] && gpu=$i
       CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=$gpu SERVE_MEM=${SOAK_MEM:-0.25} \
         launch "soak_$name" $((port + i)) "${extra[@]}" "${probe[@]}"
-      [ "$gpus" -ge "${#names[@]}" ] || wait_up $((port + i)) \
+      [ "$gpus" -ge "${#names[@]}" ] || wait_up $((port + i)) 600 "$OUT/serve_soak_$name.pid" \
         || echo "server soak_$name did not come up"
       echo "$name $((port + i)) $gpu" >> "$OUT/soak_servers.txt"; i=$((i + 1))
     done

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import socket
 import stat
 import subprocess
 import sys
@@ -76,9 +78,31 @@ ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 """
 
 
+def free_port(*offsets: int) -> int:
+    """A port P such that P + offset is free on 127.0.0.1 for every offset (0 when none are
+    given): fixed ports collide with another run of the suite on the same machine."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000)
+        sockets = []
+        try:
+            for offset in offsets or (0,):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no free ports at offsets {offsets} from 200 tries")
+
+
 def run_gpu_serve(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     """``bash scripts/gpu_serve.sh ARGS`` with :data:`STAND_IN_VLLM` as ``vllm`` on the PATH,
-    ``OUT`` at ``tmp_path / "out"`` and ``env`` added to the environment."""
+    ``OUT`` at ``tmp_path / "out"`` and ``env`` added to the environment. A run past its time
+    fails with the tails of its logs (a server that did not come up says why there)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     vllm = bin_dir / "vllm"
@@ -88,11 +112,16 @@ def run_gpu_serve(args: list[str], tmp_path: Path, **env: str) -> subprocess.Com
     env_file.write_text(f'export PATH="{bin_dir}:{Path(sys.executable).parent}:$PATH"\n')
     environment = {**os.environ, "DSV4_ENV_FILE": str(env_file), "PYTHONPATH": str(ROOT)}
     environment.update(OUT=str(tmp_path / "out"), **env)
-    return subprocess.run(
-        ["bash", "scripts/gpu_serve.sh", *args],
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    try:
+        return subprocess.run(
+            ["bash", "scripts/gpu_serve.sh", *args],
+            cwd=ROOT,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    except subprocess.TimeoutExpired as timeout:
+        logs = sorted((tmp_path / "out").rglob("*.log"))
+        tails = "".join(f"\n--- {log}\n{log.read_text(errors='replace')[-1500:]}" for log in logs)
+        raise AssertionError(f"gpu_serve.sh {' '.join(args)} ran past 300 s{tails}") from timeout

@@ -401,7 +401,10 @@ def test_the_shared_real_part_with_no_cases_runs_the_greedy_set_in_turns(tmp_pat
     """BENCH_CASES empty with BENCH_GREEDY=1 (a shallow control): each server answers the
     greedy set, scored requests included, one server at a time; the comparison reports each
     server's scored logprobs against the reference's and its own batch noise."""
-    run = _run_shared_real(tmp_path, "tp1", BENCH_CASES="", BENCH_GREEDY="1", BENCH_PORT="8360")
+    from tests.serve_stand_in import free_port
+
+    port = str(free_port(0, 20, 40))
+    run = _run_shared_real(tmp_path, "tp1", BENCH_CASES="", BENCH_GREEDY="1", BENCH_PORT=port)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = tmp_path / "out" / "bench_serve"
     assert not (tmp_path / "bench_runs.log").exists()  # no vllm bench serve run
@@ -435,13 +438,16 @@ def test_the_shared_real_part_runs_every_server_on_the_same_gpus_in_turns(
     the layout's flags and BENCH_KV_GIB of KV memory, no memory profiling; set b planned from
     vLLM's reported capacity; every case run by one server at a time, server by server, case by
     case; one summary of all three at the end."""
+    from tests.serve_stand_in import free_port
+
     log = tmp_path / "bench_runs.log"
+    port = free_port(0, 20, 40)  # BENCH_PORT, +20 each
     run = _run_shared_real(
         tmp_path,
         layout,
         BENCH_CASES="b,a",
         BENCH_ONLY="b_64k_c11,b_64k_c17,a_8k_c1",
-        BENCH_PORT="8300",
+        BENCH_PORT=str(port),
         **gpus,
     )
     out = tmp_path / "out"
@@ -457,7 +463,7 @@ def test_the_shared_real_part_runs_every_server_on_the_same_gpus_in_turns(
         assert sorted(record["cases"]) == ["a_8k_c1", "b_64k_c11", "b_64k_c17"]
         assert kv_flags in record["command"] and flags in record["command"]
         assert visible in (results / f"{layout}_{name}.log").read_text()
-    ports = {"8300": "vllm", "8320": "fp8", "8340": "nvfp4"}  # BENCH_PORT, +20 each
+    ports = {str(port): "vllm", str(port + 20): "fp8", str(port + 40): "nvfp4"}
     starts = [line.split() for line in log.read_text().splitlines()]
     runs = [(case, ports[port]) for _, kind, port, case in starts if kind == "start"]
     cases = ["b_64k_c11", "b_64k_c17", "a_8k_c1"]

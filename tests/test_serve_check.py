@@ -99,17 +99,18 @@ def test_acceptance_reads_vllms_own_spec_decode_counters():
 
 
 def test_the_spec_part_serves_both_rounds_and_compares_them(tmp_path):
-    """`SPEC_PORT=8135 scripts/gpu_serve.sh spec fp8 dspark 4` on the CPU with a stand-in
+    """`SPEC_PORT=P scripts/gpu_serve.sh spec fp8 dspark 4` on the CPU with a stand-in
     `vllm serve`: the server without and the one with speculation start side by side on the
     draftable DSpark checkpoint with this backend's flags and 3200 KV blocks, on SPEC_PORT and the
     next port; both answer the request plan, stop, and the comparison reports the agreement
     and the drafts' acceptance."""
     import json
 
-    from tests.serve_stand_in import run_gpu_serve
+    from tests.serve_stand_in import free_port, run_gpu_serve
 
+    port = free_port(0, 1)
     run = run_gpu_serve(
-        ["spec", "fp8", "dspark", "4"], tmp_path, SKIP_PHASES="preemption", SPEC_PORT="8135"
+        ["spec", "fp8", "dspark", "4"], tmp_path, SKIP_PHASES="preemption", SPEC_PORT=str(port)
     )
     out = tmp_path / "out"
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -122,8 +123,8 @@ def test_the_spec_part_serves_both_rounds_and_compares_them(tmp_path):
     command = (out / "serve_fp8_dspark4.cmd").read_text()
     assert "/tmp/dsv4_dspark_ckpt" in command and "--kv-cache-dtype fp8" in command
     assert '{"method": "dspark", "num_speculative_tokens": 4}' in command
-    assert "--port 8136 " in command  # SPEC_PORT and the next port: pairs side by side
-    assert "--port 8135 " in (out / "serve_fp8_plain.cmd").read_text()
+    assert f"--port {port + 1} " in command  # SPEC_PORT and the next port: pairs side by side
+    assert f"--port {port} " in (out / "serve_fp8_plain.cmd").read_text()
     assert "--num-gpu-blocks-override 3200 " in command
     assert "server fp8_dspark4 stopped" in (out / "round_spec.log").read_text()
 
@@ -202,3 +203,35 @@ def test_scored_logprobs_compared_against_the_reference_and_the_servers_own_nois
     assert report["against_reference"] == {"mean": 0.41667, "max": 1.0}
     assert serve_check.compare_scored(ref)["self"] == {"mean": 0.16667, "max": 0.5}
     assert serve_check.compare_scored({"results": {}}) is None
+
+
+def test_waiting_for_a_server_ends_once_its_process_has_exited(tmp_path):
+    """A server process that exits before /health answers ends the wait at once, also while it
+    is a zombie nobody has reaped yet, and also when its id comes from the launcher's pid file
+    (missing at first, written later)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import pytest
+
+    from tests.serve_stand_in import free_port
+
+    server = serve_check.Server(free_port(), "")  # nothing listens there
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.time() + 20
+    while serve_check._alive(exited.pid) and time.time() < deadline:
+        time.sleep(0.05)  # until it has exited; not reaped (no wait() yet), so a zombie
+    assert Path(f"/proc/{exited.pid}").exists() and not serve_check._alive(exited.pid)
+    start = time.time()
+    with pytest.raises(RuntimeError, match=f"pid {exited.pid}"):
+        server.wait(60, exited.pid)
+    pid_file = tmp_path / "serve.pid"
+    pid_file.write_text(f"{exited.pid}\n")
+    with pytest.raises(RuntimeError, match=f"pid {exited.pid}"):
+        server.wait(60, pid_file)
+    assert time.time() - start < 20
+    with pytest.raises(TimeoutError, match="not up after 3 s"):  # no pid file: the time limit
+        server.wait(3, tmp_path / "never_written.pid")
+    exited.wait()

@@ -134,15 +134,17 @@ class Server:
         self.base = f"http://127.0.0.1:{port}"
         self.model = model
 
-    def wait(self, seconds: float, pid: int | None = None) -> float:
+    def wait(self, seconds: float, pid: int | Path | None = None) -> float:
         """Seconds until /health answers; raises if it does not within ``seconds`` or the server
-        process ``pid`` exits first."""
+        process exits first. ``pid`` is the server's process id, or the file its launcher writes
+        the id to (read at every poll: it may not be written yet, and a relaunch rewrites it)."""
         start = time.time()
         while time.time() - start < seconds:
             if self.healthy(timeout=2):
                 return time.time() - start
-            if pid is not None and not _alive(pid):
-                raise RuntimeError(f"the server (pid {pid}) exited before it came up")
+            server_pid = _read_pid(pid) if isinstance(pid, Path) else pid
+            if server_pid is not None and not _alive(server_pid):
+                raise RuntimeError(f"the server (pid {server_pid}) exited before it came up")
             time.sleep(2)
         raise TimeoutError(f"server at {self.base} not up after {seconds:.0f} s")
 
@@ -250,11 +252,24 @@ def acceptance(record: dict) -> dict | None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs; an exited one that nobody reaped yet (a zombie) does not."""
     try:
         os.kill(pid, 0)
     except OSError:
         return False
-    return True
+    try:  # the state is the field after the parenthesised command name
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc: os.kill's answer stands
+    return state not in ("Z", "X")
+
+
+def _read_pid(pid_file: Path) -> int | None:
+    """The process id in ``pid_file``; None while it is missing or not written yet."""
+    try:
+        return int(pid_file.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def query(server: Server, plan: list[Request]) -> dict:
