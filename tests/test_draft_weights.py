@@ -8,7 +8,6 @@ import functools
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from unittest import mock
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from tests import vllm_glue_testing as vt
+from tests.temp_dirs import temp_dir
 
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
@@ -45,7 +45,7 @@ _V2_RUNNER = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 @functools.cache
 def checkpoint() -> str:
     """The tiny vLLM checkpoint (8 query heads) with the DSpark draft (no MTP layers)."""
-    path = tempfile.mkdtemp(prefix="dsv4_dspark_ckpt_")
+    path = temp_dir("dsv4_dspark_ckpt_")
     return str(save_vllm_checkpoint(path, SPEC, mtp_layers=0, dspark=True))
 
 

@@ -106,19 +106,19 @@ def test_an_incompatible_vllm_leaves_the_backend_unregistered_with_a_warning(
     assert f"found vLLM {compat.installed_vllm_version()}" in warnings[0]
 
 
-def test_vllm_plugin_loading_survives_a_removed_hook_target():
+def test_vllm_plugin_loading_survives_a_removed_hook_target(tmp_path):
     """vLLM's own plugin loading, in a fresh interpreter whose DeepSeek-V4 model source lacks
     the hooked selector: plugins load, a WARNING names both vLLM versions, vLLM's own backends
     still configure the model, and only DSV4_NVFP4 is refused."""
     code = (
-        "import re, tempfile, pathlib\n"
+        "import re, pathlib\n"
         "from dsv4_attn.vllm_glue import compat\n"
         "name = 'vllm.models.deepseek_v4.nvidia.model'\n"
         "real = compat._source_path(name)\n"
         "source = real.read_text()\n"
         "removed = re.sub(r'\\ndef _select_dsv4_attn_cls\\(', '\\ndef _renamed(', source)\n"
         "assert removed != source\n"
-        "copy = pathlib.Path(tempfile.mkdtemp()) / 'model.py'\n"
+        f"copy = pathlib.Path({str(tmp_path)!r}) / 'model.py'\n"
         "copy.write_text(removed)\n"
         "original = compat._source_path\n"
         "compat._source_path = lambda m: copy if m == name else original(m)\n"

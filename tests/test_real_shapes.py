@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import random
-import tempfile
-from pathlib import Path
 
 import pytest
 
 from tests import vllm_glue_testing as vt
+from tests.temp_dirs import temp_dir
 
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
@@ -21,7 +20,7 @@ from dsv4_attn.vllm_glue.capacity import SCHEDULES
 
 
 def _config_dir(config) -> str:
-    path = Path(tempfile.mkdtemp(prefix="dsv4_flash_cfg_"))
+    path = temp_dir("dsv4_flash_cfg_")
     config.save_pretrained(str(path))
     real_shapes.write_word_tokenizer(path, config.vocab_size)
     return str(path)
@@ -69,7 +68,7 @@ def test_attention_is_v4_flash_as_its_config_states():
     assert {k: config[k] for k in real_shapes.OVERRIDES} == real_shapes.OVERRIDES
 
 
-def test_a_shallow_model_keeps_the_first_layers_of_the_schedule():
+def test_a_shallow_model_keeps_the_first_layers_of_the_schedule(tmp_path):
     """--layers N: V4-Flash's first N layers (window, window, CSA, HCA, ...), every other field
     as in the full model, and vLLM takes it; a count outside 1..43 is refused naming it."""
     full = real_shapes.flash_config().to_dict()
@@ -98,7 +97,8 @@ def test_a_shallow_model_keeps_the_first_layers_of_the_schedule():
         with pytest.raises(ValueError, match=f"layers must be 1 to 43 .*got {layers}"):
             real_shapes.flash_config(layers=layers)
     with pytest.raises(SystemExit, match="--layers must be 1 to 43"):
-        real_shapes.main([tempfile.mkdtemp(), "--layers", "0"])
+        real_shapes.main([str(tmp_path / "never_written"), "--layers", "0"])
+    assert not (tmp_path / "never_written").exists()
 
 
 def test_vllm_takes_the_config_for_dsv4_nvfp4():
@@ -115,10 +115,10 @@ def test_vllm_takes_the_config_for_dsv4_nvfp4():
     check_supported(config)
 
 
-def test_word_tokenizer_round_trips_through_vllms_deepseek_v4_tokenizer():
+def test_word_tokenizer_round_trips_through_vllms_deepseek_v4_tokenizer(tmp_path):
     from vllm.tokenizers import get_tokenizer
 
-    path = tempfile.mkdtemp(prefix="dsv4_tok_")
+    path = str(tmp_path)
     real_shapes.write_word_tokenizer(path, 129280)
     tokenizer = get_tokenizer(path, tokenizer_mode="deepseek_v4")
     rng = random.Random(1)
@@ -128,15 +128,13 @@ def test_word_tokenizer_round_trips_through_vllms_deepseek_v4_tokenizer():
     assert len(tokenizer) == 129280
 
 
-def test_sharded_checkpoint_loads_through_vllms_loader():
+def test_sharded_checkpoint_loads_through_vllms_loader(tmp_path):
     """The writer the V4-Flash checkpoint uses, on the tiny model cut into shards of 1 MB: every
     shard renamed and the index with it; vLLM's own loader takes every weight."""
     from tests.test_tiny_model import load_with_vllm
 
     spec = TinySpec(num_heads=8, index_heads=VLLM_SPEC.index_heads)
-    path = write_vllm_checkpoint(
-        tempfile.mkdtemp(prefix="dsv4_sharded_"), build_tiny_model(spec), max_shard_size="1MB"
-    )
+    path = write_vllm_checkpoint(tmp_path, build_tiny_model(spec), max_shard_size="1MB")
     shards = sorted(path.glob("*.safetensors"))
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert len(shards) > 3 and set(index["weight_map"].values()) == {p.name for p in shards}

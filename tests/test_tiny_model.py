@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import functools
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests import vllm_glue_testing as vt
+from tests.temp_dirs import temp_dir
 
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
@@ -26,7 +26,7 @@ SPEC = TinySpec(num_heads=8, index_heads=VLLM_SPEC.index_heads)
 
 @functools.cache
 def checkpoint() -> str:
-    return str(save_vllm_checkpoint(tempfile.mkdtemp(prefix="dsv4_vllm_ckpt_"), SPEC))
+    return str(save_vllm_checkpoint(temp_dir("dsv4_vllm_ckpt_"), SPEC))
 
 
 @functools.cache

@@ -10,13 +10,13 @@ from __future__ import annotations
 import functools
 import json
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from tests.temp_dirs import temp_dir
 
 # vLLM resolves its platform on first use; without a GPU it must be told to use the CPU one.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -76,7 +76,7 @@ def tiny_config_dict() -> dict:
 @functools.cache
 def tiny_checkpoint() -> str:
     """Directory holding the tiny checkpoint's ``config.json`` (no weights: load_format dummy)."""
-    path = Path(tempfile.mkdtemp(prefix="dsv4_tiny_"))
+    path = temp_dir("dsv4_tiny_")
     (path / "config.json").write_text(json.dumps(tiny_config_dict(), indent=1))
     return str(path)
 
@@ -119,7 +119,7 @@ def _distributed_ready() -> bool:
             world_size=1,
             rank=0,
             local_rank=0,
-            distributed_init_method=f"file://{tempfile.mktemp(prefix='dsv4_dist_')}",
+            distributed_init_method=f"file://{temp_dir('dsv4_dist_') / 'store'}",
             backend="gloo",
         )
         ensure_model_parallel_initialized(1, 1)
