@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -201,6 +203,18 @@ def _layer_outputs(model) -> list[torch.Tensor]:
     ]
 
 
+@contextmanager
+def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """Torch's default dtype set to ``dtype`` within (unchanged when None)."""
+    previous = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def build_model(
     config, seed: int, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ):
@@ -212,14 +226,11 @@ def build_model(
     from a CPU build of the same seed."""
     _, DeepseekV4ForCausalLM = _import_transformers()
     generator_state = torch.random.get_rng_state()
-    default_dtype = torch.get_default_dtype()
     try:
         torch.manual_seed(seed)
-        if dtype is not None:  # transformers builds every weight in torch's default dtype
-            torch.set_default_dtype(dtype)
-        with torch.device(device):
+        # transformers builds every weight in torch's default dtype
+        with _default_dtype(dtype), torch.device(device):
             model = DeepseekV4ForCausalLM(config)
-        torch.set_default_dtype(default_dtype)
         gen = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
             for layer in model.model.layers:
@@ -235,7 +246,6 @@ def build_model(
                 for bias in biases:
                     bias.copy_(0.5 * torch.randn(bias.shape, generator=gen))
     finally:
-        torch.set_default_dtype(default_dtype)
         torch.random.set_rng_state(generator_state)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
