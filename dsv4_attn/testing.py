@@ -20,6 +20,7 @@ from dsv4_attn.scope import KVScope
 
 __all__ = [
     "DecodeCase",
+    "assert_rows_close",
     "make_decode_case",
     "poison_lists",
     "poisoned_scope",
@@ -28,6 +29,55 @@ __all__ = [
 ]
 
 _FILL_CHUNK = 1 << 16  # rows generated and written at a time
+
+
+def assert_rows_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    tol: float,
+    *,
+    floor: float = 1e-3,
+    name: str = "output",
+) -> None:
+    """Every row (the last dimension) of ``actual`` within ``tol`` of ``expected``'s, relative:
+
+        ||actual_r - expected_r|| <= tol * max(||expected_r||, floor * rms_r ||expected_r||)
+
+    A whole-tensor relative error hides a wrong row (one zeroed (token, head) row of a
+    ``[128, 128, 512]`` output moves it by under 1%); this bounds each row by its own norm.
+    ``floor`` keeps rows whose reference is tiny against the others (a sink near +inf) from
+    demanding more than the output dtype holds; a row whose reference and floor are both zero
+    must match exactly. NaN anywhere fails. The message names the worst row's index, its error
+    and norm, and how many rows fail.
+
+    Args:
+        actual, expected: same shape ``[..., D]``, any float dtype (compared in float64 on
+            ``expected``'s device).
+    """
+    if actual.shape != expected.shape:
+        raise AssertionError(
+            f"{name}: shape {tuple(actual.shape)} differs from the reference's "
+            f"{tuple(expected.shape)}"
+        )
+    if expected.numel() == 0:
+        return
+    ref = expected.to(torch.float64)
+    got = actual.to(device=ref.device, dtype=torch.float64)
+    err = (got - ref).norm(dim=-1)
+    ref_norm = ref.norm(dim=-1)
+    rms = ref_norm.square().mean().sqrt()
+    bound = tol * torch.clamp(ref_norm, min=float(floor * rms))
+    bad = ~(err <= bound)  # NaN fails
+    if bad.any():
+        ratio = torch.where(bound > 0, err / bound, torch.where(err > 0, torch.inf, 0.0))
+        ratio = torch.where(torch.isnan(err), torch.inf, ratio)
+        worst = int(ratio.flatten().argmax())
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), err.shape))
+        raise AssertionError(
+            f"{name}: {int(bad.sum())} of {err.numel()} rows past the relative bound {tol:g}; "
+            f"worst row {index}: error {float(err.flatten()[worst]):.3g}, reference norm "
+            f"{float(ref_norm.flatten()[worst]):.3g}"
+        )
 
 
 def random_rows(n: int, generator: torch.Generator, device: torch.device | str = "cpu"):

@@ -13,7 +13,17 @@ import pytest
 import torch
 
 from dsv4_attn import dispatch_log, fmha_ops, reference
-from dsv4_attn.prefill_cases import make_dense_case, make_random_sparse_case
+from dsv4_attn.prefill_cases import DenseCase, make_dense_case, make_random_sparse_case
+from dsv4_attn.testing import assert_rows_close
+from tests.test_fallback import naive_attention
+
+# Per-row bounds (dsv4_attn.testing.assert_rows_close) against the float64 references. bf16:
+# the output's rounding moves a row by at most 2^-8 of its norm (the CPU cases' worst row is at
+# 0.25 of ROW_TOL_BF16). float32: the fallback's float32 softmax and matmuls (worst row 0.03 of
+# ROW_TOL_FP32). The kernels (GPU) also round P to bf16: ROW_TOL_GPU.
+ROW_TOL_BF16 = 1e-2
+ROW_TOL_FP32 = 1e-5
+ROW_TOL_GPU = 2e-2
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -35,6 +45,59 @@ def assert_lse_close(lse: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
 
 def dense_reference(case):
     return reference.dense_attention(case.q, case.k, case.v, **case.kwargs())
+
+
+def naive_dense(case: DenseCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention of an unpacked ``case`` written out query by query in float64,
+    independently of ``dsv4_attn.reference``: query ``i`` of ``Sq`` sees key ``j`` of ``Sk`` iff
+    ``j <= i + Sk - Sq`` (causal) and ``j > i + Sk - Sq - window``; query head ``h`` reads key
+    head ``h // (H // Hk)``; a sink scales by ``sigmoid(lse - sink)``. Returns ``(out
+    [B, Sq, H, Dv], lse [B, Sq, H])``, 0 and -inf for a query that sees no key."""
+    assert case.cu_seqlens_q is None, "unpacked cases only"
+    B, Sq, H, _ = case.q.shape
+    Sk, Hk, Dv = case.v.shape[1], case.v.shape[2], case.v.shape[3]
+    out = torch.zeros(B, Sq, H, Dv, dtype=torch.float64)
+    lse = torch.full((B, Sq, H), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        for i in range(Sq):
+            last = i + Sk - Sq if case.causal else Sk - 1
+            first = 0 if case.window is None else last - case.window + 1
+            keys = list(range(max(first, 0), min(last, Sk - 1) + 1))
+            if not keys:
+                continue
+            for h in range(H):
+                kh = h // (H // Hk)
+                k = case.k[b, keys, kh].double()
+                scores = (k @ case.q[b, i, h].double()) * case.scale  # [n]
+                lse[b, i, h] = torch.logsumexp(scores, dim=0)
+                out[b, i, h] = torch.softmax(scores, dim=0) @ case.v[b, keys, kh].double()
+                if case.sink is not None:
+                    out[b, i, h] *= torch.sigmoid(lse[b, i, h] - float(case.sink[h]))
+    return out, lse
+
+
+@pytest.fixture
+def ran(monkeypatch) -> list[str]:
+    """The computations ``fmha_ops`` runs, in order (``"dense-sdpa"``, ``"sparse-sdpa"``,
+    ``"dense-reference"``, ``"sparse-reference"``): the module keeps no dispatch record (as
+    ``ops.last_dispatch`` does for decode), so its torch fallbacks and the references it calls
+    are wrapped to say when they run. Clear it before the call under test."""
+    calls: list[str] = []
+
+    def spy(owner, attr: str, label: str) -> None:
+        real = getattr(owner, attr)
+
+        def wrapped(*args, **kwargs):
+            calls.append(label)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, attr, wrapped)
+
+    spy(fmha_ops, "_dense_torch", "dense-sdpa")
+    spy(fmha_ops, "_sparse_torch", "sparse-sdpa")
+    spy(fmha_ops.reference, "dense_attention", "dense-reference")
+    spy(fmha_ops.reference, "sparse_attention", "sparse-reference")
+    return calls
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,6 +128,7 @@ def test_dense_fallback_matches_reference(case_args, dtype):
     assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
     # bf16 output rounding is 2^-9 relative; fp32 math on exact products is far tighter.
     assert rel_err(out, ref_out) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    assert_rows_close(out, ref_out, ROW_TOL_FP32 if dtype == torch.float32 else ROW_TOL_BF16)
     assert_lse_close(lse, ref_lse, 1e-5)
 
 
@@ -74,6 +138,7 @@ def test_dense_fallback_k_is_v_head_dim_512():
     out, lse = fmha_ops.fmha(case.q, case.k, case.v, backend="sdpa", **case.kwargs())
     ref_out, ref_lse = dense_reference(case)
     assert rel_err(out, ref_out) <= 1e-2
+    assert_rows_close(out, ref_out, ROW_TOL_BF16)
     assert_lse_close(lse, ref_lse, 1e-5)
 
 
@@ -85,29 +150,50 @@ def test_sparse_fallback_matches_reference(lens, sink):
     ref_out, ref_lse = reference.sparse_attention(*case.args())
     assert out.shape == (9, 4, 64) and out.dtype == torch.bfloat16
     assert rel_err(out, ref_out) <= 1e-2
+    assert_rows_close(out, ref_out, ROW_TOL_BF16)
     assert_lse_close(lse, ref_lse, 1e-5)
 
 
+def _naive_sparse(q, kv, indices, lens, sink, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~tests.test_fallback.naive_attention` on one scope of rows ``kv``."""
+    return naive_attention(q, [(kv, indices, lens)], sink, scale)
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "reference"])
-def test_sparse_writes_into_out_and_lse(backend):
+def test_sparse_writes_into_out_and_lse(backend, ran):
+    """``out``/``lse`` given: the backend asked for runs (and only it), writes them in place and
+    returns them; the values are the float64 reference's (the fallback) or a loop of this
+    test's own (the reference backend, not compared with itself)."""
     case = make_random_sparse_case(9, 4, 50, 37, head_dim=64, sink="random", seed=5)
     out = torch.full((9, 4, 64), float("nan"), dtype=torch.bfloat16)
     lse = torch.full((9, 4), float("nan"))
     got, got_lse = fmha_ops.sparse_prefill(*case.args(), backend=backend, out=out, lse=lse)
-    expected, expected_lse = fmha_ops.sparse_prefill(*case.args(), backend=backend)
-    assert got is out and torch.equal(out, expected)
-    assert got_lse is lse and torch.equal(lse, expected_lse)
+    assert ran == [f"sparse-{backend}"]
+    assert got is out and got_lse is lse
+    expected = _naive_sparse if backend == "reference" else reference.sparse_attention
+    ref_out, ref_lse = expected(*case.args())
+    assert_rows_close(out, ref_out, ROW_TOL_BF16)
+    assert_lse_close(lse, ref_lse, 1e-5)
 
 
-def test_reference_backends_return_reference_values():
+def test_reference_backends_run_the_references(ran):
+    """``backend="reference"`` runs the float64 references and no fallback; their results,
+    rounded to q's dtype, are dense and sparse attention as loops of this test's own compute
+    them."""
     case = make_dense_case([(4, 6)], 2, 1, 16, causal=True, sink="random", seed=3)
     out, lse = fmha_ops.fmha(case.q, case.k, case.v, backend="reference", **case.kwargs())
-    ref_out, ref_lse = dense_reference(case)
-    assert torch.equal(out, ref_out.to(out.dtype)) and torch.equal(lse, ref_lse.float())
+    assert ran == ["dense-reference"]
+    ref_out, ref_lse = naive_dense(case)
+    assert out.dtype == case.q.dtype and lse.dtype == torch.float32
+    assert_rows_close(out, ref_out, ROW_TOL_BF16)
+    assert_lse_close(lse, ref_lse, 1e-6)
     sp = make_random_sparse_case(3, 2, 10, 5, head_dim=32, seed=4)
+    ran.clear()
     out, lse = fmha_ops.sparse_prefill(*sp.args(), backend="reference")
-    ref_out, ref_lse = reference.sparse_attention(*sp.args())
-    assert torch.equal(out, ref_out.to(out.dtype)) and torch.equal(lse, ref_lse.float())
+    assert ran == ["sparse-reference"]
+    ref_out, ref_lse = _naive_sparse(*sp.args())
+    assert_rows_close(out, ref_out, ROW_TOL_BF16)
+    assert_lse_close(lse, ref_lse, 1e-6)
 
 
 def test_auto_on_cpu_falls_back_and_logs_each_reason_once(dsv4_logs):
@@ -276,6 +362,7 @@ def test_gpu_fmha_auto_uses_kernel(seqlens, h, hk, d, causal, window, packed):
     out, lse = fmha_ops.fmha(case.q, case.k, case.v, backend="cutedsl", **case.kwargs())
     ref_out, ref_lse = dense_reference(case)
     assert rel_err(out, ref_out) <= 1e-2
+    assert_rows_close(out, ref_out, ROW_TOL_GPU)
     assert_lse_close(lse, ref_lse, 1e-2)
 
 
@@ -287,6 +374,7 @@ def test_gpu_sparse_prefill_auto_uses_kernel(heads):
     out, lse = fmha_ops.sparse_prefill(*case.args(), backend="cutedsl")
     ref_out, ref_lse = reference.sparse_attention(*case.args())
     assert rel_err(out, ref_out) <= 1e-2
+    assert_rows_close(out, ref_out, ROW_TOL_GPU)
     assert_lse_close(lse, ref_lse, 1e-2)
     into = torch.full_like(out, float("nan"))
     lse_into = torch.full_like(lse, float("nan"))
@@ -297,10 +385,12 @@ def test_gpu_sparse_prefill_auto_uses_kernel(heads):
 
 @pytest.mark.parametrize("backend", ["sdpa", "reference"])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_unchecked_poisoned_sparse_lists_mean_the_sanitized_lists(backend, index_dtype):
+def test_unchecked_poisoned_sparse_lists_mean_the_sanitized_lists(backend, index_dtype, ran):
     """``sparse_prefill(check_values=False)`` with lengths outside ``[0, K]`` and row ids
     outside ``kv``: no error, no read outside ``kv``, the reference's result on the sanitized
-    lists (lengths clamped, those ids as holes)."""
+    lists (lengths clamped, those ids as holes). The ``"reference"`` backend sanitizes as the
+    expected lists are made (``index_checks.sanitized_lists``), so it is checked against a
+    loop that reads the poisoned lists by the rule itself."""
     from dsv4_attn.index_checks import sanitized_lists
     from dsv4_attn.testing import poison_lists
 
@@ -311,11 +401,19 @@ def test_unchecked_poisoned_sparse_lists_mean_the_sanitized_lists(backend, index
     clean = sanitized_lists(*poisoned, case.kv.shape[0])
     with pytest.raises(ValueError):
         fmha_ops.sparse_prefill(case.q, case.kv, *poisoned, case.sink, case.scale)
+    ran.clear()
     out, lse = fmha_ops.sparse_prefill(
         case.q, case.kv, *poisoned, case.sink, case.scale, backend=backend, check_values=False
     )
-    ref_out, ref_lse = reference.sparse_attention(case.q, case.kv, *clean, case.sink, case.scale)
+    assert ran == [f"sparse-{backend}"]
+    if backend == "reference":
+        ref_out, ref_lse = _naive_sparse(case.q, case.kv, *poisoned, case.sink, case.scale)
+    else:
+        ref_out, ref_lse = reference.sparse_attention(
+            case.q, case.kv, *clean, case.sink, case.scale
+        )
     torch.testing.assert_close(out.double(), ref_out.to(out.dtype).double(), rtol=2e-2, atol=2e-2)
+    assert_rows_close(out, ref_out, ROW_TOL_BF16)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=1e-4, atol=1e-4)

@@ -10,7 +10,7 @@ import torch
 from dsv4_attn import dispatch_log, ops
 from dsv4_attn.kv_cache import KVFormat
 from dsv4_attn.testing import make_decode_case
-from tests.test_fallback import assert_matches_reference, reference_on_rows
+from tests.test_fallback import assert_matches_reference, naive_on_cache, reference_on_rows
 
 
 def small_case(**kwargs):
@@ -18,11 +18,26 @@ def small_case(**kwargs):
     return make_decode_case(3, 8, kwargs.pop("fmt", "nvfp4"), 16, seed=1, distinct=False, **kwargs)
 
 
-@pytest.mark.parametrize("backend", ["auto", "sdpa", "reference"])
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
 def test_backends_agree_with_reference(backend):
+    """On the CPU both run the torch fallback ("auto" with its reason), checked against the
+    float64 reference."""
     case = small_case(lens="random", hole_rate=0.2, sink="mixed")
     out, lse = ops.sparse_attention(*case.args(), backend=backend)
+    ran, reason = ops.last_dispatch()
+    assert ran == "sdpa"
+    assert (reason is None) == (backend == "sdpa")
     assert_matches_reference(out, lse, *reference_on_rows(case))
+
+
+def test_reference_backend_runs_the_reference_on_the_cache():
+    """``backend="reference"`` runs the float64 reference on the rows the lists touch (no
+    fallback reason), and its bf16 output is the attention of those rows: checked against
+    :func:`~tests.test_fallback.naive_attention`, a token-by-token loop of its own."""
+    case = small_case(lens="random", hole_rate=0.2, sink="mixed")
+    out, lse = ops.sparse_attention(*case.args(), backend="reference")
+    assert ops.last_dispatch() == ops.Dispatch("reference", None)
+    assert_matches_reference(out, lse, *naive_on_cache(case))
 
 
 def test_cutedsl_backend_refuses_cpu_with_reason():
@@ -106,7 +121,10 @@ def test_out_and_lse_are_written_in_place(backend):
     lse = torch.full((T, H), float("nan"))
     got_out, got_lse = ops.sparse_attention(*case.args(), out=out, lse=lse, backend=backend)
     assert got_out is out and got_lse is lse
-    assert_matches_reference(out, lse, *reference_on_rows(case))
+    assert ops.last_dispatch().backend == ("reference" if backend == "reference" else "sdpa")
+    # The reference backend against a computation of its own, not against itself.
+    expected = naive_on_cache if backend == "reference" else reference_on_rows
+    assert_matches_reference(out, lse, *expected(case))
 
 
 def test_unknown_backend():

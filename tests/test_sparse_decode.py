@@ -19,6 +19,7 @@ from dsv4_attn import kv_cache, reference
 from dsv4_attn.kernels import sparse_decode, sparse_decode_schedule
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.scope import KVScope
+from dsv4_attn.testing import assert_rows_close
 
 # ----------------------------------------------------------------------------------------------
 # CPU tests
@@ -181,7 +182,11 @@ def _reference(q, window, sink, scale, extra):
     return reference.sparse_attention(q, kv, local, n, sink, scale, *extra_args)
 
 
-def _check(out, lse, ref_out, ref_lse, tol=1e-2):
+def _check(out, lse, ref_out, ref_lse, tol=1e-2, row_tol=2e-2):
+    """bf16 ``out [T, H, 512]`` and float32 ``lse [T, H]`` against the float64 reference: the
+    whole tensor within ``tol`` (relative), and every (token, head) row within ``row_tol`` of
+    its own norm (a wrong row moves the whole tensor's error by under 1% at T = H = 128); rows
+    with no key (or sink +inf) exactly 0, lse -inf exactly where the reference's is."""
     assert not torch.isnan(out).any(), "NaN in the output (poison not overwritten?)"
     assert not torch.isnan(lse).any(), "NaN in the lse (poison not overwritten?)"
     ref_norm = ref_out.norm()
@@ -190,6 +195,7 @@ def _check(out, lse, ref_out, ref_lse, tol=1e-2):
         assert err / ref_norm <= tol, f"relative error {float(err / ref_norm):.3g}"
     else:
         assert err == 0
+    assert_rows_close(out, ref_out, row_tol, name="out")
     # Rows whose reference is zero (no key, or sink = +inf) must be exactly zero.
     zero_rows = ref_out.abs().amax(dim=-1) == 0
     assert (out[zero_rows] == 0).all()
