@@ -25,11 +25,32 @@ from tests import vllm_glue_testing as vt
 # ----------------------------------------------------------------------------------------------
 
 
+# bf16's smallest subnormal; and 2688 * 2^-127, the largest row maximum whose NVFP4 token
+# exponent ceil(log2(amax / 2688)) is -127: below it the exponent clamps to -127 (G = 2^-127).
+BF16_MIN_SUBNORMAL = 2.0**-133
+NVFP4_LAST_UNCLAMPED = 2688 * 2.0**-127
+
+
 def _rows(gen: torch.Generator, n: int, kind: str) -> torch.Tensor:
+    """bf16 ``[n, 512]`` KV rows of one kind: "normal", "mixed" (block magnitudes 1e-8 .. 1e8),
+    "edges" (e2m1 midpoints, zero blocks), "zero", "tiny" (row maxima 1e-36 .. 1e-40, bf16
+    subnormals: the token exponent clamps) or "near_zero" (blocks of zeros, subnormals, tiny
+    and unit values mixed; every third row tiny throughout, every fourth all zeros)."""
     x = torch.randn(n, 512, generator=gen)
     if kind == "mixed":  # block magnitudes from 1e-8 to 1e8
         magnitude = torch.logspace(-8, 8, 32)[torch.randint(0, 32, (n, 32), generator=gen)]
         x = x * magnitude.repeat_interleave(16, 1)
+    elif kind == "tiny":
+        magnitude = torch.tensor([1e-36, 1e-37, 1e-38, 1e-39, 1e-40])[torch.arange(n) % 5]
+        x = x * magnitude[:, None]
+        x[:, 1], x[:, 2] = BF16_MIN_SUBNORMAL, -BF16_MIN_SUBNORMAL
+        x[5::10, 0] = NVFP4_LAST_UNCLAMPED
+    elif kind == "near_zero":
+        levels = torch.tensor([0.0, BF16_MIN_SUBNORMAL, 1e-39, 1e-37, 1e-30, 1.0])
+        pick = torch.randint(0, 6, (n, 32), generator=gen)
+        pick[::3] = pick[::3].clamp(max=3)
+        x = x * levels[pick].repeat_interleave(16, 1)  # zero blocks keep their signs (-0.0)
+        x[3::4] = -0.0
     elif kind == "edges":  # values on e2m1 midpoints once scaled, zero blocks
         x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 64).repeat(n, 1)
         x[:, 32:64] = 0
@@ -71,6 +92,7 @@ def check_insert(fused, device, heads: int, padded_heads: int, seed: int) -> Non
     T, block_size, num_blocks = 7, 16, 4
     q = (torch.randn(T, heads, 512, generator=gen) * 3).to(torch.bfloat16)
     kv = _rows(gen, T, "normal")
+    kv[2:4] = torch.cat([_rows(gen, 1, "tiny"), _rows(gen, 1, "near_zero")])  # G clamps
     positions = torch.randint(0, 4096, (T,), generator=gen)
     positions[0] = 0
     cos_sin = _rope_table(4096)
@@ -192,13 +214,17 @@ def check_gather(fused, device, kind: str, seed: int) -> None:
 def check_compress_rows(fused, device, ratio: int, dtype: torch.dtype, seed: int) -> None:
     """Compressed rows from a paged state (any float dtype) = the torch construction, bit for
     bit up to float32 summation order (a bf16 ulp); tokens that complete no entry, padding
-    (no state slot) and rows other tokens own keep their poison."""
+    (no state slot) and rows other tokens own keep their poison; positions past a request's
+    block table count as absent."""
     from dsv4_attn.vllm_glue import compressor_state
 
     gen = torch.Generator().manual_seed(seed)
     C, D, bs = (2 if ratio == 4 else 1), 512, 4
     seq_lens = [int(x) for x in torch.randint(1, 90, (3,), generator=gen)] + [ratio * 5]
-    width = -(-max(seq_lens) // bs)
+    # Request 0 ends on an entry one state page past its table row (the rows back to back: a
+    # page read one past it would be request 1's first); the others fit their rows.
+    seq_lens[0] = ratio * (max(seq_lens) // ratio + 2)
+    width = -(-seq_lens[0] // bs) - 1
     pages = torch.randperm(len(seq_lens) * width + 3, generator=gen)
     table = pages[: len(seq_lens) * width].view(len(seq_lens), width).int()
     state = (torch.randn(len(pages), bs, 2 * C * D, generator=gen) * 2).to(dtype)
@@ -233,13 +259,21 @@ def check_compress_rows(fused, device, ratio: int, dtype: torch.dtype, seed: int
 
 
 def check_prefill_index(fused, device, seed: int) -> None:
-    """Prefill index lists = the torch construction, entry for entry, for every layer kind."""
+    """Prefill index lists = the torch construction, entry for entry, for every layer kind;
+    request 0 is a whole prompt (lists from position 0), and CSA picks sit on the visibility
+    bound ``(pos + 1) // 4`` and either side of it."""
     from dsv4_attn.vllm_glue import prefill
 
     gen = torch.Generator().manual_seed(seed)
-    C = int(torch.randint(1, 5, (1,), generator=gen))
-    query_lens = torch.randint(1, 200, (C,), generator=gen)
+    C = int(torch.randint(2, 4, (1,), generator=gen))
+    query_lens = torch.randint(1, 150, (C,), generator=gen)
     seq_lens = (query_lens + torch.randint(0, 700, (C,), generator=gen)).int()
+    seq_lens[0] = query_lens[0]  # a whole prompt: its lists start at position 0
+    positions = [  # of the tokens, in order
+        p
+        for q, n in zip(query_lens.tolist(), seq_lens.tolist(), strict=True)
+        for p in range(n - q, n)
+    ]
     first_token = int(torch.randint(0, 9, (1,), generator=gen))  # decode tokens before
     query_start = torch.cat([torch.zeros(1), query_lens.cumsum(0)]).int() + first_token
     T = int(query_lens.sum())
@@ -251,6 +285,10 @@ def check_prefill_index(fused, device, seed: int) -> None:
         topk = None
         if ratio == 4:  # picks with holes, some past the cached entries
             topk = torch.randint(-1, int(seq_lens.max()) // 4 + 3, (T, 24), generator=gen).int()
+            # The last three on the visibility bound (pos + 1) // 4: the last complete entry,
+            # the first incomplete one, the next.
+            bound = torch.tensor([(p + 1) // 4 for p in positions], dtype=torch.int32)
+            topk[:, -3:] = bound[:, None] + torch.tensor([-1, 0, 1], dtype=torch.int32)
         width = prefill.index_width(ratio, 24, chunk.entries, vt.WINDOW)
         want = (
             torch.full((T, width + 3), 777, dtype=torch.int32),
@@ -281,11 +319,48 @@ def check_prefill_index(fused, device, seed: int) -> None:
 
 
 def check_metadata(fused, device, seed: int) -> None:
+    """The step-metadata kernels on a random batch = the torch constructions, entry for entry."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = vt.random_batch(gen)
+    hca_width = max(1, math.ceil(max(batch.seq_lens) / 128)) + 1
+    _check_metadata_lists(
+        fused, device, gen, batch, batch.swa_block_table, batch.cache_block_table, (hca_width,)
+    )
+
+
+def check_metadata_edges(fused, device) -> None:
+    """The step-metadata kernels at their bounds, deterministically. Request 0 (positions 560 ..
+    699) lacks the last page of both block tables: SWA positions 640 .., compressed positions
+    512 .. (CSA entries 128 .., HCA entry 4); the tables' rows lie back to back, so a page read
+    one past request 0's row would be request 1's first. Request 1 is a whole prompt from
+    position 0. HCA lists 2 wide (request 0 sees 4 or 5 entries) and 6 wide."""
+    gen = torch.Generator().manual_seed(1234)
+    batch = vt.make_batch(gen, [700, 130], [140, 130], padding=2)
+    swa_table = batch.swa_block_table[:, :-1].contiguous()
+    cache_table = batch.cache_block_table[:, :-1].contiguous()
+    assert swa_table.shape == (2, 640 // vt.SWA_BLOCK)
+    assert cache_table.shape == (2, 512 // vt.CACHE_BLOCK)
+    _check_metadata_lists(fused, device, gen, batch, swa_table, cache_table, (2, 6))
+
+
+def _check_metadata_lists(
+    fused,
+    device,
+    gen: torch.Generator,
+    batch: vt.Batch,
+    swa_table: torch.Tensor,
+    cache_table: torch.Tensor,
+    hca_widths: tuple[int, ...],
+) -> None:
+    """Window, compressed (CSA and HCA, one list per width of ``hca_widths``) and entry-slot
+    lists of ``batch`` through the block tables ``swa_table``/``cache_table`` (int32 ``[R,
+    pages]``, which may be narrower than the batch's own) = the torch constructions; buffers
+    poisoned, and the columns past an HCA list's width untouched. The indexer's picks: random
+    visible entries, wild ones, and in the last three columns the visibility bound
+    ``(pos + 1) // 4`` minus 1, plus 0 and plus 1."""
     from dsv4_attn.vllm_glue import metadata as md
 
     sm = fused.step_metadata
-    gen = torch.Generator().manual_seed(seed)
-    batch = vt.random_batch(gen)
     T = batch.num_tokens
 
     def on(t):
@@ -301,31 +376,31 @@ def check_metadata(fused, device, seed: int) -> None:
         on(cm.query_start_loc),
         on(cm.seq_lens),
         on(cm.slot_mapping),
-        on(cm.block_table_tensor),
+        on(swa_table),
         vt.SWA_BLOCK,
         token_req=req,
         valid=valid,
         swa_indices=idx,
         swa_lens=lens,
     )
-    want_idx, want_lens = md.window_slots(tokens, cm.block_table_tensor, vt.SWA_BLOCK, vt.WINDOW)
+    want_idx, want_lens = md.window_slots(tokens, swa_table, vt.SWA_BLOCK, vt.WINDOW)
     assert torch.equal(idx.cpu(), want_idx) and torch.equal(lens.cpu(), want_lens)
     assert torch.equal(valid.cpu(), tokens.valid) and torch.equal(req.cpu().long(), tokens.req)
 
     cm = batch.cache_cm
     tokens = md.map_tokens(cm.query_start_loc, cm.seq_lens, cm.slot_mapping, T)
-    width = max(1, math.ceil(max(batch.seq_lens) / 128)) + 1
-    for ratio in (4, 128):
+    for ratio, width in [(4, 0)] + [(128, w) for w in hca_widths]:
         rows_per_block = vt.CACHE_BLOCK // ratio
         write, staging = out(T, dtype=torch.int64), out(T, dtype=torch.int64)
-        visible = out(T, width) if ratio == 128 else None
+        visible_buffer = out(T, width + 3) if ratio == 128 else None  # 3 columns past the list
+        visible = visible_buffer[:, :width] if ratio == 128 else None
         visible_lens = out(T)  # HCA: with the slots; CSA: the counts alone
         window_lens = out(T) if ratio == 128 else None  # the balanced decode plan's counts
         sm.fill_compressed_metadata(
             on(cm.query_start_loc),
             on(cm.seq_lens),
             on(cm.slot_mapping),
-            on(cm.block_table_tensor),
+            on(cache_table),
             rows_per_block,
             ratio,
             token_req=req,
@@ -337,15 +412,16 @@ def check_metadata(fused, device, seed: int) -> None:
             window=vt.WINDOW,
             window_lens=window_lens,
         )
-        want = md.compressed_write_slots(tokens, cm.block_table_tensor, rows_per_block, ratio)
+        want = md.compressed_write_slots(tokens, cache_table, rows_per_block, ratio)
         assert torch.equal(write.cpu(), want)
         assert torch.equal(staging.cpu(), torch.where(want >= 0, torch.arange(T), -1))
         if ratio == 128:
             want_slots, want_count = md.visible_entry_slots(
-                tokens, cm.block_table_tensor, rows_per_block, ratio, width
+                tokens, cache_table, rows_per_block, ratio, width
             )
-            assert torch.equal(visible.cpu(), want_slots)
-            assert torch.equal(visible_lens.cpu(), want_count)
+            assert torch.equal(visible.cpu(), want_slots), width
+            assert torch.equal(visible_lens.cpu(), want_count), width
+            assert bool((visible_buffer.cpu()[:, width:] == 12345).all()), width
             assert torch.equal(window_lens.cpu().long(), md.window_lengths(tokens, vt.WINDOW))
         else:
             csa_visible = visible_lens
@@ -358,24 +434,31 @@ def check_metadata(fused, device, seed: int) -> None:
     local = torch.where(
         poison, torch.randint(0, 1 << 20, local.shape, generator=gen, dtype=torch.int32), local
     )
-    slots, entry_lens = out(T, vt.INDEX_TOPK), out(T)
+    K = local.shape[1]
+    real = torch.zeros(T, dtype=torch.bool)
+    bound = torch.zeros(T, dtype=torch.int32)  # entries complete at the token's position
+    for t, (_, pos) in enumerate(batch.positions()):
+        real[t], bound[t] = True, (pos + 1) // 4
+        local[t, K - 3 :] = bound[t] + torch.tensor([-1, 0, 1], dtype=torch.int32)
+    slots, entry_lens = out(T, K), out(T)
     sm.fill_entry_slots(
         on(local),
         on(tokens.req.int()),
         on(tokens.valid),
         csa_visible,
-        on(cm.block_table_tensor),
-        64,
+        on(cache_table),
+        vt.CACHE_BLOCK // 4,
         slots=slots,
         lens=entry_lens,
     )
     want_slots, want_lens = md.local_entry_slots(
-        local, tokens, cm.block_table_tensor, 64, md.visible_entry_counts(tokens, 4)
+        local, tokens, cache_table, vt.CACHE_BLOCK // 4, md.visible_entry_counts(tokens, 4)
     )
     assert torch.equal(slots.cpu(), want_slots) and torch.equal(entry_lens.cpu(), want_lens)
-    visible = md.visible_entry_counts(tokens, 4)[:, None]
-    dropped = (local >= visible) | ~tokens.valid[:, None] | (local < 0)
-    assert bool((want_slots[dropped] == -1).all()) and bool((want_slots[~dropped] >= 0).all())
+    # A pick becomes a slot when its token is real, the entry complete and its page in the table.
+    kept = (local >= 0) & (local < bound[:, None]) & real[:, None]
+    kept &= local // (vt.CACHE_BLOCK // 4) < cache_table.shape[1]
+    assert bool((want_slots[~kept] == -1).all()) and bool((want_slots[kept] >= 0).all())
 
 
 def check_decode_schedule(fused, device, seed: int) -> None:
@@ -474,13 +557,51 @@ def fused_modules():
 # CPU: Triton's interpreter
 # ----------------------------------------------------------------------------------------------
 
-KINDS = ["normal", "mixed", "edges", "zero"]
+KINDS = ["normal", "mixed", "edges", "zero", "tiny", "near_zero"]
+
+
+def _exact_bf16_widening(convert):
+    """Triton's interpreter emulates float casts bit by bit, and widens bf16 subnormals wrongly
+    (2^-133 to 0, 1.01e-39 to 4.41e-39); a GPU widens bf16 to fp32 exactly, by appending 16
+    zero bits. ``convert`` (the interpreter's ``_convert_float``) with that one case done so."""
+    import numpy as np
+    import triton.language as tl
+
+    def widen_exactly(data, src_type, dst_type, rounding_mode):
+        if src_type == tl.bfloat16 and dst_type == tl.float32:
+            return np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16
+        return convert(data, src_type, dst_type, rounding_mode)
+
+    return widen_exactly
 
 
 @pytest.fixture(autouse=True)
-def _interpreter_on():
+def _interpreter_on(monkeypatch):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("run through tests/test_fused.py (needs TRITON_INTERPRET=1 from the start)")
+    from triton.runtime import interpreter
+
+    monkeypatch.setattr(
+        interpreter, "_convert_float", _exact_bf16_widening(interpreter._convert_float)
+    )
+
+
+def test_interpreter_widens_bf16_exactly():
+    """The NVFP4 writers' rows of tiny values (bf16 subnormals) reach the kernels' fp32 math
+    unchanged in the interpreter, as on a GPU."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def widen(src, dst, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(dst + i, tl.load(src + i).to(tl.float32))
+
+    values = [2.0**-133, -(2.0**-133), 1.0101904577379033e-39, 3e-39, 1e-37, 1.0, -0.0, 0.0]
+    x = torch.tensor(values, dtype=torch.bfloat16)
+    got = torch.zeros(8)
+    widen[(1,)](x, got, N=8)
+    assert torch.equal(got.view(torch.int32), x.float().view(torch.int32))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -513,6 +634,10 @@ def test_prefill_index_interpreted(seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_metadata_interpreted(seed):
     check_metadata(fused_modules(), "cpu", seed)
+
+
+def test_metadata_edges_interpreted():
+    check_metadata_edges(fused_modules(), "cpu")
 
 
 @pytest.mark.parametrize("seed", range(8))

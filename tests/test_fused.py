@@ -21,6 +21,7 @@ from tests.fused_checks import (
     check_gather,
     check_insert,
     check_metadata,
+    check_metadata_edges,
     check_prefill_index,
     check_staged_rows,
     fused_modules,
@@ -92,6 +93,11 @@ def test_prefill_index_cuda():
 def test_metadata_cuda():
     for seed in range(12):
         check_metadata(_compiled(), "cuda", seed)
+
+
+@pytest.mark.gpu
+def test_metadata_edges_cuda():
+    check_metadata_edges(_compiled(), "cuda")
 
 
 @pytest.mark.gpu

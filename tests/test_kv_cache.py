@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
+import zlib
 from fractions import Fraction
 
 import numpy as np
@@ -61,6 +62,16 @@ def ceil_log2(x: float) -> int:
 
 def bf16_bytes(value: float) -> bytes:
     return struct.pack("<f", value)[2:4]  # bf16 = the high half of the float32 pattern
+
+
+def bf16_round(value: float) -> float:
+    """The bfloat16 nearest ``value`` (ties to even): 8 significant bits, and below 2^-126 the
+    subnormals' fixed spacing 2^-133."""
+    if value == 0:
+        return value
+    _, exponent = math.frexp(value)  # |value| in [2^(exponent - 1), 2^exponent)
+    quantum = 2.0 ** max(exponent - 8, -133)
+    return round(value / quantum) * quantum  # round() ties to even
 
 
 def pack_fp8_ds_mla_page(token_rows: dict[int, list[float]], block_size: int) -> bytes:
@@ -124,13 +135,27 @@ def unpack_fp8_ds_mla_token(data: bytes, scales: bytes) -> list[float]:
     return out
 
 
+BF16_MIN_SUBNORMAL = 2.0**-133
+
+
 def random_rows(gen: torch.Generator, n: int, kind: str = "normal") -> torch.Tensor:
     x = torch.randn(n, 512, generator=gen)
     if kind == "mixed":  # magnitudes spanning 1e-8 .. 1e8 across blocks of 16
         magnitude = torch.logspace(-8, 8, 32)[torch.randint(0, 32, (n, 32), generator=gen)]
         x = x * magnitude.repeat_interleave(16, 1)
-    elif kind == "tiny":
+    elif kind == "small":
         x = x * 1e-6
+    elif kind == "tiny":  # row maxima 1e-36 .. 1e-40 and bf16 subnormals: G clamps to 2^-127
+        magnitude = torch.tensor([1e-36, 1e-37, 1e-38, 1e-39, 1e-40])[torch.arange(n) % 5]
+        x = x * magnitude[:, None]
+        x[:, 1], x[:, 2] = BF16_MIN_SUBNORMAL, -BF16_MIN_SUBNORMAL
+        x[5::10, 0] = 2688 * 2.0**-127  # the largest maximum whose exponent is -127 unclamped
+    elif kind == "near_zero":  # blocks of zeros, subnormals, tiny and unit values mixed
+        levels = torch.tensor([0.0, BF16_MIN_SUBNORMAL, 1e-39, 1e-37, 1e-30, 1.0])
+        pick = torch.randint(0, 6, (n, 32), generator=gen)
+        pick[::3] = pick[::3].clamp(max=3)  # every third row tiny throughout
+        x = x * levels[pick].repeat_interleave(16, 1)
+        x[3::4] = -0.0  # every fourth row all zeros
     elif kind == "huge":
         x = x * 1e30
     elif kind == "zero":
@@ -167,7 +192,7 @@ def test_sizes():
 def test_fp8_ds_mla_page_is_byte_identical_to_independent_packer(block_size):
     gen = torch.Generator().manual_seed(block_size)
     rows = torch.cat(
-        [random_rows(gen, 3, "normal"), random_rows(gen, 1, "tiny"), random_rows(gen, 1, "zero")]
+        [random_rows(gen, 3, "normal"), random_rows(gen, 1, "small"), random_rows(gen, 1, "zero")]
     )
     rows = rows[: min(5, block_size)]
     positions = torch.randperm(block_size, generator=gen)[: rows.shape[0]]
@@ -192,17 +217,21 @@ def test_fp8_ds_mla_reads_bytes_from_independent_packer():
         assert decoded[p].float().tolist() == pytest.approx(expected, rel=0, abs=0)
 
 
-@pytest.mark.parametrize("kind", ["normal", "mixed", "tiny", "huge", "zero", "ties", "edges"])
+@pytest.mark.parametrize(
+    "kind", ["normal", "mixed", "small", "tiny", "near_zero", "huge", "zero", "ties", "edges"]
+)
 def test_nvfp4_bytes_match_independent_packer(kind):
-    gen = torch.Generator().manual_seed(hash(kind) % 1000)
-    rows = random_rows(gen, 3, kind)
+    gen = torch.Generator().manual_seed(zlib.crc32(kind.encode()))
+    rows = random_rows(gen, 10 if kind in ("tiny", "near_zero") else 3, kind)
     data, scales = kv_cache.encode_rows(rows, "nvfp4")
     for i, row in enumerate(rows):
         exp_data, exp_scales = pack_nvfp4_token([float(v) for v in row.float()])
         assert bytes(data[i].tolist()) == exp_data
         assert bytes(scales[i].tolist()) == exp_scales
         decoded = kv_cache.decode_rows(data[i : i + 1], scales[i : i + 1], "nvfp4")[0]
-        assert decoded.float().tolist() == unpack_nvfp4_token(exp_data, exp_scales)
+        # Values below 2^-126 land on bf16's subnormal grid; above, they are exact in bf16.
+        expected = [bf16_round(v) for v in unpack_nvfp4_token(exp_data, exp_scales)]
+        assert decoded.float().tolist() == expected
 
 
 def _fp8_bound(x: torch.Tensor) -> torch.Tensor:
@@ -213,12 +242,15 @@ def _fp8_bound(x: torch.Tensor) -> torch.Tensor:
 
 
 def _nvfp4_bound(x: torch.Tensor) -> torch.Tensor:
+    """The documented error bound, plus 2^-134: a decoded value below 2^-126 rounds to bf16's
+    subnormal grid (spacing 2^-133); above, the decoded products are exact in bf16."""
     blocks = x[:, :448].double().view(-1, 28, 16)
     amax_b = blocks.abs().amax(-1)
     amax_t = amax_b.amax(-1)
-    G = torch.where(amax_t > 0, torch.exp2(torch.ceil(torch.log2(amax_t / 2688))), 1.0)
+    exponent = torch.ceil(torch.log2(amax_t / 2688)).clamp(-127, 127)
+    G = torch.where(amax_t > 0, torch.exp2(exponent), 1.0)
     step = 1.125 * amax_b / 6 + 2.0**-9 * G[:, None]
-    return torch.maximum(blocks.abs() / 4, step[..., None] / 4).view(-1, 448)
+    return (torch.maximum(blocks.abs() / 4, step[..., None] / 4) + 2.0**-134).view(-1, 448)
 
 
 BOUNDS = {"fp8_ds_mla": _fp8_bound, "nvfp4": _nvfp4_bound, "bf16": lambda x: 0 * x[:, :448]}
@@ -227,7 +259,7 @@ BOUNDS = {"fp8_ds_mla": _fp8_bound, "nvfp4": _nvfp4_bound, "bf16": lambda x: 0 *
 @settings(max_examples=40, deadline=None)
 @given(
     fmt=st.sampled_from(["fp8_ds_mla", "nvfp4", "bf16"]),
-    kind=st.sampled_from(["normal", "mixed", "tiny", "huge", "zero", "ties"]),
+    kind=st.sampled_from(["normal", "mixed", "small", "tiny", "near_zero", "huge", "zero", "ties"]),
     n=st.integers(1, 9),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -238,6 +270,29 @@ def test_round_trip_error_bounds(fmt, kind, n, seed):
     assert torch.equal(back[:, 448:], rows[:, 448:]), "RoPE values must round-trip exactly"
     assert torch.all(err[:, :448] <= BOUNDS[fmt](rows)), f"max err {err.max().item()}"
     assert torch.isfinite(back.float()).all()
+
+
+@pytest.mark.parametrize("kind", ["tiny", "near_zero"])
+def test_nvfp4_round_trip_of_tiny_rows(kind):
+    """Rows whose maximum lies below 2688 * 2^-128 (the token exponent clamps to -127) or is a
+    bf16 subnormal, and rows mixing such blocks with zeros and unit values: the decode is
+    finite, zeros (all-zero rows too) decode to exactly zero, every nope value lies within the
+    format's bound (float64), and a clamped row's token scale byte is 0 (G = 2^-127)."""
+    rows = random_rows(torch.Generator().manual_seed(zlib.crc32(kind.encode())), 40, kind)
+    data, scales = kv_cache.encode_rows(rows, "nvfp4")
+    back = kv_cache.decode_rows(data, scales, "nvfp4")
+    x, y = rows.double(), back.double()
+    assert torch.isfinite(y).all()
+    assert torch.equal(back[:, 448:], rows[:, 448:])
+    assert bool((y[x == 0] == 0).all())
+    err = (y - x).abs()[:, :448]
+    assert torch.all(err <= _nvfp4_bound(rows)), f"max err {err.max().item()}"
+    amax = x[:, :448].abs().amax(dim=1)
+    clamped = (amax > 0) & (amax < 2688 * 2.0**-128)
+    assert int(clamped.sum()) >= 10
+    assert bool((scales[clamped, 28] == 0).all())
+    if kind == "near_zero":
+        assert bool((x[3::4] == 0).all() and (y[3::4] == 0).all())
 
 
 @settings(max_examples=25, deadline=None)

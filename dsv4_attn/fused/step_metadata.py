@@ -184,7 +184,8 @@ def _compressed_kernel(
         block_table_ptr, bt_stride, bt_width, req, pos // ratio, rows_per_block, completes
     )
     tl.store(write_slots_out + t, write_slot)
-    tl.store(staging_rows_out + t, tl.where(completes, t.to(tl.int64), -1))
+    # An entry without a slot (its block past the table) is not staged either.
+    tl.store(staging_rows_out + t, tl.where(write_slot >= 0, t.to(tl.int64), -1))
     tl.store(req_out + t, req.to(tl.int32))
     tl.store(valid_out + t, valid.to(tl.int8))
     if HAS_VISIBLE:
