@@ -7,7 +7,6 @@ import importlib
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -155,25 +154,53 @@ def test_compressor_state_bench_measures_each_state_dtype():
     assert by_state["bf16"]["nvfp4_median"] > 10 * by_state["bf16"]["row_median"]
 
 
-def test_host_time_is_the_median_of_calls_on_an_idle_device(monkeypatch):
-    """host_us synchronizes before every timed call (none of the time is a wait for the GPU)
-    and reports the median CPU time in microseconds."""
+class _FakeClock:
+    """A clock (seconds) that moves only when told to: the host-time bench reads it instead of
+    ``time.perf_counter``, so the test knows every duration exactly, whatever the load."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.mark.parametrize(
+    "durations, median_us",
+    [
+        # Powers of two of a second add and scale by 1e6 exactly: the medians are exact.
+        ([2**-10, 2**-8, 2**-9], 1e6 * 2**-9),  # odd count: the middle one (1953.125 us)
+        ([2**-10, 2**-7, 2**-9, 2**-8], 1e6 * 3 * 2**-10),  # even: mean of the middle two
+    ],
+)
+def test_host_time_is_the_median_of_calls_on_an_idle_device(monkeypatch, durations, median_us):
+    """host_us synchronizes before every timed call (none of the time is a wait for the GPU:
+    a synchronize here takes a whole second of the fake clock), leaves the warm-up calls (a
+    second each) out, and reports the median CPU time of the timed calls in microseconds."""
     from dsv4_attn.bench import host
 
+    clock = _FakeClock()
+    monkeypatch.setattr(host, "_clock", clock)
     events = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
-    durations = iter([0.0] * 3 + [0.001, 0.003, 0.002])  # warm-up calls, then timed ones
 
-    def call():
+    def synchronize() -> None:
+        events.append("sync")
+        clock.advance(1.0)  # a wait for the device: must fall outside every timed interval
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    warmup = 3
+    call_durations = iter([1.0] * warmup + durations)
+
+    def call() -> None:
         events.append("call")
-        end = time.perf_counter() + next(durations)
-        while time.perf_counter() < end:
-            pass
+        clock.advance(next(call_durations))
 
-    median = host.host_us(call, reps=3, warmup=3)
-    assert 2000 <= median < 2600
-    timed = events[3:]
-    assert timed == ["sync", "call"] * 3 + ["sync"]
+    assert host.host_us(call, reps=len(durations), warmup=warmup) == median_us
+    assert events[:warmup] == ["call"] * warmup
+    assert events[warmup:] == ["sync", "call"] * len(durations) + ["sync"]
 
 
 def test_host_bench_needs_cuda(monkeypatch):

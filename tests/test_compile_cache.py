@@ -170,6 +170,98 @@ def test_the_key_names_the_runtime_variant(monkeypatch):
     assert stems[0] != stems[1]
 
 
+@pytest.fixture
+def kernel_sources(tmp_path, monkeypatch):
+    """A private copy of the kernel package's sources (``kernels/*.py``) that the disk-cache key
+    is computed from: ``compile_cache.__file__`` points into it, so a test can change a source's
+    bytes without touching the checkout. The fingerprint cache is cleared on both sides."""
+    pytest.importorskip("cutlass")
+    pytest.importorskip("tvm_ffi")
+    copy = tmp_path / "kernels"
+    copy.mkdir()
+    for source in Path(compile_cache.__file__).parent.glob("*.py"):
+        (copy / source.name).write_bytes(source.read_bytes())
+    compile_cache._source_fingerprint.cache_clear()
+    monkeypatch.setattr(compile_cache, "__file__", str(copy / "compile_cache.py"))
+    yield copy
+    compile_cache._source_fingerprint.cache_clear()
+
+
+def _flip_one_byte(path: Path) -> bytes:
+    """Change one byte in the middle of ``path`` (same length); returns the original bytes."""
+    original = path.read_bytes()
+    middle = len(original) // 2
+    path.write_bytes(original[:middle] + bytes([original[middle] ^ 0x01]) + original[middle + 1 :])
+    return original
+
+
+def _stem(key) -> str:
+    """The disk-cache name of ``key``, computed afresh from the sources as they are now."""
+    compile_cache._source_fingerprint.cache_clear()
+    return CompileCache("combine").file_stem(key)
+
+
+def _kernel_source_names() -> list[str]:
+    return sorted(p.name for p in Path(compile_cache.__file__).parent.glob("*.py"))
+
+
+@pytest.mark.parametrize("name", _kernel_source_names())
+def test_the_key_follows_every_byte_of_the_kernel_sources(kernel_sources, name):
+    """One byte changed in any source of the kernel package names the object differently, and
+    the original bytes name it as before (the name follows the bytes, not the files' place)."""
+    key = ("same", "key")
+    original_stem = _stem(key)
+    saved = _flip_one_byte(kernel_sources / name)
+    assert _stem(key) != original_stem
+    (kernel_sources / name).write_bytes(saved)
+    assert _stem(key) == original_stem
+
+
+def test_the_copied_sources_name_objects_as_the_checkout_does(kernel_sources, monkeypatch):
+    """Control for the test above: the private copy, unchanged, gives the checkout's names."""
+    key = ("same", "key")
+    copied = _stem(key)
+    monkeypatch.undo()  # back to the checkout's compile_cache.__file__
+    assert _stem(key) == copied
+
+
+def test_an_object_compiled_from_other_source_bytes_is_not_loaded(
+    kernel_sources, tmp_path, monkeypatch
+):
+    """An object stored while a kernel source had other bytes (a stale build of the same key)
+    is loaded while the sources are unchanged, and never once one byte of them changed: the
+    kernel is built again and stored under the new name. Nothing is compiled: the build, the
+    export and the load are stand-ins."""
+    from dsv4_attn.kernels.combine import CombineConfig
+
+    directory = _private_dir(tmp_path)
+    monkeypatch.setenv(CACHE_DIR_ENV, str(directory))
+    key = CombineConfig(has_sink=True)
+    stale = b"object built from the old sources" * 64
+    compile_cache._source_fingerprint.cache_clear()
+    DiskCache(directory).write(CompileCache("combine").file_stem(key), stale)
+
+    loads, builds = [], []
+    monkeypatch.setattr(compile_cache, "_load_object", lambda payload: loads.append(payload))
+    monkeypatch.setattr(compile_cache, "_export_object", lambda compiled: b"fresh object")
+
+    def build() -> object:
+        builds.append(1)
+        return object()
+
+    # Sources unchanged: the stored object is what a new process loads (so the stand-ins see a
+    # load when there is one).
+    CompileCache("combine").get(key, build)
+    assert loads == [stale] and builds == []
+
+    _flip_one_byte(kernel_sources / "combine.py")
+    compile_cache._source_fingerprint.cache_clear()
+    fresh = CompileCache("combine")
+    built = fresh.get(key, build)
+    assert loads == [stale] and builds == [1] and built is not None
+    assert DiskCache(directory).read(fresh.file_stem(key)) == b"fresh object"
+
+
 _WRITER = """
 import os, sys
 os.getpid = lambda: 1  # as in two containers, each its own PID namespace

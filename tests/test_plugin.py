@@ -106,6 +106,55 @@ def test_an_incompatible_vllm_leaves_the_backend_unregistered_with_a_warning(
     assert f"found vLLM {compat.installed_vllm_version()}" in warnings[0]
 
 
+def _without_our_member(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Take ``DSV4_NVFP4`` out of ``AttentionBackendEnum`` for this test (an earlier test may
+    have registered it), as in a process that has not registered it yet; monkeypatch puts it
+    back afterwards, class attribute before the member map (the enum refuses to set an attribute
+    named like one of its members)."""
+    enum = AttentionBackendEnum
+    monkeypatch.delitem(enum._member_map_, BACKEND_NAME, raising=False)
+    monkeypatch.delitem(enum._value2member_map_, BACKEND_CLASS_PATH, raising=False)
+    monkeypatch.setattr(
+        enum, "_member_names_", [n for n in enum._member_names_ if n != BACKEND_NAME]
+    )
+    monkeypatch.delattr(enum, BACKEND_NAME, raising=False)
+
+
+@pytest.mark.parametrize("failing", ["register_backend", "AttentionBackendEnum.register"])
+def test_an_error_while_registering_is_a_warning_not_an_exception(monkeypatch, dsv4_logs, failing):
+    """vLLM calls plugins unguarded: a RuntimeError from vLLM's registry (its register_backend,
+    or the enum method that adds the member) must leave register() returning normally, with one
+    WARNING naming the error, the reason kept, no DSV4_NVFP4 member, and a second call that tries
+    nothing and warns nothing."""
+    from vllm.v1.attention.backends import registry
+
+    _without_our_member(monkeypatch)
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(plugin, "_unregistered_reason", None)
+    monkeypatch.setattr(compat, "incompatibility", lambda: None)  # a vLLM that fits
+    attempts = []
+
+    def fail(*args: object, **kwargs: object) -> None:
+        attempts.append(args)
+        raise RuntimeError("registry moved")
+
+    if failing == "register_backend":
+        monkeypatch.setattr(registry, "register_backend", fail)
+    else:
+        monkeypatch.setattr(AttentionBackendEnum, "register", fail)
+
+    assert plugin.register() is None
+    assert plugin.register() is None
+    assert len(attempts) == 1  # the second call is a no-op
+    reason = plugin.unregistered_reason()
+    assert reason is not None and "RuntimeError: registry moved" in reason
+    warnings = [r.getMessage() for r in dsv4_logs.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert f"{BACKEND_NAME} left unregistered" in warnings[0]
+    assert "RuntimeError: registry moved" in warnings[0]
+    assert BACKEND_NAME not in AttentionBackendEnum.__members__
+
+
 def test_vllm_plugin_loading_survives_a_removed_hook_target(tmp_path):
     """vLLM's own plugin loading, in a fresh interpreter whose DeepSeek-V4 model source lacks
     the hooked selector: plugins load, a WARNING names both vLLM versions, vLLM's own backends

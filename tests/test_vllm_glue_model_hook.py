@@ -199,6 +199,74 @@ def test_runtime_signature_check():
             compat.check_hook_callable(bad, target)
 
 
+# (hook target index, parameter list of a stand-in for the hooked function, whether it fits)
+SIGNATURES = [
+    (0, "vllm_config", True),
+    (0, "vllm_config: 'VllmConfig'", True),  # annotations are not part of the contract
+    (0, "config", False),  # renamed
+    (0, "vllm_config, device", False),  # added
+    (0, "", False),  # removed
+    (0, "*, vllm_config", False),  # keyword-only
+    (0, "vllm_config, /", False),  # positional-only
+    (0, "*args", False),  # *args in place of the parameter
+    (0, "**kwargs", False),  # **kwargs in place of the parameter
+    (0, "*args, **kwargs", False),
+    (2, "attn, kv, positions, slot_mapping", True),
+    (2, "attn: object, kv: object, positions: object, slot_mapping: object", True),
+    (2, "attn, kv, position, slot_mapping", False),  # one renamed
+    (2, "attn, kv, slot_mapping, positions", False),  # reordered
+    (2, "attn, kv, positions", False),  # one removed
+    (2, "attn, kv, positions, slot_mapping, layer", False),  # one added
+    (2, "attn, kv, positions, slot_mapping, layer=None", False),  # one added, with a default
+    (2, "attn, kv, positions, slot_mapping, *, layer", False),  # a keyword-only one added
+    (2, "attn, kv, positions, *, slot_mapping", False),  # the last turned keyword-only
+    (2, "attn, kv, positions, slot_mapping, /", False),  # all positional-only
+    (2, "attn, /, kv, positions, slot_mapping", False),  # the first positional-only
+    (2, "attn, *args", False),  # *args in place of three
+    (2, "attn, kv, **kwargs", False),  # **kwargs in place of two
+    (2, "attn, kv, positions, slot_mapping, *rest", False),  # *args added
+    (2, "attn, kv, positions, slot_mapping, **extra", False),  # **kwargs added
+]
+
+
+def _stand_in_source(target: compat.HookTarget, params: str) -> str:
+    return f"def {target.function}({params}):\n    return None\n"
+
+
+@pytest.mark.parametrize("index, params, ok", SIGNATURES)
+def test_source_check_refuses_every_other_signature(tmp_path, monkeypatch, index, params, ok):
+    """The plugin's check of vLLM's source (at registration): the hook target's own module
+    replaced by a stand-in whose function takes ``params``; only the exact parameter list of
+    the target fits, and a mismatch is refused naming what was found and what is expected."""
+    target = compat.HOOK_TARGETS[index]
+    source = tmp_path / "model.py"
+    source.write_text(_stand_in_source(target, params))
+    monkeypatch.setattr(compat, "HOOK_TARGETS", (target,))
+    monkeypatch.setattr(compat, "_source_path", lambda module: source)
+    message = compat.incompatibility()
+    if ok:
+        assert message is None
+    else:
+        assert message is not None and "vLLM 0.33.0 only" in message
+        assert f"{target.module}.{target.function} takes (" in message
+        assert f"expected ({', '.join(target.params)})" in message
+
+
+@pytest.mark.parametrize("index, params, ok", SIGNATURES)
+def test_runtime_check_refuses_every_other_signature(index, params, ok):
+    """The check of the function object when vLLM's module is imported: the same stand-ins,
+    the same verdicts as the source check."""
+    target = compat.HOOK_TARGETS[index]
+    namespace: dict[str, object] = {}
+    exec(_stand_in_source(target, params), namespace)  # a function from the fixed strings above
+    func = namespace[target.function]
+    if ok:
+        compat.check_hook_callable(func, target)
+    else:
+        with pytest.raises(compat.IncompatibleVLLMError, match=r"vLLM 0\.33\.0 only"):
+            compat.check_hook_callable(func, target)
+
+
 @pytest.mark.parametrize("signature, ok", [("vllm_config", True), ("vllm_config, extra", False)])
 def test_import_hook_patches_or_guards_on_first_import(tmp_path, monkeypatch, signature, ok):
     """The post-import path, on a stand-in module: patched when its signature matches; when it

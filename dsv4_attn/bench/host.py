@@ -46,6 +46,9 @@ COLUMNS = [
     ("direct_vs_flashmla", "FlashMLA/direct", ".2f"),
 ]
 
+# The clock host_us reads (seconds); a module global so tests can substitute a fake one.
+_clock: Callable[[], float] = time.perf_counter
+
 
 def host_us(call: Callable[[], object], reps: int, warmup: int = 50) -> float:
     """Median CPU time of ``call`` in microseconds, the device synchronized before each call
@@ -55,9 +58,9 @@ def host_us(call: Callable[[], object], reps: int, warmup: int = 50) -> float:
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = _clock()
         call()
-        times.append(time.perf_counter() - start)
+        times.append(_clock() - start)
     torch.cuda.synchronize()
     return statistics.median(times) * 1e6
 

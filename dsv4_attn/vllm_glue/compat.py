@@ -114,7 +114,10 @@ def _compiled_only(module: str) -> bool:
 
 
 def _describe_ast_args(args: ast.arguments) -> str:
-    parts = [a.arg for a in (*args.posonlyargs, *args.args)]
+    # Positional-only parameters are a mismatch (HookTarget.params are positional-or-keyword),
+    # so they are written as Python writes them, before a "/".
+    parts = [a.arg for a in args.posonlyargs] + (["/"] if args.posonlyargs else [])
+    parts += [a.arg for a in args.args]
     if args.vararg is not None:
         parts.append("*" + args.vararg.arg)
     parts += [a.arg + "=" for a in args.kwonlyargs]
