@@ -1,8 +1,10 @@
-"""The exact reference against a brute-force dense softmax with an explicit mask."""
+"""The exact reference against a brute-force dense softmax with an explicit mask, and its
+compressed entries against a loop-by-loop derivation of DeepSeek-V4's compressor."""
 
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -275,3 +277,151 @@ def test_infinite_sinks():
     assert torch.all(out[..., 0, :] == 0)  # +inf sink takes all the mass
     assert torch.allclose(out[..., 1, :], plain[..., 1, :])  # -inf sink is no sink
     assert torch.allclose(lse, plain_lse)  # the LSE never includes the sink
+
+
+# ----------------------------------------------------------------------------------------------
+# compressed_entries: DeepSeek-V4's compressor, derived one entry, column and position at a time
+# ----------------------------------------------------------------------------------------------
+
+
+def brute_entries(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ratio: int,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin: torch.Tensor,
+    rope_dim: int,
+) -> list[list[float]]:
+    """The compressed entries ``[L // ratio][D]`` as Python floats (float64), from the design:
+
+    entry ``e`` is complete at position ``p = (e + 1) * ratio - 1``; with the overlapping
+    compressor (ratio 4, two halves of ``D`` columns per position) it pools positions
+    ``p - 7 .. p`` that exist: those of block ``e - 1`` with their first half, those of block
+    ``e`` with their second; otherwise (one half) the ``ratio`` positions of block ``e``. Per
+    column a softmax over those positions' scores weights their kv values; then RMSNorm with
+    weight; then GPT-J RoPE of the last ``rope_dim`` values at position ``e * ratio`` (pairs
+    ``(2k, 2k + 1)`` rotated by ``cos_sin[e * ratio, k]``, ``cos_sin[e * ratio, rope_dim/2 + k]``).
+    """
+    kv_rows, score_rows, cs = kv.tolist(), score.tolist(), cos_sin.tolist()
+    w = norm_weight.tolist()
+    L, width = kv.shape
+    halves = 2 if ratio == 4 else 1
+    D = width // halves
+    out = []
+    for e in range(L // ratio):
+        last = (e + 1) * ratio - 1
+        positions = [p for p in range(last - halves * ratio + 1, last + 1) if p >= 0]
+        x = []
+        for j in range(D):
+            # Own block: the last half's column j; the block before: the first half's.
+            cols = [(halves - 1) * D + j if p >= e * ratio else j for p in positions]
+            scores = [score_rows[p][c] for p, c in zip(positions, cols, strict=True)]
+            top = max(scores)
+            weights = [math.exp(s - top) for s in scores]
+            pooled = sum(
+                wt * kv_rows[p][c] for wt, p, c in zip(weights, positions, cols, strict=True)
+            )
+            x.append(pooled / sum(weights))
+        rms = math.sqrt(sum(v * v for v in x) / D + eps)
+        y = [x[j] / rms * w[j] for j in range(D)]
+        row = cs[e * ratio]
+        for k in range(rope_dim // 2):
+            a, b = y[D - rope_dim + 2 * k], y[D - rope_dim + 2 * k + 1]
+            cos, sin = row[k], row[rope_dim // 2 + k]
+            y[D - rope_dim + 2 * k] = a * cos - b * sin
+            y[D - rope_dim + 2 * k + 1] = a * sin + b * cos
+        out.append(y)
+    return out
+
+
+def compressor_inputs(name: str, L: int, ratio: int, D: int, rope_dim: int = 64):
+    """Random fp32 kv and scores ``[L, C * D]`` (scores spread enough that the softmax is far
+    from a mean), a random fp32 norm weight ``[D]``, and ``cos | sin`` of random angles per
+    position ``[L + 3, rope_dim]`` (so a wrong position reads different values)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    width = (2 if ratio == 4 else 1) * D
+    kv = torch.randn(L, width, generator=gen)
+    score = torch.randn(L, width, generator=gen) * 3
+    norm_weight = torch.rand(D, generator=gen) + 0.5
+    angles = torch.rand(L + 3, rope_dim // 2, generator=gen, dtype=torch.float64) * 2 * math.pi
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1).float()
+    return kv, score, norm_weight, cos_sin
+
+
+@pytest.mark.parametrize(
+    ("ratio", "D", "L"),
+    [
+        (4, 512, 4 * 5 + 3),  # CSA: overlap; entry 0 without a block before; 3 trailing dropped
+        (4, 96, 4),  # one entry: entry 0 alone
+        (8, 96, 8 * 3 + 7),  # a non-overlapping ratio, 7 trailing positions dropped
+        (128, 64, 2 * 128 + 37),  # HCA: all 64 values rotated; 37 trailing dropped
+    ],
+)
+def test_compressed_entries_match_a_loop_by_loop_derivation(ratio, D, L):
+    kv, score, weight, cos_sin = compressor_inputs(f"entries-{ratio}-{D}-{L}", L, ratio, D)
+    eps = 1e-6
+    got = reference.compressed_entries(kv, score, ratio, weight, eps, cos_sin)
+    assert got.dtype == torch.float64 and got.shape == (L // ratio, D)
+    want = torch.tensor(
+        brute_entries(kv, score, ratio, weight, eps, cos_sin, 64), dtype=torch.float64
+    )
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_compressed_entries_of_a_sequence_shorter_than_the_ratio():
+    kv, score, weight, cos_sin = compressor_inputs("short", 3, 4, 64)
+    got = reference.compressed_entries(kv, score, 4, weight, 1e-6, cos_sin)
+    assert got.shape == (0, 64) and got.dtype == torch.float64
+
+
+def test_compressed_entries_by_hand():
+    """Ratio 4 (overlap), D = 4 with the last 2 values rotated, equal scores (a plain mean),
+    norm weight ones, eps = 3, L = 9 (position 8 completes nothing):
+
+    - entry 0 pools positions 0..3, second half only (no block before it): the mean of
+      ``4 e_0 .. 4 e_3`` is ``(1, 1, 1, 1)``; RMSNorm divides by ``sqrt(1 + 3) = 2``; RoPE at
+      position 0 (cos 1, sin 0) is the identity: ``(0.5, 0.5, 0.5, 0.5)``.
+    - entry 1 pools positions 0..3 (first half) and 4..7 (second half), all ``(2, 2, 4, 0)``:
+      mean ``(2, 2, 4, 0)``, divided by ``sqrt((4 + 4 + 16) / 4 + 3) = 3``; RoPE at position 4
+      (cos 0, sin 1) turns the pair ``(4/3, 0)`` into ``(0, 4/3)``.
+
+    Every value the entries must not read is 100 (the first half of positions 4..8, the second
+    half of position 8), and cos | sin rows other than 0 and 4 are 7.
+    """
+    L, D, rope_dim = 9, 4, 2
+    kv = torch.full((L, 2 * D), 100.0)
+    kv[0:4, D:] = 4 * torch.eye(4)
+    kv[0:4, :D] = torch.tensor([2.0, 2.0, 4.0, 0.0])
+    kv[4:8, D:] = torch.tensor([2.0, 2.0, 4.0, 0.0])
+    score = torch.full((L, 2 * D), 0.7)
+    cos_sin = torch.full((L, rope_dim), 7.0)
+    cos_sin[0] = torch.tensor([1.0, 0.0])
+    cos_sin[4] = torch.tensor([0.0, 1.0])
+    got = reference.compressed_entries(kv, score, 4, torch.ones(D), 3.0, cos_sin, rope_dim)
+    want = torch.tensor([[0.5, 0.5, 0.5, 0.5], [2 / 3, 2 / 3, 0.0, 4 / 3]], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "ratio", "message"),
+    [
+        (((8, 7), (8, 7), (3,)), 4, r"\[L, 2 \* D\] .* got \(8, 7\), \(8, 7\), \(3,\)"),
+        (((8, 8), (8, 6), (4,)), 4, r"got \(8, 8\), \(8, 6\), \(4,\)"),
+        (((8, 8), (8, 8), (8,)), 4, r"norm_weight \[D\], got \(8, 8\), \(8, 8\), \(8,\)"),
+        (((8, 8), (8, 8), (4,)), 8, r"\[L, 1 \* D\] .* got \(8, 8\), \(8, 8\), \(4,\)"),
+    ],
+)
+def test_compressed_entries_refuse_mismatched_shapes(shapes, ratio, message):
+    """kv and score must share ``[L, C * D]`` (``C`` = 2 for ratio 4, else 1) and the norm
+    weight be ``[D]``; the error names the shapes."""
+    kv_shape, score_shape, weight_shape = shapes
+    with pytest.raises(ValueError, match=message):
+        reference.compressed_entries(
+            torch.zeros(kv_shape),
+            torch.zeros(score_shape),
+            ratio,
+            torch.ones(weight_shape),
+            1e-6,
+            torch.zeros(8, 64),
+        )

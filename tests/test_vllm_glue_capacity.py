@@ -1,5 +1,6 @@
 """NVFP4's capacity in vLLM's own KV accounting: the V4-Flash and V4-Pro layer schedules' specs as
-each backend's server builds them, planned by vLLM 0.33's functions (CPU)."""
+each backend's server builds them, planned by vLLM 0.33's functions (CPU); the per-group bytes of
+the breakdown against the specs of real attention layers built through vLLM's model hook."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ pytest.importorskip("vllm")
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.vllm_glue import capacity as cap
 from dsv4_attn.vllm_glue.compressor_state import state_dtype
+from tests import vllm_glue_testing as vt
 
 MEMORY = 60 * 2**30
 
@@ -84,3 +86,73 @@ def test_breakdown_adds_up_to_vllms_bytes_per_request(backend):
         "HCA compressor state": hca,
         "indexer compressor state": csa,
     }
+
+
+# V4-Flash's cache shapes: a 512-value head (448 nope + 64 RoPE), a 128-token window, 128-value
+# indexer keys. The tiny model of the glue tests has the same ones (its other sizes, which no
+# cache spec reads, are small).
+V4_FLASH_CACHE_SHAPES = {"head_dim": 512, "qk_rope_head_dim": 64, "sliding_window": 128}
+V4_FLASH_INDEX_HEAD_DIM = 128
+
+
+def real_page_bytes(kv_cache_dtype: str) -> dict[str, int]:
+    """``page_size_bytes`` of the spec each cache of the tiny model's real layers (built with
+    ``--attention-backend DSV4_NVFP4 --kv-cache-dtype kv_cache_dtype`` through vLLM's model hook,
+    block size 256 as vLLM's worker sets it) gives vLLM, by the cache's kind (the names of
+    :func:`capacity.breakdown`'s ``holds``)."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    model = vt.tiny_model(kv_cache_dtype)
+    config = model.vllm_config
+    pages: dict[str, set[int]] = {}
+    for name, module in config.compilation_config.static_forward_context.items():
+        if not isinstance(module, AttentionLayerBase):
+            continue
+        spec = module.get_kv_cache_spec(config)
+        if spec is None:  # the sliding-only layer's attention: its rows are its SWA cache's
+            continue
+        kind = {1: "window-only", 4: "CSA", 128: "HCA"}[vt.RATIOS[int(name.split(".")[2])]]
+        if name.endswith(".swa_cache"):
+            kind = "window rows"
+        elif name.endswith(".indexer.k_cache"):
+            kind = "indexer keys"
+        elif name.endswith(".indexer.compressor.state_cache"):
+            kind = "indexer compressor state"
+        elif name.endswith(".compressor.state_cache"):
+            kind += " compressor state"
+        else:
+            assert name.endswith(".attn"), name
+            kind += " rows"
+        pages.setdefault(kind, set()).add(spec.page_size_bytes)
+    assert all(len(sizes) == 1 for sizes in pages.values()), pages  # one size per kind
+    return {kind: sizes.pop() for kind, sizes in pages.items()}
+
+
+@pytest.mark.parametrize(
+    ("backend", "kv_cache_dtype"),
+    [("dsv4_nvfp4-nvfp4", "auto"), ("dsv4_nvfp4-fp8", "fp8"), ("vllm", "fp8")],
+)
+def test_breakdown_bytes_are_the_real_layers_spec_page_sizes(backend, kv_cache_dtype):
+    """Each V4-Flash group's page sizes and bytes per block in the breakdown are those of the
+    specs real layers give vLLM: per kind of cache, the ``page_size_bytes`` of vLLM 0.33's spec
+    object from the tiny model's layers (same cache shapes as V4-Flash), times the number of
+    such caches the group holds. With ``fp8`` every spec the layers give is vLLM's own code, so
+    it is also what vLLM's FlashMLA backend (``vllm``) charges."""
+    config = vt.tiny_config_dict()
+    assert {k: config[k] for k in V4_FLASH_CACHE_SHAPES} == V4_FLASH_CACHE_SHAPES
+    assert config["index_head_dim"] == V4_FLASH_INDEX_HEAD_DIM
+    real = real_page_bytes(kv_cache_dtype)
+    assert set(real) == {
+        "window rows",
+        "CSA rows",
+        "HCA rows",
+        "indexer keys",
+        "CSA compressor state",
+        "HCA compressor state",
+        "indexer compressor state",
+    }
+    groups = cap.breakdown(cap.SCHEDULES["V4-Flash"], backend, 131072)
+    for group in groups:
+        held = [part.split(" x ") for part in group.holds.split(" + ")]
+        assert group.page_bytes == tuple(sorted({real[kind] for _, kind in held})), group
+        assert group.bytes_per_block == sum(int(n) * real[kind] for n, kind in held), group
