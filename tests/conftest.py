@@ -6,15 +6,17 @@ import logging
 import os
 
 import pytest
+import torch
 
 from dsv4_attn.log import LOGGER_PREFIX
 
 # Tests compile kernels in memory unless a test or the caller chooses a kernel cache directory
 # (the default, ~/.cache/dsv4_attn/kernels, is the user's, not the test run's).
 os.environ.setdefault("DSV4_ATTN_KERNEL_CACHE_DIR", "")
-# vLLM picks its platform when first imported: the CPU one, whichever test module imports it
-# first (tests of vLLM's CUDA paths set VLLM_TARGET_DEVICE=cuda).
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+# vLLM picks its platform when first imported, whichever test module imports it first: CUDA
+# where there is a GPU (the GPU tests of vLLM's CUDA paths need it, and fail rather than skip
+# under another setting), else the CPU one. An explicit VLLM_TARGET_DEVICE is kept.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture

@@ -557,9 +557,11 @@ def test_gpu_against_flashmla_writes_rows(tmp_path):
         assert row["nvfp4_floor_us"] < row["floor_us"]  # fewer bytes per row
     try:
         import flash_mla  # noqa: F401
-    except ImportError:
+    except ImportError as exc:
         assert all(r["flashmla_us"] is None for r in rows)
-        return
+        pytest.skip(
+            f"flash_mla is not importable ({exc}): our rows checked, no FlashMLA to compare"
+        )
     for row in rows:
         assert "flashmla_error" not in row, row
         assert row["flashmla_us"] > 0

@@ -11,7 +11,9 @@ locked, as in a server. Per layer kind and cache format:
   under ``torch.cuda.set_sync_debug_mode("error")`` (any device-to-host synchronisation raises),
   and its output matches the float64 reference on the rows the caches hold;
 * a decode step captured in a ``torch.cuda.CUDAGraph``, then replayed after the metadata was
-  rebuilt for a different batch of the same size, equals the eager step bit for bit.
+  rebuilt for a different batch of the same size, equals the eager step bit for bit;
+* the compressors' rows from vLLM's CuTeDSL kernel (CSA: against ours; HCA: its production
+  store into the NVFP4 cache, against the float64 reference).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from dsv4_attn.testing import assert_rows_close
 from tests import vllm_glue_testing as vt
 
 pytestmark = pytest.mark.gpu
@@ -34,10 +37,28 @@ LAYER_SCHEDULES = [(1, "auto"), (4, "auto"), (128, "split"), (128, "balanced")]
 
 
 def _needs_cuda_vllm() -> None:
-    if not torch.cuda.is_available() or os.environ.get("VLLM_TARGET_DEVICE") != "cuda":
-        pytest.skip("needs CUDA and VLLM_TARGET_DEVICE=cuda (vLLM's CUDA build)")
+    """Skips without a GPU, on a GPU other than sm_90, or where vLLM's CUDA build is not
+    importable; fails where there is a GPU but ``VLLM_TARGET_DEVICE`` is not ``cuda`` (vLLM then
+    takes another platform, and every test here would skip on the machine it is for)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    target = os.environ.get("VLLM_TARGET_DEVICE")
+    if target != "cuda":
+        pytest.fail(
+            f"CUDA is available but VLLM_TARGET_DEVICE={target!r}: these tests need vLLM's CUDA "
+            "platform; run with VLLM_TARGET_DEVICE=cuda (tests/conftest.py's default on a GPU)"
+        )
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm_90 GPU")
+    try:
+        from vllm.platforms import current_platform
+
+        is_cuda = current_platform.is_cuda()
+        found = f"its platform is {type(current_platform).__name__}"
+    except Exception as exc:  # ImportError, or a build without CUDA failing on import
+        is_cuda, found = False, f"{type(exc).__name__}: {exc}"
+    if not is_cuda:
+        pytest.skip(f"vLLM's CUDA build is not importable ({found})")
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +209,7 @@ def test_whole_step_has_no_host_sync_and_matches_reference(
     assert (out[real:] == 0).all()
     err = (out.double() - ref).norm() / ref.norm()
     assert err < 1e-2, f"relative error {float(err):.3g}"
+    assert_rows_close(out, ref, 2e-2)  # every (token, head) row, not only the whole
     _check_inserted_rows(layer, batch, kv, positions)
 
 
@@ -214,8 +236,9 @@ def _store_staged(layer, metadata, rows, check: bool) -> None:
 
 
 def _check_inserted_rows(layer, batch, kv, positions) -> None:
-    """The step's own KV rows: RoPE'd and encoded at their SWA slots (NVFP4: exactly the torch
-    path's bytes; fp8: vLLM's writer, within fp8_ds_mla's error bound)."""
+    """The step's own KV rows: RoPE'd and encoded at their SWA slots. NVFP4: exactly the torch
+    path's bytes. fp8: vLLM's writer, byte for byte ``kv_cache``'s fp8_ds_mla encoding of the
+    same rows (:func:`_check_fp8_ds_mla_bytes`)."""
     from dsv4_attn import kv_cache
     from dsv4_attn.kv_cache import KVFormat
     from dsv4_attn.vllm_glue.writers import qnorm_rope
@@ -223,18 +246,48 @@ def _check_inserted_rows(layer, batch, kv, positions) -> None:
     slots = batch.swa_cm.slot_mapping
     real = slots >= 0
     _, roped = qnorm_rope(kv[:, None], kv, positions, layer.rotary_emb.cos_sin_cache, 1e-6, 1)
-    got = kv_cache.read(layer.swa_pages(), slots[real], layer.kv_format, 64)
     want = roped[real]
     if layer.kv_format is KVFormat.NVFP4:
+        got = kv_cache.read(layer.swa_pages(), slots[real], layer.kv_format, 64)
         data, scales = kv_cache.encode_rows(want, KVFormat.NVFP4)
         assert torch.equal(got, kv_cache.decode_rows(data, scales, KVFormat.NVFP4))
     else:
-        # RoPE values stored as bf16 by vLLM's kernel: within one rounding of ours.
-        rope_err = (got[:, 448:].float() - want[:, 448:].float()).abs()
-        assert (rope_err <= want[:, 448:].float().abs() * 2.0**-7 + 1e-30).all()
-        blocks = want[:, :448].float().view(-1, 7, 64)
-        bound = 2.0**-4 * blocks.abs() + blocks.abs().amax(-1, keepdim=True) * 2.0**-8 + 1e-30
-        assert ((got[:, :448].float().view(-1, 7, 64) - blocks).abs() <= bound).all()
+        _check_fp8_ds_mla_bytes(layer.swa_pages(), slots[real], want, 64)
+
+
+def _check_fp8_ds_mla_bytes(pages, slots, rows, block_size: int) -> None:
+    """The bytes vLLM's fused fp8 insert wrote at ``slots`` (int ``[N]``) of ``pages`` (uint8
+    ``[num_blocks, >= page_bytes]``) against ``kv_cache.encode_rows(rows)`` (``rows``: bf16
+    ``[N, 512]``, this package's RoPE of the step's rows), located by the layout's byte offsets
+    (slot ``b * block_size + i``: data row at ``i * 576``, scale row at ``block_size * 576 + 8 i``
+    of page ``b``).
+
+    Equal byte for byte: the 448 fp8 nope values (the same bf16 inputs: RoPE leaves them alone)
+    and the 7 UE8M0 block exponents. The RoPE part's 64 bf16 values are compared as values,
+    within one bf16 rounding of ours: they come out of each side's own float32 RoPE, whose
+    products vLLM's compiler may fuse (one rounding fewer). The scale row's byte 7 (padding,
+    read by no kernel) and the page's tail past the scale rows are not compared."""
+    from dsv4_attn import kv_cache
+    from dsv4_attn.kv_cache import KVFormat
+
+    layout = kv_cache.page_layout(KVFormat.FP8_DS_MLA, block_size)
+    data_bytes, scale_bytes = layout.data_row_bytes, layout.scale_row_bytes
+    assert (data_bytes, scale_bytes) == (576, 8)
+    block, pos = (slots // block_size).long(), (slots % block_size).long()
+    data_at = pos[:, None] * data_bytes + torch.arange(data_bytes, device=pages.device)
+    scale_at = (
+        block_size * data_bytes
+        + pos[:, None] * scale_bytes
+        + torch.arange(scale_bytes, device=pages.device)
+    )
+    got_data = pages[block[:, None], data_at]
+    got_scales = pages[block[:, None], scale_at]
+    data, scales = kv_cache.encode_rows(rows, KVFormat.FP8_DS_MLA)
+    assert torch.equal(got_data[:, :448], data[:, :448]), "fp8 nope bytes differ"
+    assert torch.equal(got_scales[:, :7], scales[:, :7]), "UE8M0 exponent bytes differ"
+    got_rope = got_data[:, 448:].contiguous().view(torch.bfloat16).float()
+    want_rope = rows[:, 448:].float()
+    assert ((got_rope - want_rope).abs() <= want_rope.abs() * 2.0**-7 + 1e-30).all()
 
 
 def _capture(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
@@ -333,6 +386,7 @@ def test_decode_step_replays_in_a_cuda_graph(
     ref = expected_output(layer, second, q_padded, picks.get(id(second)))
     err = (out.double() - ref).norm() / ref.norm()
     assert err < 1e-2, f"relative error {float(err):.3g} against the float64 reference"
+    assert_rows_close(out, ref, 2e-2)
     assert (replayed[5 * tokens :] == 0).all()  # padding rows
     swa = metadata_again[layer.swa_cache_layer.prefix]
     assert (swa.num_decode_tokens, swa.num_prefills) == (T, 0)  # all through the decode path
@@ -432,6 +486,7 @@ def test_dspark_draft_step_replays_in_a_cuda_graph(profiled, kv_dtype, in_graph,
     )
     err = (out[:real].double().cpu() - ref).norm() / ref.norm()
     assert err < 1e-2, f"relative error {float(err):.3g} against the float64 reference"
+    assert_rows_close(out[:real].cpu(), ref, 2e-2)
     assert (replayed[real:] == 0).all()  # padding rows
 
 
@@ -596,3 +651,105 @@ def test_csa_rows_match_vllms_compressor_kernel(profiled):
     assert torch.equal(saved[:, : C * D], kv.bfloat16())
     want = (score + ape[positions % ratio]).bfloat16()
     assert torch.equal(saved[:, C * D :], want)
+
+
+def _nvfp4_error_bound(want: torch.Tensor) -> torch.Tensor:
+    """Per value, how far an NVFP4 row decoded from a bf16 rounding of ``want`` (float64
+    ``[N, 512]``) may lie from it: on the 448 nope values a quarter of the value or of its
+    16-value block's e2m1 step (scale rule in ``dsv4_attn.kv_cache``: s_b G >= amax_b / 6, at
+    most 1.125x that from the e4m3 rounding up, with room for the bf16 rounding before the
+    encode; G the token's power-of-two scale), on the 64 RoPE values (stored as bf16) one bf16
+    rounding."""
+    nope = want[:, :448].abs().view(-1, 28, 16)
+    amax_t = nope.amax(dim=(1, 2), keepdim=True)
+    token_scale = torch.where(amax_t > 0, torch.exp2(torch.ceil(torch.log2(amax_t / 2688))), 1.0)
+    # The e4m3 block scale is at least 2^-9 G (its smallest subnormal).
+    step = 1.125 * (1 + 2.0**-7) * nope.amax(-1, keepdim=True) / 6 + 2.0**-9 * token_scale
+    nope_bound = torch.maximum(nope / 4, step / 4) + nope * 2.0**-8
+    rope_bound = want[:, 448:].abs() * 2.0**-8
+    # float32 arithmetic before the rounding: a little of the row's largest value
+    slack = want.abs().amax(-1, keepdim=True) * 2.0**-20
+    return torch.cat([nope_bound.view(-1, 448), rope_bound], dim=1) + slack
+
+
+def test_hca_compressor_store_through_vllms_kernel_matches_reference(profiled):
+    """The HCA (ratio 128, fp32 state) NVFP4 compressor's production store on CUDA: vLLM's
+    CuTeDSL compressor kernel writes each completed entry's bf16 row into the staging buffer,
+    ``store_staged_rows`` encodes it into the compressed cache. Each staged row is the float64
+    reference (``reference.compressed_entries`` of the same state) within a bf16 rounding, each
+    written cache row decodes within NVFP4's quantisation bound of it, the pages hold exactly
+    ``kv_cache.write``'s bytes of the staged rows, and nothing else in them changes."""
+    from types import SimpleNamespace
+
+    from dsv4_attn import kv_cache, reference
+    from dsv4_attn.kv_cache import KVFormat
+    from dsv4_attn.vllm_glue.writers import DSV4NVFP4Compressor
+    from tests.test_vllm_glue_attention import Builders, poison
+
+    _needs_cuda_vllm()
+    model = profiled("auto")
+    layer = model.layers[128]
+    compressor = layer.compressor
+    assert isinstance(compressor, DSV4NVFP4Compressor)
+    assert compressor.state_cache.dtype == torch.float32
+    gen = torch.Generator().manual_seed(128)
+    poison(model, gen)
+    C, D, bs, ratio = 1, 512, 8, 128  # no overlap; vLLM's C128 state pages hold 8 positions
+    seq_lens, query_lens = [700, 256, 9], [600, 1, 9]
+    batch = vt.make_batch(gen, seq_lens, query_lens, padding=2, num_blocks=300, on="cuda")
+    state, table = _random_state(gen, seq_lens, C, D, bs, torch.float32)
+    tokens = batch.positions()
+    T, real = batch.num_tokens, len(tokens)
+    token_req = torch.tensor([r for r, _ in tokens] + [0] * (T - real), dtype=torch.int32)
+    state_slots = [int(table[r, p // bs]) * bs + p % bs for r, p in tokens] + [-1] * (T - real)
+    metadata = Builders(layer).build(batch)
+    write_slots = metadata[layer.prefix].slot_mapping
+    before = layer.compressed_pages().clone()
+    layer.staging_rows.fill_(float("nan"))
+    state_metadata = SimpleNamespace(
+        slot_mapping=torch.tensor(state_slots, device="cuda"),
+        token_to_req_indices=token_req.cuda(),
+        block_table=table.cuda(),
+        block_size=bs,
+    )
+    compressor._compress_norm_rope_store(
+        state_metadata,
+        state.cuda(),
+        C * D,
+        batch.cache_cm.positions,
+        layer.rotary_emb,
+        metadata,
+        {"launch_pdl": False},
+    )
+    torch.cuda.synchronize()
+
+    done = [t for t, (_, p) in enumerate(tokens) if (p + 1) % ratio == 0]
+    assert len(done) == 6  # request 0: 5 entries, request 1: 1, request 2: none
+    assert torch.equal((write_slots >= 0).nonzero().flatten().cpu(), torch.tensor(done))
+    cos_sin = layer.rotary_emb.cos_sin_cache.cpu()
+    want = []
+    for t in done:
+        r, p = tokens[t]
+        rows = state[table[r].long()].view(-1, 2 * C * D)[: p + 1]
+        entries = reference.compressed_entries(
+            rows[:, : C * D],
+            rows[:, C * D :],
+            ratio,
+            compressor.norm.weight.detach().cpu(),
+            compressor.rms_norm_eps,
+            cos_sin,
+        )
+        want.append(entries[p // ratio])
+    want = torch.stack(want)
+    staged = layer.staging_rows[done, 0]
+    assert_rows_close(staged.cpu(), want, 2.0**-7, floor=0.0, name="staged rows")
+    written = kv_cache.read(
+        layer.compressed_pages(), write_slots[done], KVFormat.NVFP4, layer.compressed_rows_per_block
+    )
+    err = (written.cpu().double() - want).abs()
+    assert (err <= _nvfp4_error_bound(want)).all(), f"largest error {float(err.max()):.3g}"
+    expected = before.clone()
+    kv_cache.write(
+        expected, write_slots[done], staged, KVFormat.NVFP4, layer.compressed_rows_per_block
+    )
+    assert torch.equal(layer.compressed_pages(), expected)
