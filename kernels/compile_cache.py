@@ -121,6 +121,15 @@ def compile_keeping_cubin(build: Callable[[], Any], dump_dir: str | os.PathLike)
         return cubin_bytes(build())
 
 
+def _fingerprint_sources() -> list[Path]:
+    """The source files whose bytes a compiled object depends on: this package's kernel sources
+    and the modules outside it whose values the kernels compile in (``dsv4_attn.kv_cache``: the
+    head dimension and the cache formats' byte layouts)."""
+    from dsv4_attn import kv_cache
+
+    return [*sorted(Path(__file__).parent.glob("*.py")), Path(kv_cache.__file__)]
+
+
 @functools.cache
 def _source_fingerprint() -> str:
     """Hash of everything a cached object depends on besides its key: this package's kernel
@@ -132,7 +141,7 @@ def _source_fingerprint() -> str:
     import tvm_ffi
 
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    for path in _fingerprint_sources():
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     digest.update(str(getattr(cutlass, "__version__", "?")).encode())

@@ -172,18 +172,26 @@ def test_the_key_names_the_runtime_variant(monkeypatch):
 
 @pytest.fixture
 def kernel_sources(tmp_path, monkeypatch):
-    """A private copy of the kernel package's sources (``kernels/*.py``) that the disk-cache key
-    is computed from: ``compile_cache.__file__`` points into it, so a test can change a source's
-    bytes without touching the checkout. The fingerprint cache is cleared on both sides."""
+    """A private copy of the sources the disk-cache key is computed from (``kernels/*.py`` and
+    ``dsv4_attn/kv_cache.py``, whose head dimension and layouts the kernels compile in):
+    ``compile_cache.__file__`` and ``kv_cache.__file__`` point into it, so a test can change a
+    source's bytes without touching the checkout. The fingerprint cache is cleared on both
+    sides."""
+    from dsv4_attn import kv_cache
+
     pytest.importorskip("cutlass")
     pytest.importorskip("tvm_ffi")
     copy = tmp_path / "kernels"
     copy.mkdir()
     for source in Path(compile_cache.__file__).parent.glob("*.py"):
         (copy / source.name).write_bytes(source.read_bytes())
+    shared = tmp_path / "dsv4_attn"
+    shared.mkdir()
+    (shared / "kv_cache.py").write_bytes(Path(kv_cache.__file__).read_bytes())
     compile_cache._source_fingerprint.cache_clear()
     monkeypatch.setattr(compile_cache, "__file__", str(copy / "compile_cache.py"))
-    yield copy
+    monkeypatch.setattr(kv_cache, "__file__", str(shared / "kv_cache.py"))
+    yield tmp_path
     compile_cache._source_fingerprint.cache_clear()
 
 
@@ -202,13 +210,15 @@ def _stem(key) -> str:
 
 
 def _kernel_source_names() -> list[str]:
-    return sorted(p.name for p in Path(compile_cache.__file__).parent.glob("*.py"))
+    kernels = sorted(p.name for p in Path(compile_cache.__file__).parent.glob("*.py"))
+    return [f"kernels/{name}" for name in kernels] + ["dsv4_attn/kv_cache.py"]
 
 
 @pytest.mark.parametrize("name", _kernel_source_names())
 def test_the_key_follows_every_byte_of_the_kernel_sources(kernel_sources, name):
-    """One byte changed in any source of the kernel package names the object differently, and
-    the original bytes name it as before (the name follows the bytes, not the files' place)."""
+    """One byte changed in any source of the kernel package, or in the cache formats the
+    kernels compile in, names the object differently, and the original bytes name it as before
+    (the name follows the bytes, not the files' place)."""
     key = ("same", "key")
     original_stem = _stem(key)
     saved = _flip_one_byte(kernel_sources / name)
@@ -254,7 +264,7 @@ def test_an_object_compiled_from_other_source_bytes_is_not_loaded(
     CompileCache("combine").get(key, build)
     assert loads == [stale] and builds == []
 
-    _flip_one_byte(kernel_sources / "combine.py")
+    _flip_one_byte(kernel_sources / "kernels" / "combine.py")
     compile_cache._source_fingerprint.cache_clear()
     fresh = CompileCache("combine")
     built = fresh.get(key, build)
