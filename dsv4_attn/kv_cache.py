@@ -26,8 +26,9 @@ can bulk-copy the data rows of a tile and, separately, their scales.
                       [28]        UE8M0 token scale byte u: the token scale is G = 2^(u - 127)
                       [29, 32)    0 (padding)
     page:             block_size data rows, then block_size scale rows (always a multiple of 128 B).
-    Decoded value i = e2m1_i * s_{i//16} * G. Every such product is exact in bfloat16 (a 2-bit
-    times a 4-bit significand), so kernels may dequantize in bf16 without rounding.
+    Decoded value i = e2m1_i * s_{i//16} * G. Every such product of magnitude >= 2^-126 is
+    exact in bfloat16 (a 2-bit times a 4-bit significand), so kernels may dequantize in bf16
+    without rounding; a smaller one rounds to bf16's subnormal grid (steps of 2^-133).
 
     Scale rule (chosen so no element ever saturates, and the e4m3 scales use their full range),
     in exact arithmetic (no rounded quotient decides anything, so every implementation - torch on
@@ -39,7 +40,8 @@ can bulk-copy the data rows of a tile and, separately, their scales.
       * e2m1_i = x_i / (s_b G) rounded to the nearest e2m1 value, ties to the even code; the sign
         bit is the sign of x_i (a negative value that rounds to 0 keeps it).
     Error bound per nope value (finite inputs, |x| < 2^127):
-      |x - x_hat| <= max(|x| / 4, s_b * G / 4), with s_b * G <= 1.125 * amax_b / 6 + 2^-9 * G.
+      |x - x_hat| <= max(|x| / 4, s_b * G / 4), with s_b * G <= 1.125 * amax_b / 6 + 2^-9 * G,
+      plus 2^-134 (the subnormal rounding above) where x_hat is decoded to bf16.
 
 ``BF16`` (1024 B/token): 512 x bfloat16, no scale rows; a lossless format for tests and for
     checking a model path without quantization.

@@ -60,8 +60,9 @@ def naive_dense(case: DenseCase) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.full((B, Sq, H), float("-inf"), dtype=torch.float64)
     for b in range(B):
         for i in range(Sq):
-            last = i + Sk - Sq if case.causal else Sk - 1
-            first = 0 if case.window is None else last - case.window + 1
+            diag = i + Sk - Sq
+            last = diag if case.causal else Sk - 1
+            first = 0 if case.window is None else diag - case.window + 1
             keys = list(range(max(first, 0), min(last, Sk - 1) + 1))
             if not keys:
                 continue
@@ -130,6 +131,13 @@ def test_dense_fallback_matches_reference(case_args, dtype):
     assert rel_err(out, ref_out) <= (1e-5 if dtype == torch.float32 else 1e-2)
     assert_rows_close(out, ref_out, ROW_TOL_FP32 if dtype == torch.float32 else ROW_TOL_BF16)
     assert_lse_close(lse, ref_lse, 1e-5)
+    # The fallback and the reference share reference.visible_mask: the naive loop states the
+    # mask rule on its own, so a wrong rule cannot pass both comparisons.
+    if case.cu_seqlens_q is None:
+        naive_out, naive_lse = naive_dense(case)
+        tol = ROW_TOL_FP32 if dtype == torch.float32 else ROW_TOL_BF16
+        assert_rows_close(out, naive_out, tol)
+        assert_lse_close(lse, naive_lse, 1e-5)
 
 
 def test_dense_fallback_k_is_v_head_dim_512():
