@@ -226,6 +226,10 @@ SIGNATURES = [
     (2, "attn, kv, **kwargs", False),  # **kwargs in place of two
     (2, "attn, kv, positions, slot_mapping, *rest", False),  # *args added
     (2, "attn, kv, positions, slot_mapping, **extra", False),  # **kwargs added
+    (0, "vllm_config=None", False),  # a default: a wrapper without it refuses shorter calls
+    (2, "attn, kv, positions, slot_mapping=None", False),  # the last defaulted
+    (2, "attn, kv, positions=None, slot_mapping=None", False),  # the last two defaulted
+    (2, "attn, /, kv, positions, slot_mapping=None", False),  # positional-only and a default
 ]
 
 

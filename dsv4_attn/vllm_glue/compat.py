@@ -46,7 +46,7 @@ class HookTarget:
 
     module: str  # dotted module name, e.g. "vllm.models.deepseek_v4.nvidia.model"
     function: str  # module-level function name
-    params: tuple[str, ...]  # its positional-or-keyword parameters, nothing else
+    params: tuple[str, ...]  # its positional-or-keyword parameters without defaults, nothing else
     required: bool  # False: the module may be absent (an older vLLM without it)
 
 
@@ -114,10 +114,14 @@ def _compiled_only(module: str) -> bool:
 
 
 def _describe_ast_args(args: ast.arguments) -> str:
-    # Positional-only parameters are a mismatch (HookTarget.params are positional-or-keyword),
-    # so they are written as Python writes them, before a "/".
-    parts = [a.arg for a in args.posonlyargs] + (["/"] if args.posonlyargs else [])
-    parts += [a.arg for a in args.args]
+    # Positional-only parameters and defaults are mismatches (HookTarget.params are
+    # positional-or-keyword without defaults: a wrapper with none would refuse a call that
+    # leaves a defaulted argument out), so they are written as Python writes them.
+    positional = [a.arg for a in (*args.posonlyargs, *args.args)]
+    first_default = len(positional) - len(args.defaults)
+    positional = [p + ("=..." if i >= first_default else "") for i, p in enumerate(positional)]
+    slash = len(args.posonlyargs)
+    parts = positional[:slash] + (["/"] if slash else []) + positional[slash:]
     if args.vararg is not None:
         parts.append("*" + args.vararg.arg)
     parts += [a.arg + "=" for a in args.kwonlyargs]
@@ -171,7 +175,9 @@ def check_hook_callable(func: object, target: HookTarget) -> None:
     if not callable(func):
         raise IncompatibleVLLMError(_message(f"{target.module} has no callable {target.function}"))
     params = inspect.signature(func).parameters.values()
-    names = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
+    names = tuple(
+        p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty
+    )
     if names != target.params or len(names) != len(params):
         raise IncompatibleVLLMError(
             _message(
