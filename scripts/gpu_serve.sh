@@ -235,8 +235,9 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     ;;
   tests)
     # -k: of test_sparse_decode's kernel-against-reference grid (ids FORMAT-H-T-EXTRA-SINK) the
-    # H = 64 cases; of the dense FMHA cases the d512 ones.
-    VLLM_TARGET_DEVICE=cuda timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    # H = 64 cases; of the dense FMHA cases the d512 ones. VLLM_TARGET_DEVICE is left to
+    # tests/conftest.py (cuda where CUDA is), as a plain `pytest -m gpu` gets it.
+    env -u VLLM_TARGET_DEVICE timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider -rfs \
       tests/test_fused.py tests/test_vllm_glue_gpu.py tests/test_sparse_decode.py \
       tests/test_combine.py \
       tests/test_fmha_ops.py::test_gpu_sparse_prefill_auto_uses_kernel tests/test_fmha.py \
