@@ -87,6 +87,50 @@ def test_dsv41_selector_refuses_our_backend_and_keeps_the_rest(dsv41_model):
         assert outcome(select, fake_config(choice)) == outcome(original, fake_config(choice))
 
 
+def _runner(*backends: type) -> SimpleNamespace:
+    """A stand-in model runner whose attention groups (one list per KV-cache group) use
+    ``backends``, with what vLLM's DeepSeek-V4 warmup reads before its mixed step."""
+    groups = [[SimpleNamespace(backend=b)] for b in backends]
+    runner = SimpleNamespace(attn_groups=groups, is_pooling_model=False, dummy_runs=[])
+    runner.vllm_config = SimpleNamespace(use_v2_model_runner=False)
+    runner._dummy_run = lambda **kwargs: runner.dummy_runs.append(kwargs)
+    return runner
+
+
+def test_vllms_deepseek_v4_warmup_runs_for_our_backends():
+    """vLLM's DeepSeek-V4 kernel warmup (a mixed prefill + decode dummy step before serving,
+    so no kernel compiles during a user's first request) runs its step for a runner whose
+    groups use DSV4_NVFP4 or its SWA twin, as for vLLM's own DeepSeek-V4 backends, and still
+    skips other backends."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as Backends
+
+    from dsv4_attn.vllm_glue.backend import DSV4NVFP4Backend, DSV4NVFP4SWABackend
+
+    plugin.register()
+    warmup = importlib.import_module("vllm.model_executor.warmup.flashinfer_sparse_mla_warmup")
+    assert model_hook.is_patched(warmup, compat.HOOK_TARGETS[3])
+    has_backend = warmup._has_deepseek_v4_sparse_mla_backend
+    original = has_backend.__wrapped__
+    vllms = Backends["FLASHMLA_SPARSE_DSV4"].get_class()
+    other = Backends["TRITON_ATTN"].get_class()
+    ours = (DSV4NVFP4Backend, DSV4NVFP4SWABackend)
+    for backends, runs in [(ours, True), (ours[1:], True), ((vllms,), True), ((other,), False)]:
+        runner = _runner(*backends)
+        assert has_backend(runner) is runs, backends
+        assert original(runner) is (backends == (vllms,)), backends  # upstream skips ours
+        worker = SimpleNamespace(
+            model_runner=runner,
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=8192),
+            vllm_config=SimpleNamespace(
+                kernel_config=SimpleNamespace(enable_flashinfer_autotune=False)
+            ),
+        )
+        warmup.deepseek_v4_sparse_mla_attention_warmup(worker)  # vLLM's own function
+        mixed = [run for run in runner.dummy_runs if run.get("create_mixed_batch")]
+        assert len(mixed) == (1 if runs else 0), (backends, runner.dummy_runs)
+    assert not model_hook.runs_dsv4_nvfp4(SimpleNamespace())  # a runner without groups
+
+
 def test_dspark_context_writer_routes_nvfp4_layers_to_ours(monkeypatch):
     """DSpark writes its context KV through a module function of its own; the hook sends
     DSV4_NVFP4 layers with an NVFP4 cache to the layer's writer (vLLM's would write

@@ -18,5 +18,8 @@ Importing this package is cheap: it holds names only. The modules that import vL
 BACKEND_NAME = "DSV4_NVFP4"
 """The ``--attention-backend`` value, and the ``AttentionBackendEnum`` member name."""
 
+SWA_BACKEND_NAME = f"{BACKEND_NAME}_SWA"
+"""The name of the backend of this backend's sliding-window caches (vLLM groups layers by it)."""
+
 BACKEND_CLASS_PATH = "dsv4_attn.vllm_glue.backend.DSV4NVFP4Backend"
 """Fully qualified class registered for :data:`BACKEND_NAME`."""

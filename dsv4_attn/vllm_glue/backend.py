@@ -23,7 +23,7 @@ from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWABackend
 
-from dsv4_attn.vllm_glue import BACKEND_NAME
+from dsv4_attn.vllm_glue import BACKEND_NAME, SWA_BACKEND_NAME
 from dsv4_attn.vllm_glue.kv_spec import KV_CACHE_DTYPES
 from dsv4_attn.vllm_glue.metadata import DSV4CompressedMetadataBuilder, DSV4SWAMetadataBuilder
 
@@ -64,7 +64,7 @@ class DSV4NVFP4SWABackend(DeepseekSparseSWABackend):
 
     @staticmethod
     def get_name() -> str:
-        return f"{BACKEND_NAME}_SWA"
+        return SWA_BACKEND_NAME
 
     @staticmethod
     def get_builder_cls() -> type[DSV4SWAMetadataBuilder]:

@@ -63,6 +63,12 @@ HOOK_TARGETS: tuple[HookTarget, ...] = (
         ("attn", "kv", "positions", "slot_mapping"),
         True,
     ),
+    HookTarget(
+        "vllm.model_executor.warmup.flashinfer_sparse_mla_warmup",
+        "_has_deepseek_v4_sparse_mla_backend",
+        ("runner",),
+        False,
+    ),
 )
 
 

@@ -14,6 +14,12 @@ this package's NVFP4 layers to
 :meth:`~dsv4_attn.vllm_glue.attention.DSV4NVFP4Attention.insert_context_rows` and every other
 layer (fp8_ds_mla pages are vLLM's layout) to the original.
 
+vLLM's kernel warmup runs a mixed prefill + decode step before serving only for the DeepSeek-V4
+backends it names (``vllm.model_executor.warmup.flashinfer_sparse_mla_warmup.
+_has_deepseek_v4_sparse_mla_backend``), so without a word this backend's prefill-only kernels
+would compile during a user's first request. Its wrapper also answers yes for a runner whose
+attention groups use ``DSV4_NVFP4`` or its SWA twin.
+
 The V4.1 model (``vllm.models.deepseek_v41``) has its own selector and its own attention base
 class, which this package does not implement: there ``DSV4_NVFP4`` raises a ValueError at model
 construction instead of silently running FlashMLA.
@@ -40,7 +46,7 @@ from typing import Any
 
 from dsv4_attn.kv_cache import KVFormat
 from dsv4_attn.log import get_logger
-from dsv4_attn.vllm_glue import BACKEND_NAME
+from dsv4_attn.vllm_glue import BACKEND_NAME, SWA_BACKEND_NAME
 from dsv4_attn.vllm_glue.compat import (
     HOOK_TARGETS,
     HookTarget,
@@ -48,7 +54,7 @@ from dsv4_attn.vllm_glue.compat import (
     check_hook_callable,
 )
 
-__all__ = ["install", "is_dsv4_nvfp4", "is_patched"]
+__all__ = ["install", "is_dsv4_nvfp4", "is_patched", "runs_dsv4_nvfp4"]
 
 logger = get_logger(__name__)
 
@@ -100,10 +106,31 @@ def _dspark_context_insert(original: Callable[..., None]) -> Callable[..., None]
     return insert
 
 
+def runs_dsv4_nvfp4(runner: Any) -> bool:
+    """Whether a model runner's attention groups use this package's backends (the main or the
+    SWA one), read as vLLM's warmup reads its own: ``runner.attn_groups[i][j].backend``."""
+    names = {BACKEND_NAME, SWA_BACKEND_NAME}
+    for groups in getattr(runner, "attn_groups", None) or ():
+        for group in groups:
+            get_name = getattr(getattr(group, "backend", None), "get_name", None)
+            if get_name is not None and get_name() in names:
+                return True
+    return False
+
+
+def _dsv4_warmup_check(original: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    @functools.wraps(original)
+    def has_backend(runner: Any) -> bool:
+        return original(runner) or runs_dsv4_nvfp4(runner)
+
+    return has_backend
+
+
 _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "vllm.models.deepseek_v4.nvidia.model": _dsv4_selector,
     "vllm.models.deepseek_v41.nvidia.model": _dsv41_selector,
     "vllm.models.deepseek_v4.nvidia.dspark": _dspark_context_insert,
+    "vllm.model_executor.warmup.flashinfer_sparse_mla_warmup": _dsv4_warmup_check,
 }
 
 
