@@ -25,6 +25,9 @@
 #   bash scripts/gpu_serve.sh spec S M K # server S on the draftable checkpoint without and with
 #                                       #   speculation M (mtp, dspark), K draft tokens: greedy
 #                                       #   agreement and acceptance (vLLM's spec-decode counters)
+#   bash scripts/gpu_serve.sh first     # each server fresh under vLLM's JIT monitor (verbose):
+#                                       #   first-request TTFT vs a second's, kernels compiled
+#                                       #   while serving (FIRST_SERVERS, default "fp8 nvfp4")
 #   bash scripts/gpu_serve.sh capacity  # the KV capacity each server reports at equal memory
 #                                       #   (vLLM's backend, fp8, NVFP4; default flags, one server
 #                                       #   at a time, stopped once it has reported)
@@ -75,7 +78,7 @@ DRAFTABLE=/tmp/dsv4_draftable_ckpt  # layers scaled down, an MTP layer that draf
 DSPARK=/tmp/dsv4_dspark_ckpt  # the same model with a DSpark draft that drafts well
 PARTS="prepare|tests|sanitize|bench|vllm|fp8|nvfp4|compare|mtp|spec|capacity|startup|control"
 PARTS="$PARTS|soak|real"
-PARTS="$PARTS|batch|collect|wait"
+PARTS="$PARTS|batch|collect|wait|first"
 BATCH=${BATCH:-/tmp/dsv4_batch}  # another BATCH runs a second batch beside the first
 PART=${1:?usage: gpu_serve.sh $PARTS}
 
@@ -276,6 +279,20 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     # Server ${2:-fp8} with the default checkpoint's MTP layer (${3:-1} draft tokens) against
     # itself without speculation: spec_pair.
     spec_pair "${2:-fp8}" mtp "${3:-1}"
+    ;;
+  first)
+    # The first request as fast as the rest: each server (${FIRST_SERVERS:-fp8 nvfp4}) fresh,
+    # with vLLM's JIT monitor logging every kernel compiled after vLLM's warmup; the TTFT of
+    # its first request against a second of equal length, then other lengths
+    # ($OUT/first_<server>.json, dsv4_attn.e2e.first_request)
+    for name in ${FIRST_SERVERS:-fp8 nvfp4}; do
+      backend_args "$name"
+      launch "first_$name" 8140 "${extra[@]}" --jit-monitor-verbose
+      python3 -m dsv4_attn.e2e.first_request --port 8140 --model "$CKPT" --wait 600 \
+        --pid "$OUT/serve_first_$name.pid" --log "$OUT/serve_first_$name.log" \
+        --out "$OUT/first_$name.json" || echo "first $name: failed"
+      stop_server "first_$name" 8140
+    done
     ;;
   spec)
     # The same on the draftable checkpoints, whose drafts are accepted about as often as
