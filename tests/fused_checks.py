@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -527,6 +529,393 @@ def check_decode_schedule(fused, device, seed: int) -> None:
     )
     assert torch.equal(got.part_plan.cpu(), want.part_plan)
     assert torch.equal(got.token_plan.cpu(), want.token_plan)
+
+
+# ----------------------------------------------------------------------------------------------
+# Serving: one model's kernels over batches of every shape (the specialization checks)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServingStep:
+    """One step's batch: each request's tokens before the step and its query length (the
+    decodes, query length 1, first), ``padding`` rows past the last request (as CUDA graphs pad
+    a batch), and ``offset`` (requests, tokens): where the step's rows start in vLLM's
+    per-request and per-token tensors, which the kernels then get as views (a micro-batch of
+    vLLM's dual-batch overlap; ``(0, 0)``: from their first row). ``table_width``: block tables
+    of that many pages, rows contiguous, as a caller that sizes its tables by the batch makes
+    them (the step bench); 0: vLLM's, the model's full width."""
+
+    context: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    padding: int = 0
+    offset: tuple[int, int] = (0, 0)
+    table_width: int = 0
+
+
+class ServingStand:
+    """One model's geometry and the buffers allocated once for its life (vLLM's per-step
+    tensors, the metadata builders' lists, the KV caches, the compressor's state, a workspace)
+    on ``device``. :meth:`step` runs every entry point of :mod:`dsv4_attn.fused` on a batch,
+    with the arguments the backend's callers build (``dsv4_attn.vllm_glue``: metadata builders,
+    writers, compressor, prefill chunks); only the batch changes from one step to the next.
+    The values are valid (pages inside the caches) but arbitrary: what is looked at is which
+    kernel variants the launches ask for, not what they compute."""
+
+    MAX_REQS = 80
+    MAX_TOKENS = 224
+    PAGES_PER_REQ = 37  # block-table width; odd, so a view from row r starts at any alignment
+    NUM_PAGES = 48
+    SWA_BLOCK = 64
+    CACHE_BLOCK = 256  # tokens per compressed page: 64 CSA entries, 2 HCA entries
+    STATE_BLOCK = 64  # positions per page of the CSA compressor's state
+    MAX_LEN = PAGES_PER_REQ * SWA_BLOCK
+    HEADS, PADDED_HEADS = 6, 8
+    WINDOW = 128
+    TOPK = 64
+    HCA_ENTRIES = -(-MAX_LEN // 128)
+    PARTS = 7
+    D = 512
+
+    def __init__(self, device: torch.device | str) -> None:
+        from dsv4_attn.kernels.sparse_decode_config import BLOCK_N
+        from dsv4_attn.kernels.sparse_decode_schedule import min_share_tiles
+
+        d = torch.device(device)
+        self.device = d
+        gen = torch.Generator().manual_seed(zlib.crc32(b"serving stand"))
+        R, T, i32 = self.MAX_REQS, self.MAX_TOKENS, torch.int32
+
+        def pages(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.uint8, device=d)
+
+        # vLLM's per-step tensors (persistent; each step writes its rows and passes views).
+        self.seq_lens = torch.zeros(R, dtype=i32, device=d)
+        self.slot_mapping = torch.full((T,), -1, dtype=torch.int64, device=d)
+        self.positions = torch.zeros(T, dtype=torch.int64, device=d)
+        self.tables_cpu = {
+            group: torch.randint(0, self.NUM_PAGES, (R, self.PAGES_PER_REQ), generator=gen).int()
+            for group in ("swa", "cache", "state")
+        }
+        self.tables = {group: t.to(d) for group, t in self.tables_cpu.items()}
+        # The layer's caches and weights.
+        layout = kv_cache.page_layout
+        self.swa_pages = pages(self.NUM_PAGES, layout(KVFormat.NVFP4, self.SWA_BLOCK).page_bytes)
+        self.compressed_pages = {
+            ratio: pages(
+                self.NUM_PAGES, layout(KVFormat.NVFP4, self.CACHE_BLOCK // ratio).page_bytes
+            )
+            for ratio in (4, 128)
+        }
+        self.state = torch.zeros(
+            self.NUM_PAGES, self.STATE_BLOCK, 4 * self.D, dtype=torch.bfloat16, device=d
+        )
+        self.norm_weight = torch.ones(self.D, dtype=torch.bfloat16, device=d)
+        self.cos_sin = _rope_table(self.MAX_LEN).to(d)
+        self.topk = torch.randint(-1, 40, (T, self.TOPK), generator=gen, dtype=i32).to(d)
+        self.staging = torch.zeros(T, 1, self.D, dtype=torch.bfloat16, device=d)
+        # The metadata builders' buffers: the SWA group's, then per compressed group (CSA, HCA).
+        self.window_lists = self._lists(swa_indices=(T, self.WINDOW), swa_lens=(T,))
+        self.compressed_lists = {
+            4: self._lists(visible_counts=(T,)),
+            128: self._lists(hca_indices=(T, self.HCA_ENTRIES), hca_lens=(T,), window_lens=(T,)),
+        }
+        self.part_plan = torch.zeros(self.PARTS, 4, dtype=i32, device=d)
+        self.token_plan = torch.zeros(T, 5, dtype=i32, device=d)
+        self.min_share = min_share_tiles(-(-(self.WINDOW + self.HCA_ENTRIES) // BLOCK_N))
+        self.workspace = torch.zeros(4 << 20, dtype=torch.uint8, device=d)
+
+    def _lists(self, **shapes: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        T, d = self.MAX_TOKENS, self.device
+        lists = {
+            "token_req": torch.zeros(T, dtype=torch.int32, device=d),
+            "valid": torch.zeros(T, dtype=torch.bool, device=d),
+            "write_slots": torch.full((T,), -1, dtype=torch.int64, device=d),
+            "staging_rows": torch.full((T,), -1, dtype=torch.int64, device=d),
+        }
+        for name, shape in shapes.items():
+            lists[name] = torch.zeros(shape, dtype=torch.int32, device=d)
+        return lists
+
+    def _scratch(self, shapes) -> list[torch.Tensor]:
+        """Workspace views as vLLM's workspace manager hands them out: one after the other,
+        each at a 256-byte boundary."""
+        views, at = [], 0
+        for shape, dtype in shapes:
+            size = math.prod(shape) * dtype.itemsize
+            views.append(self.workspace[at : at + size].view(dtype).view(shape))
+            at += -(-size // 256) * 256
+        return views
+
+    def step(self, fused, step: ServingStep) -> None:
+        """Every entry point of ``fused`` on ``step``'s batch, as one layer of each kind (SWA,
+        CSA, HCA) would run it: metadata, decode plan, CSA entry slots, KV writers, the CSA
+        compressor, and for the prefills each chunk's gathers and index lists."""
+        from dsv4_attn.kernels.sparse_decode_schedule import DecodeSchedule
+        from dsv4_attn.vllm_glue import prefill
+
+        d, (r0, t0) = self.device, step.offset
+        R, query_lens = len(step.query_lens), list(step.query_lens)
+        seq = [c + q for c, q in zip(step.context, query_lens, strict=True)]
+        assert max(seq) <= self.MAX_LEN and min(query_lens) >= 1
+        T = sum(query_lens) + step.padding
+        assert r0 + R <= self.MAX_REQS and t0 + T <= self.MAX_TOKENS
+        decodes = next((r for r, q in enumerate(query_lens) if q > 1), R)
+        decode_tokens = decodes  # one token per decode
+        query_start_cpu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]).int()
+        seq_cpu = torch.tensor(seq, dtype=torch.int32)
+        positions = [p for s, q in zip(seq, query_lens, strict=True) for p in range(s - q, s)]
+        requests = [r for r, q in enumerate(query_lens) for _ in range(q)]
+        swa_rows = self.tables_cpu["swa"][r0 : r0 + R]
+        slots = [
+            int(swa_rows[r, p // self.SWA_BLOCK]) * self.SWA_BLOCK + p % self.SWA_BLOCK
+            for r, p in zip(requests, positions, strict=True)
+        ]
+        pad = [0] * step.padding
+        # vLLM's tensors: this step's rows, as views from (r0, t0). A micro-batch's query starts
+        # are a new tensor (vLLM subtracts its first entry).
+        seq_lens = self.seq_lens[r0 : r0 + R]
+        seq_lens.copy_(seq_cpu)
+        slot_mapping = self.slot_mapping[t0 : t0 + T]
+        slot_mapping.copy_(torch.tensor(slots + [-1] * step.padding))
+        positions_d = self.positions[t0 : t0 + T]
+        positions_d.copy_(torch.tensor(positions + pad))
+        tables = {group: t[r0 : r0 + R] for group, t in self.tables.items()}
+        if step.table_width:
+            tables = {g: t[:, : step.table_width].contiguous() for g, t in tables.items()}
+        query_start = query_start_cpu.to(d)
+
+        # Metadata (dsv4_attn.vllm_glue.metadata's builders).
+        sm = fused.step_metadata
+        step_args = (query_start, seq_lens, slot_mapping)
+        swa = {name: buffer[:T] for name, buffer in self.window_lists.items()}
+        sm.fill_window_metadata(
+            *step_args,
+            tables["swa"],
+            self.SWA_BLOCK,
+            token_req=swa["token_req"],
+            valid=swa["valid"],
+            swa_indices=swa["swa_indices"],
+            swa_lens=swa["swa_lens"],
+        )
+        csa = {name: buffer[:T] for name, buffer in self.compressed_lists[4].items()}
+        sm.fill_compressed_metadata(
+            *step_args,
+            tables["cache"],
+            self.CACHE_BLOCK // 4,
+            4,
+            token_req=csa["token_req"],
+            valid=csa["valid"],
+            write_slots=csa["write_slots"],
+            staging_rows=csa["staging_rows"],
+            visible_lens=csa["visible_counts"],
+        )
+        hca = {name: buffer[:T] for name, buffer in self.compressed_lists[128].items()}
+        # Decode-only steps list every entry; others as far as their longest sequence needs.
+        prefills = decodes < R
+        width = self.HCA_ENTRIES
+        if prefills:
+            width = min(width, max(1, -(-max(seq) // 128)))
+        # The balanced decode plan, for the decode tokens (all rows of a decode-only step), is
+        # the planner's choice per step (by token count; here from 3 tokens on).
+        plan_tokens = decode_tokens if prefills else T
+        planned = plan_tokens >= 3
+        sm.fill_compressed_metadata(
+            *step_args,
+            tables["cache"],
+            self.CACHE_BLOCK // 128,
+            128,
+            token_req=hca["token_req"],
+            valid=hca["valid"],
+            write_slots=hca["write_slots"],
+            staging_rows=hca["staging_rows"],
+            visible_slots=hca["hca_indices"][:, :width],
+            visible_lens=hca["hca_lens"],
+            window=self.WINDOW,
+            window_lens=hca["window_lens"] if planned else None,
+        )
+        if planned:
+            fused.decode_schedule.build_schedule(
+                hca["window_lens"][:plan_tokens],
+                hca["hca_lens"][:plan_tokens],
+                (self.WINDOW, self.HCA_ENTRIES),
+                self.PARTS,
+                self.min_share,
+                out=DecodeSchedule(self.part_plan, self.token_plan[:plan_tokens]),
+            )
+        # The CSA layer's decode tokens: the indexer's picks as slots (metadata.layer_scopes).
+        n = decode_tokens if prefills else T
+        if n:
+            entry_slots, entry_lens = self._scratch(
+                [((n, self.TOPK), torch.int32), ((n,), torch.int32)]
+            )
+            sm.fill_entry_slots(
+                self.topk[:n],
+                csa["token_req"][:n],
+                csa["valid"][:n],
+                csa["visible_counts"][:n],
+                tables["cache"],
+                self.CACHE_BLOCK // 4,
+                slots=entry_slots,
+                lens=entry_lens,
+            )
+
+        # KV writers and the CSA compressor (dsv4_attn.vllm_glue.writers, compressor_state).
+        q = torch.zeros(T, self.HEADS, self.D, dtype=torch.bfloat16, device=d)
+        kv = torch.zeros(T, self.D, dtype=torch.bfloat16, device=d)
+        fused.kv_writers.qnorm_rope_nvfp4_insert(
+            q,
+            kv,
+            positions_d,
+            self.cos_sin,
+            1e-6,
+            self.PADDED_HEADS,
+            slot_mapping,
+            self.swa_pages,
+            self.SWA_BLOCK,
+        )
+        rows = self.staging.view(-1, self.D)
+        fused.compressor.compress_rows(
+            self.state,
+            tables["state"],
+            csa["token_req"],
+            positions_d,
+            slot_mapping,
+            csa["staging_rows"],
+            rows,
+            4,
+            self.norm_weight,
+            1e-6,
+            self.cos_sin,
+        )
+        for ratio, lists in ((4, csa), (128, hca)):
+            fused.kv_writers.store_staged_rows(
+                rows, lists["write_slots"], self.compressed_pages[ratio], self.CACHE_BLOCK // ratio
+            )
+
+        # Prefill chunks of each layer kind (dsv4_attn.vllm_glue.attention._forward_prefill).
+        if not prefills:
+            return
+        for ratio in (1, 4, 128):
+            budget = prefill.rows_budget(self.MAX_LEN, ratio, self.WINDOW, self.MAX_TOKENS)
+            chunks = prefill.plan_chunks(
+                query_start_cpu, seq_cpu, decodes, R - decodes, ratio, self.WINDOW, budget
+            )
+            for chunk in chunks:
+                reqs = slice(chunk.first_req, chunk.end_req)
+                C, N, M = chunk.end_req - chunk.first_req, chunk.entries, chunk.rows
+                chunk_tokens = chunk.end_token - chunk.first_token
+                topk = self.TOPK if ratio == 4 else 0
+                columns = prefill.index_width(ratio, topk, N, self.WINDOW)
+                rows_ws, indices_ws, lens_ws, _ = self._scratch(
+                    prefill.chunk_workspace_shapes(C * M, chunk_tokens, columns, self.HEADS)
+                )
+                chunk_starts = query_start[chunk.first_req : chunk.end_req + 1]
+                chunk_seq = seq_lens[reqs]
+                workspace_rows = rows_ws[: C * M].view(C, M, self.D)
+                if ratio > 1 and N:
+                    fused.kv_gather.gather_nvfp4_rows(
+                        workspace_rows,
+                        self.compressed_pages[ratio],
+                        self.CACHE_BLOCK // ratio,
+                        chunk_seq,
+                        tables["cache"][reqs],
+                        0,
+                        N,
+                        ratio=ratio,
+                    )
+                glens = prefill.gather_lens(
+                    chunk_starts[1:] - chunk_starts[:-1], chunk_seq, self.WINDOW
+                )
+                fused.kv_gather.gather_nvfp4_rows(
+                    workspace_rows,
+                    self.swa_pages,
+                    self.SWA_BLOCK,
+                    chunk_seq,
+                    tables["swa"][reqs],
+                    N,
+                    M - N,
+                    gather_lens=glens,
+                )
+                tokens = slice(chunk.first_token, chunk.end_token)
+                fused.prefill_index.fill_prefill_index(
+                    chunk_starts,
+                    chunk_seq,
+                    chunk.first_token,
+                    chunk_tokens,
+                    N,
+                    M,
+                    ratio,
+                    self.WINDOW,
+                    self.topk[tokens] if ratio == 4 else None,
+                    indices_ws[:chunk_tokens, :columns],
+                    lens_ws[:chunk_tokens],
+                )
+
+
+# What a warm-up runs: decodes (enough for the balanced plan) and a prefill long enough for HCA
+# entries, so every kernel variant below is compiled once.
+WARM_STEP = ServingStep(context=(300, 41, 700, 300), query_lens=(1, 1, 1, 40), padding=1)
+
+# The variants a model legitimately compiles, each a fixed choice per layer kind or call site
+# (constexprs, or a value fixed for the model's life): the index lists per layer kind (MODE:
+# SWA, CSA, HCA), the gathers of window rows (WINDOW) and of CSA and HCA entries (their pages of
+# 64 and 2 entries), the compressed metadata of CSA (counts) and of HCA (lists), and the staged
+# rows' store into CSA and HCA pages.
+KERNEL_VARIANTS = {
+    "_qnorm_rope_nvfp4_insert_kernel": 1,
+    "_store_staged_rows_kernel": 2,
+    "_window_kernel": 1,
+    "_compressed_kernel": 2,
+    "_entry_slots_kernel": 1,
+    "_prefill_index_kernel": 3,
+    "_gather_nvfp4_kernel": 3,
+    "_compress_rows_kernel": 1,
+    "_decode_schedule_kernel": 1,
+}
+
+
+def serving_steps() -> list[ServingStep]:
+    """Batches of other shapes than :data:`WARM_STEP`'s on the same model: 1, 2, 3, 17 and 64
+    decoding requests; 0, 1, 5, 16 and 33 decodes before 1 to 3 prefills (the prefills' first
+    token; HCA list and prefill index widths following their lengths; a whole prompt among
+    them); padding rows; the same batches as micro-batches, views from request and token
+    offsets 1 to 17; and block tables 16, 33 and 1 pages wide."""
+    gen = torch.Generator().manual_seed(zlib.crc32(b"serving steps"))
+    top = ServingStand.MAX_LEN
+
+    def contexts(count: int, room: int) -> tuple[int, ...]:
+        return tuple(int(c) for c in torch.randint(0, top - room, (count,), generator=gen))
+
+    steps = []
+    for reqs, padding in ((1, 0), (2, 3), (3, 1), (17, 0), (64, 5)):
+        steps.append(ServingStep(contexts(reqs, 1), (1,) * reqs, padding))
+    for decodes, query_lens in (
+        (0, (37,)),
+        (1, (5, 60)),
+        (5, (2, 17, 4)),
+        (16, (100,)),
+        (33, (9, 48)),
+    ):
+        context = contexts(decodes + len(query_lens), 100)
+        context = (*context[:decodes], 0, *context[decodes + 1 :])  # a whole prompt
+        steps.append(ServingStep(context, (1,) * decodes + query_lens, decodes % 3))
+    offsets = ((1, 1), (3, 5), (5, 17), (2, 2), (17, 3))
+    for step, offset in zip(steps[1::2], offsets, strict=True):
+        steps.append(ServingStep(step.context, step.query_lens, step.padding, offset))
+    for step, width in zip(steps[4:7], (16, 33, 1), strict=True):
+        steps.append(ServingStep(step.context, step.query_lens, step.padding, table_width=width))
+    return steps
+
+
+def fused_kernels(fused) -> dict[str, object]:
+    """The kernels (``*_kernel`` JIT functions) of the modules in ``fused``, by name."""
+    kernels = {}
+    for module in vars(fused).values():
+        for name, value in vars(module).items():
+            if name.endswith("_kernel") and hasattr(value, "fn"):
+                kernels[name] = value
+    return kernels
 
 
 def fused_modules():

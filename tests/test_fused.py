@@ -9,13 +9,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.fused_checks import (
+    KERNEL_VARIANTS,
     KINDS,
+    WARM_STEP,
+    ServingStand,
     check_compress_rows,
     check_decode_schedule,
     check_gather,
@@ -24,7 +29,9 @@ from tests.fused_checks import (
     check_metadata_edges,
     check_prefill_index,
     check_staged_rows,
+    fused_kernels,
     fused_modules,
+    serving_steps,
 )
 
 pytest.importorskip("triton")
@@ -113,6 +120,54 @@ def test_compress_rows_cuda(ratio, dtype):
 def test_decode_schedule_cuda():
     for seed in range(12):
         check_decode_schedule(_compiled(), "cuda", seed)
+
+
+@contextmanager
+def _compiles_counted() -> Iterator[list[str]]:
+    """The Triton compilations while inside, in order, as ``"kernel: signature attributes
+    constants"`` (the attributes: what Triton specialized on, e.g. divisibility by 16): a hook
+    on ``knobs.runtime.jit_post_compile_hook`` (where vLLM's JIT monitor hooks), chained to the
+    hook before it, which is put back after."""
+    from triton import knobs
+
+    previous = knobs.runtime.jit_post_compile_hook
+    compiled: list[str] = []
+
+    def count(**kwargs):
+        info = kwargs["compile"]
+        compiled.append(
+            f"{kwargs['fn'].name}: {info['signature']} {info['configs']} {info['constants']}"
+        )
+        return previous(**kwargs) if previous is not None else None
+
+    knobs.runtime.jit_post_compile_hook = count
+    try:
+        yield compiled
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+
+
+@pytest.mark.gpu
+def test_one_compile_serves_every_batch_cuda():
+    """After a warm-up step, steps of other batch shapes (request and token counts, first
+    tokens, list widths, micro-batch views at any offset) compile nothing: vLLM's JIT monitor
+    stays quiet while serving. The warm-up compiles each kernel's per-layer variants, the
+    kernels' in-memory caches emptied first (earlier tests' compilations do not count)."""
+    fused = _compiled()
+    kernels = fused_kernels(fused)
+    for kernel in kernels.values():
+        kernel.device_caches.clear()
+    stand = ServingStand("cuda")
+    with _compiles_counted() as compiled:
+        stand.step(fused, WARM_STEP)
+        torch.cuda.synchronize()
+        warm = list(compiled)
+        for step in serving_steps():
+            stand.step(fused, step)
+        torch.cuda.synchronize()
+    counts = {name: sum(c.startswith(name + ":") for c in warm) for name in kernels}
+    assert counts == KERNEL_VARIANTS, warm
+    assert compiled[len(warm) :] == [], "\n".join(compiled[len(warm) :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,17 +341,16 @@ def _kernels():
                 "visible_stride": "i32",
                 "visible_width": "i32",
                 "visible_lens_out": p["i32"],
+                "window": "i32",
                 "window_lens_out": p["i32"],
                 "HAS_VISIBLE": "constexpr",
                 "HAS_COUNTS": "constexpr",
-                "WINDOW": "constexpr",
                 "BLOCK_REQS": "constexpr",
                 "BLOCK_ENTRIES": "constexpr",
             },
             {
                 "HAS_VISIBLE": has_visible,
                 "HAS_COUNTS": has_counts,
-                "WINDOW": 128 if has_visible else 0,
                 "BLOCK_REQS": 128,
                 "BLOCK_ENTRIES": 256,
             },
@@ -369,3 +423,94 @@ def test_every_kernel_compiles_for_sm90():
         assert len(compiled.asm["cubin"]) > 1000
         names.append(kernel.fn.__name__)
     assert len(names) == 16, names
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: one compile serves every batch (Triton specializes plain ints and pointers per launch)
+# ----------------------------------------------------------------------------------------------
+
+_STEP_POINTERS = {"seq_lens_ptr", "slot_mapping_ptr", "block_table_ptr"}
+
+# Per kernel: (ints whose value follows the batch, pointers that may come as views at a
+# batch-dependent offset), neither of which Triton may specialize on. A new batch-dependent
+# parameter goes here (and in the kernel's decorator); the ones not named stay specialized.
+UNSPECIALIZED: dict[str, tuple[set[str], set[str]]] = {
+    "_qnorm_rope_nvfp4_insert_kernel": ({"num_slots"}, {"positions_ptr", "slots_ptr"}),
+    "_store_staged_rows_kernel": (set(), set()),
+    "_window_kernel": ({"num_reqs", "bt_stride", "bt_width"}, _STEP_POINTERS),
+    "_compressed_kernel": (
+        {"num_reqs", "bt_stride", "bt_width", "visible_width", "window"},
+        _STEP_POINTERS,
+    ),
+    "_entry_slots_kernel": ({"bt_stride", "bt_width"}, {"block_table_ptr"}),
+    "_prefill_index_kernel": (
+        {"num_reqs", "first_token", "indices_stride", "width", "N", "M"},
+        {"query_start_ptr", "seq_lens_ptr"},
+    ),
+    "_gather_nvfp4_kernel": (
+        {"offset", "bt_stride", "bt_width"},
+        {"seq_lens_ptr", "gather_lens_ptr", "block_table_ptr"},
+    ),
+    "_compress_rows_kernel": (
+        {"bt_stride", "bt_width"},
+        {"block_table_ptr", "positions_ptr", "state_slots_ptr"},
+    ),
+    "_decode_schedule_kernel": ({"T"}, set()),
+}
+
+
+def _jit_kernels() -> dict:
+    from triton.runtime.jit import JITFunction
+
+    kernels = fused_kernels(fused_modules())
+    if not all(isinstance(k, JITFunction) for k in kernels.values()):
+        pytest.skip("Triton's interpreter is on (TRITON_INTERPRET): no JIT functions")
+    return kernels
+
+
+def test_batch_dependent_parameters_are_not_specialized():
+    """Each kernel's parameters Triton does not specialize (as its launches bind them:
+    ``JITFunction.params``) are exactly those of :data:`UNSPECIALIZED`: none missing, none
+    unreviewed, none misspelt (Triton ignores a name it does not know)."""
+    kernels = _jit_kernels()
+    assert set(kernels) == set(UNSPECIALIZED)
+    for name, kernel in kernels.items():
+        values, alignments = UNSPECIALIZED[name]
+        params = {p.name: p for p in kernel.params}
+        assert values | alignments <= set(params), name
+        assert not any(params[v].is_constexpr for v in values), name
+        got_values = {p.name for p in kernel.params if p.do_not_specialize}
+        got_alignments = {p.name for p in kernel.params if p.do_not_specialize_on_alignment}
+        assert got_values == values, name
+        assert got_alignments == alignments, name
+
+
+def test_one_launch_key_serves_every_batch(monkeypatch):
+    """What the GPU test :func:`test_one_compile_serves_every_batch_cuda` proves, on the CPU:
+    each launch's compile key (Triton's own binder for sm_90: the specialization of every
+    argument, constexprs and options), recorded instead of compiling, over the warm-up step and
+    then batches of every other shape. The warm-up asks for each kernel's per-layer variants;
+    the other batches ask for no new key."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    keys: dict[str, set] = {}
+    for name, kernel in _jit_kernels().items():
+        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+
+        def record(*args, grid, warmup, _name=name, _binder=binder, **kwargs):
+            _, specialization, options = _binder(*args, **kwargs)
+            keys.setdefault(_name, set()).add((tuple(specialization), str(options)))
+
+        monkeypatch.setattr(kernel, "run", record)
+    fused = fused_modules()
+    stand = ServingStand("cpu")
+    stand.step(fused, WARM_STEP)
+    warm = {name: set(k) for name, k in keys.items()}
+    assert {name: len(k) for name, k in warm.items()} == KERNEL_VARIANTS
+    for step in serving_steps():
+        stand.step(fused, step)
+    new = {name: k - warm[name] for name, k in keys.items() if k - warm[name]}
+    assert not new, new

@@ -19,7 +19,17 @@ import triton.language as tl
 __all__ = ["compress_rows"]
 
 
-@triton.jit
+# Batch-dependent scalars are not specialized, so one compile serves every batch: the block
+# table's row stride and width (a view vLLM hands over, which a caller may narrow; only gathered
+# from). The state's and output's strides and the state block size are fixed for the model's
+# life and stay specialized (the state rows' loads vectorize on them). The block table, the
+# positions and the state slots, read one element per program, come as views at a request or
+# token offset in a micro-batch of vLLM's dual-batch overlap: their alignment is not specialized
+# either (token_req and out_rows are prefixes of the metadata builders' buffers).
+@triton.jit(
+    do_not_specialize=["bt_stride", "bt_width"],
+    do_not_specialize_on_alignment=["block_table_ptr", "positions_ptr", "state_slots_ptr"],
+)
 def _compress_rows_kernel(
     state_ptr,
     state_stride_block,

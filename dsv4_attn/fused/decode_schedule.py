@@ -42,7 +42,10 @@ def _token_ends(token_plan_ptr, t0, T, CHUNK: tl.constexpr):
     return tl.where(live, at + tiles, 1 << 62)
 
 
-@triton.jit
+# T, the step's decode token count, is not specialized, so one compile serves every batch. The
+# capacities, parts and least share are the model's (fixed), and every pointer is a prefix of a
+# buffer allocated once: they stay specialized.
+@triton.jit(do_not_specialize=["T"])
 def _decode_schedule_kernel(
     lens_ptr,
     extra_lens_ptr,

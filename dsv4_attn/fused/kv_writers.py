@@ -36,7 +36,15 @@ def _rotate(even, odd, cos, sin):
     return a - b, c + d
 
 
-@triton.jit
+# Batch-dependent scalars are not specialized, so one compile serves every batch: num_slots is the
+# step's token count. The strides, page geometry and head counts stay specialized: they are fixed
+# for the model's life, and their divisibility lets the row loads and stores vectorize. positions
+# and slots, read one element per program, may be views at a token offset (a micro-batch of
+# vLLM's dual-batch overlap, DSpark's context rows): their alignment is not specialized either.
+@triton.jit(
+    do_not_specialize=["num_slots"],
+    do_not_specialize_on_alignment=["positions_ptr", "slots_ptr"],
+)
 def _qnorm_rope_nvfp4_insert_kernel(
     q_ptr,
     q_stride_t,
@@ -167,6 +175,8 @@ def qnorm_rope_nvfp4_insert(
     return q_out
 
 
+# Nothing here depends on the batch (its token count is the grid; rows and write slots are
+# prefixes of buffers allocated once): every argument stays specialized.
 @triton.jit
 def _store_staged_rows_kernel(
     rows_ptr, rows_stride, write_slots_ptr, cache_ptr, page_stride, block_size

@@ -25,7 +25,16 @@ _BLOCK_REQS = 128
 _BLOCK_COLUMNS = 256
 
 
-@triton.jit
+# Batch-dependent scalars are not specialized, so one compile serves every batch: the chunk's
+# request count, first token, entries (N) and rows (M) per request, and its lists' width and row
+# stride (they follow N). The top-k width and row stride (the indexer's buffer; 0 without one)
+# and the ratio are the layer's, fixed. query_start and seq_lens are the chunk's slices of the
+# step's tensors, views at a request offset read one element per program: their alignment is not
+# specialized either.
+@triton.jit(
+    do_not_specialize=["num_reqs", "first_token", "indices_stride", "width", "N", "M"],
+    do_not_specialize_on_alignment=["query_start_ptr", "seq_lens_ptr"],
+)
 def _prefill_index_kernel(
     query_start_ptr,
     seq_lens_ptr,
@@ -115,14 +124,15 @@ def fill_prefill_index(
     if window & (window - 1):
         raise ValueError(f"the window must be a power of two, got {window}")
     mode = 1 if compress_ratio == 4 else 2 if compress_ratio > 1 else 0
-    topk = local_topk if local_topk is not None else indices
+    topk = local_topk if local_topk is not None else indices  # a placeholder pointer
     _prefill_index_kernel[(num_tokens,)](
         query_start,
         seq_lens,
         seq_lens.shape[0],
         first_token,
         topk,
-        topk.stride(0),
+        # 0 for the placeholder: the lists' stride would follow the chunk (never read).
+        topk.stride(0) if local_topk is not None else 0,
         local_topk.shape[1] if local_topk is not None else 0,
         indices,
         indices.stride(0),

@@ -65,14 +65,29 @@ def _row_slots(block_table_ptr, bt_stride, bt_width, req, rows, rows_per_block, 
 
 
 @triton.jit
-def _window_span(pos, valid, WINDOW: tl.constexpr):
-    """(first position, length) of a token's window ``max(0, pos - WINDOW + 1) .. pos``; length
+def _window_span(pos, valid, window):
+    """(first position, length) of a token's window ``max(0, pos - window + 1) .. pos``; length
     0 for an invalid token."""
-    first = tl.maximum(pos - (WINDOW - 1), 0)
+    first = tl.maximum(pos - (window - 1), 0)
     return first, tl.where(valid, pos - first + 1, 0)
 
 
-@triton.jit
+# The rule of every kernel here: batch-dependent scalars are not specialized, so one compile
+# serves every batch (Triton would otherwise compile again for each new value == 1 and each new
+# divisibility by 16). The request count is one; so are the block table's row stride and width
+# (vLLM hands its block table as a view, which a caller may narrow; only gathered from, so no
+# hint is lost). Nor is the alignment of seq_lens, slot_mapping and the block table: a
+# micro-batch of vLLM's dual-batch overlap gets them as views at a request or token offset (its
+# query starts are a new tensor), and they are read one element per program. What is fixed for
+# the model's life (block sizes, ratios, the list buffers' row strides) stays specialized: the
+# divisibility of a row stride lets the list rows' stores vectorize.
+_STEP_POINTERS = ["seq_lens_ptr", "slot_mapping_ptr", "block_table_ptr"]
+
+
+@triton.jit(
+    do_not_specialize=["num_reqs", "bt_stride", "bt_width"],
+    do_not_specialize_on_alignment=_STEP_POINTERS,
+)
 def _window_kernel(
     query_start_ptr,
     seq_lens_ptr,
@@ -149,7 +164,13 @@ def fill_window_metadata(
     )
 
 
-@triton.jit
+# visible_width: an HCA step's list width follows its longest sequence; window: 0 or the model's
+# window, as the step's balanced decode plan wants the window lengths or not (a runtime switch,
+# not a constexpr, so that choice, made per step, never compiles a second variant).
+@triton.jit(
+    do_not_specialize=["num_reqs", "bt_stride", "bt_width", "visible_width", "window"],
+    do_not_specialize_on_alignment=_STEP_POINTERS,
+)
 def _compressed_kernel(
     query_start_ptr,
     seq_lens_ptr,
@@ -168,10 +189,10 @@ def _compressed_kernel(
     visible_stride,
     visible_width,
     visible_lens_out,
+    window,
     window_lens_out,
     HAS_VISIBLE: tl.constexpr,
     HAS_COUNTS: tl.constexpr,
-    WINDOW: tl.constexpr,
     BLOCK_REQS: tl.constexpr,
     BLOCK_ENTRIES: tl.constexpr,
 ):
@@ -200,8 +221,8 @@ def _compressed_kernel(
         tl.store(visible_lens_out + t, count.to(tl.int32))
     elif HAS_COUNTS:  # the count alone (CSA: bounds the indexer's picks)
         tl.store(visible_lens_out + t, tl.where(valid, (pos + 1) // ratio, 0).to(tl.int32))
-    if WINDOW > 0:  # the token's window length, as the SWA group's kernel counts it
-        _, length = _window_span(pos, valid, WINDOW)
+    if window > 0:  # the token's window length, as the SWA group's kernel counts it
+        _, length = _window_span(pos, valid, window)
         tl.store(window_lens_out + t, length.to(tl.int32))
 
 
@@ -263,16 +284,21 @@ def fill_compressed_metadata(
         visible.stride(0) if has_visible else 0,
         visible.shape[1] if has_visible else 0,
         visible_lens,
-        window_lens if window_lens is not None else write_slots,
+        window if window_lens is not None else 0,
+        # An int32 placeholder, as window_lens: the pointer's type is part of the compile key.
+        window_lens if window_lens is not None else token_req,
         HAS_VISIBLE=has_visible,
         HAS_COUNTS=has_counts,
-        WINDOW=window if window_lens is not None else 0,
         BLOCK_REQS=_BLOCK_REQS,
         BLOCK_ENTRIES=_BLOCK_ENTRIES,
     )
 
 
-@triton.jit
+# The top-k width and the list buffers' row strides are the model's; the block table is vLLM's.
+@triton.jit(
+    do_not_specialize=["bt_stride", "bt_width"],
+    do_not_specialize_on_alignment=["block_table_ptr"],
+)
 def _entry_slots_kernel(
     entries_ptr,
     entries_stride,
