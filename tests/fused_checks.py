@@ -176,10 +176,27 @@ def check_gather(fused, device, kind: str, seed: int) -> None:
         assert torch.equal(got.isnan(), expected.isnan()), (window, ratio)
         assert torch.equal(got.nan_to_num(), expected.nan_to_num()), (window, ratio)
     # Poisoned metadata: runs past the block table (seq 90 > 4 pages of 16), pages outside the
-    # cache (-5, 999), a window longer than its sequence (rows before position 0). Those rows
-    # come back as zeros, nothing is read for them; the rest as read from the cache.
+    # cache (-5, 999, and num_blocks: request 1's only page), a window longer than its sequence
+    # (rows before position 0). Those rows come back as zeros, nothing is read for them; the
+    # rest as read from the cache, the last page (num_blocks - 1, request 2's second) included.
+    # The cache is the first num_blocks pages of a buffer whose next page holds real rows, so a
+    # read of page num_blocks would come back as those instead of zeros.
+    page_bytes = kv_cache.page_layout(KVFormat.NVFP4, block_size).page_bytes
+    backing = torch.randint(
+        0, 256, (num_blocks + 1, cache.stride(0)), generator=gen, dtype=torch.uint8
+    ).to(device)
+    backing[:num_blocks, :page_bytes] = cache
+    kv_cache.write(
+        backing[:, :page_bytes],
+        torch.arange(num_blocks * block_size, (num_blocks + 1) * block_size, device=device),
+        _rows(gen, block_size, "normal").to(device),
+        KVFormat.NVFP4,
+        block_size,
+    )
+    cache = backing[:num_blocks, :page_bytes]
     bad_table = table.clone()
     bad_table[0, 1], bad_table[2, 0] = -5, 999
+    bad_table[1, 0], bad_table[2, 1] = num_blocks, num_blocks - 1
     bad_seq = torch.tensor([90, 5, 40], dtype=torch.int32)
     bad_gather = torch.tensor([30, 9, 40], dtype=torch.int32)
     for window in (False, True):
@@ -335,7 +352,11 @@ def check_metadata_edges(fused, device) -> None:
     699) lacks the last page of both block tables: SWA positions 640 .., compressed positions
     512 .. (CSA entries 128 .., HCA entry 4); the tables' rows lie back to back, so a page read
     one past request 0's row would be request 1's first. Request 1 is a whole prompt from
-    position 0. HCA lists 2 wide (request 0 sees 4 or 5 entries) and 6 wide."""
+    position 0. HCA lists 2 wide (request 0 sees 4 or 5 entries) and 6 wide.
+
+    Then slot 0, a real slot (padding is -1): a small batch whose request 1 (a prompt from
+    position 0) has block 0 as its first page, in the SWA group and then in the compressed
+    group, so that its first token's own slot is 0 (and, compressed, its first CSA entry's)."""
     gen = torch.Generator().manual_seed(1234)
     batch = vt.make_batch(gen, [700, 130], [140, 130], padding=2)
     swa_table = batch.swa_block_table[:, :-1].contiguous()
@@ -343,6 +364,26 @@ def check_metadata_edges(fused, device) -> None:
     assert swa_table.shape == (2, 640 // vt.SWA_BLOCK)
     assert cache_table.shape == (2, 512 // vt.CACHE_BLOCK)
     _check_metadata_lists(fused, device, gen, batch, swa_table, cache_table, (2, 6))
+
+    seq_lens, query_lens, padding = [300, 5], [2, 5], 1
+    num_tokens = sum(query_lens) + padding
+    for zero_in_swa in (True, False):
+        # Block ids distinct across both groups (one pool), 0 in exactly one of them.
+        swa_table = torch.tensor([[11, 12, 13, 14, 15], [0 if zero_in_swa else 20, 21, 22, 23, 24]])
+        cache_table = torch.tensor([[31, 32], [33 if zero_in_swa else 0, 34]])
+        swa_table, cache_table = swa_table.to(torch.int32), cache_table.to(torch.int32)
+        batch = vt.Batch(
+            seq_lens,
+            query_lens,
+            num_tokens,
+            swa_table,
+            cache_table,
+            vt._common_metadata(seq_lens, query_lens, num_tokens, swa_table, vt.SWA_BLOCK),
+            vt._common_metadata(seq_lens, query_lens, num_tokens, cache_table, vt.CACHE_BLOCK),
+        )
+        cm = batch.swa_cm if zero_in_swa else batch.cache_cm
+        assert cm.slot_mapping.tolist()[query_lens[0]] == 0  # request 1's first token
+        _check_metadata_lists(fused, device, gen, batch, swa_table, cache_table, (2,))
 
 
 def _check_metadata_lists(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -148,6 +150,56 @@ def test_fallback_chunks_tokens(monkeypatch):
     chunked = fallback.sparse_attention(*case.args())
     torch.testing.assert_close(whole, chunked, rtol=0, atol=0)
     assert_matches_reference(*chunked, *reference_on_rows(case))
+
+
+def test_an_inf_sink_zeroes_rows_whose_logits_overflow_exp():
+    """sink = +inf makes the output exactly 0 (the reference's ``sigmoid(lse - inf)``) also when
+    the token's logits pass float32's exp range (> 88.7): each query is its first key's row
+    times 4, so its logits are about 4 * |row|^2 / sqrt(512), 140 to 171 here. The sink column
+    must be clamped to a finite maximum: an unclamped +inf leaves no finite row maximum to
+    subtract, and exp(logit) overflows to inf / inf = NaN. The finite-sink heads of the same
+    case check the peaked softmax against the reference."""
+    T, H = 4, 8
+    case = make_decode_case(T, H, "nvfp4", 16, 8, seed=3, sink="mixed", distinct=False)
+    rows = rows_of(case.window)  # [slots, 512]
+    first_keys = rows[case.window.indices[:, 0].long()]  # [T, 512]
+    q = (first_keys[:, None, :] * 4).expand(T, H, -1).to(torch.bfloat16).contiguous()
+    big = DecodeCase(q, case.window, case.sink, case.scale, case.extra)
+    ref_out, ref_lse = reference_on_rows(big)
+    assert ref_lse.min() > 100  # every logit row reaches past exp's float32 range
+    out, lse = fallback.sparse_attention(*big.args())
+    inf_heads = torch.isinf(case.sink) & (case.sink > 0)
+    assert bool(inf_heads.any())
+    assert torch.all(out[:, inf_heads] == 0)
+    assert_matches_reference(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("sink", [None, "-inf", "finite", "inf", "mixed"])
+@pytest.mark.parametrize("empty", ["lens_zero", "all_holes"])
+def test_tokens_without_keys_give_zero_and_minus_inf_lse(sink, empty):
+    """A token with no valid key in either scope (lengths 0 in both, or every entry a hole) has
+    no finite logit except perhaps its sink: the output must be exactly 0, lse -inf, no NaN,
+    whatever the sink; checked against the reference and the naive loop on a case whose other
+    tokens have keys."""
+    case = make_decode_case(4, 8, "nvfp4", 16, 8, seed=4, sink=sink, distinct=False)
+    scopes = []
+    for scope in (case.window, case.extra):
+        indices, lens = scope.indices.clone(), scope.lens.clone()
+        if empty == "lens_zero":
+            lens[1:3] = 0
+        else:
+            indices[1:3] = -1
+        scopes.append(dataclasses.replace(scope, indices=indices, lens=lens))
+    emptied = DecodeCase(case.q, scopes[0], case.sink, case.scale, scopes[1])
+    out, lse = fallback.sparse_attention(*emptied.args())
+    assert not torch.isnan(out.float()).any() and not torch.isnan(lse).any()
+    assert torch.all(out[1:3] == 0)
+    assert torch.all(lse[1:3] == float("-inf"))
+    ref_out, ref_lse = reference_on_rows(emptied)
+    assert torch.all(ref_lse[1:3] == float("-inf"))  # the case does what it says
+    assert torch.isfinite(ref_lse[[0, 3]]).all()
+    assert_matches_reference(out, lse, ref_out, ref_lse)
+    assert_matches_reference(out, lse, *naive_on_cache(emptied))
 
 
 @pytest.mark.gpu

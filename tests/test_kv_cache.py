@@ -234,6 +234,43 @@ def test_nvfp4_bytes_match_independent_packer(kind):
         assert decoded.float().tolist() == expected
 
 
+def test_pow2_is_exact_over_the_scale_range():
+    """The UE8M0 scale helper against exact math: 2^e for every e in [-127, 127], the two ends
+    and 2^-126 (the smallest normal float32, next to the one subnormal, 2^-127) included."""
+    exponents = list(range(-127, 128))
+    got = kv_cache._pow2(torch.tensor(exponents, dtype=torch.int32))
+    assert got.dtype == torch.float32
+    assert got.tolist() == [math.ldexp(1.0, e) for e in exponents]
+
+
+@pytest.mark.parametrize(
+    "amax",
+    [
+        2.0**-115,  # G = 2^-126: 2688 * 2^-127 < 2^-115 <= 2688 * 2^-126
+        2688 * 2.0**-126,  # the largest row maximum with G = 2^-126
+        (1.3125 + 2.0**-7) * 2.0**-116,  # the bf16 just above 2688 * 2^-127
+    ],
+    ids=["2^-115", "2688*2^-126", "above_2688*2^-127"],
+)
+def test_nvfp4_token_scale_of_two_to_minus_126(amax):
+    """Rows whose token scale G is exactly 2^-126, the smallest normal float32: the bytes match
+    the independent packer (scale byte 1) and the decode its exact unpacking."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(amax).encode()))
+    rows = (torch.rand(3, 512, generator=gen) * 2 - 1) * amax
+    rows[:, 0] = amax
+    rows = rows.to(torch.bfloat16)
+    assert rows.float()[:, :448].abs().amax().item() == amax  # amax is a bf16 value
+    data, scales = kv_cache.encode_rows(rows, "nvfp4")
+    assert scales[:, 28].tolist() == [1, 1, 1]  # -126 + 127
+    decoded = kv_cache.decode_rows(data, scales, "nvfp4")
+    for i, row in enumerate(rows):
+        exp_data, exp_scales = pack_nvfp4_token([float(v) for v in row.float()])
+        assert bytes(data[i].tolist()) == exp_data
+        assert bytes(scales[i].tolist()) == exp_scales
+        expected = [bf16_round(v) for v in unpack_nvfp4_token(exp_data, exp_scales)]
+        assert decoded[i].float().tolist() == expected
+
+
 def _fp8_bound(x: torch.Tensor) -> torch.Tensor:
     blocks = x[:, :448].double().view(-1, 7, 64)
     amax = blocks.abs().amax(-1).clamp(min=1e-4)

@@ -33,6 +33,68 @@ def test_nvfp4_holds_at_least_1_35x_the_tokens_of_fp8(schedule, max_model_len):
     assert nvfp4.blocks_per_request == fp8.blocks_per_request
 
 
+@pytest.mark.parametrize("backend", ["vllm", "dsv4_nvfp4-nvfp4"])
+def test_blocks_per_request_is_vllms_rounded_up_count(backend, monkeypatch):
+    """A request takes whole blocks: vLLM's concurrency is ``num_blocks / sum over groups of
+    cdiv(max memory, page bytes)``. Every group spec of these schedules is a
+    ``UniformTypeKVCacheSpecs``, whose max memory is already whole pages; with it one byte
+    short of that (the division no longer exact), the per-request count must still be the
+    rounded-up one of vLLM's own :func:`get_max_concurrency_for_kv_cache_config`, unchanged
+    from the whole-page count."""
+    from vllm.v1.core import kv_cache_planning, kv_cache_utils
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    schedule, length = cap.SCHEDULES["V4-Flash"], 100003
+    whole_pages = cap.capacity(schedule, backend, MEMORY, length)
+    original = UniformTypeKVCacheSpecs.max_memory_usage_bytes
+    monkeypatch.setattr(
+        UniformTypeKVCacheSpecs,
+        "max_memory_usage_bytes",
+        lambda spec, config: original(spec, config) - 1,
+    )
+    got = cap.capacity(schedule, backend, MEMORY, length)
+
+    config = cap._planner_config("auto" if "nvfp4-nvfp4" in backend else "fp8_ds_mla", length, 8192)
+    specs = cap.layer_specs(schedule, backend, config)
+    groups = kv_cache_planning.get_kv_cache_groups(config, specs)
+    for group in groups:
+        spec = group.kv_cache_spec
+        assert spec.max_memory_usage_bytes(config) % spec.page_size_bytes != 0  # not exact
+    kv_config = kv_cache_planning.get_kv_cache_config_from_groups(config, groups, MEMORY)
+    concurrency = kv_cache_utils.get_max_concurrency_for_kv_cache_config(config, kv_config)
+    assert got.num_blocks == kv_config.num_blocks
+    assert got.num_blocks / got.blocks_per_request == concurrency
+    assert got.blocks_per_request == whole_pages.blocks_per_request
+
+
+# The NVFP4 row layout as documented in dsv4_attn.kv_cache: a 352-B data row (224 B of e2m1 pairs,
+# 64 bf16 RoPE values) and a 32-B scale row per token, a page being its rows with nothing added.
+NVFP4_DATA_ROW_BYTES = 224 + 64 * 2
+NVFP4_SCALE_ROW_BYTES = 28 + 1 + 3
+
+
+@pytest.mark.parametrize(
+    ("block_size", "compress_ratio"),
+    [(64, 1), (256, 1), (256, 4), (256, 128), (64, 4)],
+    ids=["swa64", "swa256", "csa256", "hca256", "csa64"],
+)
+def test_nvfp4_spec_pages_are_the_documented_layout(block_size, compress_ratio):
+    """The page bytes vLLM allocates for an NVFP4 cache: ``block_size / compress_ratio`` rows of
+    352 + 32 B, exactly (no padding: such pages are multiples of 128 B already), for the SWA
+    pages (64 tokens in serving) and the compressed ones (256-token blocks, ratios 4 and 128)."""
+    from dsv4_attn.vllm_glue import kv_spec
+
+    rows = block_size // compress_ratio
+    expected = rows * (NVFP4_DATA_ROW_BYTES + NVFP4_SCALE_ROW_BYTES)
+    assert NVFP4_DATA_ROW_BYTES + NVFP4_SCALE_ROW_BYTES == 384
+    assert expected % 128 == 0
+    if compress_ratio == 1:
+        spec = kv_spec.swa_cache_spec(block_size, 128)
+    else:
+        spec = kv_spec.compressed_cache_spec(block_size, compress_ratio)
+    assert spec.page_size_bytes == expected
+
+
 def test_the_widest_nvfp4_group_is_a_kv_group():
     """Which group sets the block cost: with NVFP4 the compressed caches (a KV group), with an
     fp32 CSA state instead (what vLLM's compressor keeps) the state group would, at 1.165x."""
