@@ -149,25 +149,33 @@ def test_a_flipped_object_is_rebuilt_not_loaded(tmp_path, monkeypatch, dsv4_logs
     assert DiskCache(directory).read(path.stem) is not None  # rewritten intact
 
 
-def test_the_key_names_the_runtime_variant(monkeypatch):
-    """Objects built against another CuTeDSL runtime library (cu12 vs cu13) get other names."""
+def test_the_key_names_the_runtime_variant(monkeypatch, tmp_path):
+    """Objects built against another CuTeDSL runtime library get other names: two builds whose
+    runtime libraries have the same file name and size, one under ``cu12/``, the other under
+    ``cu13/``, never share a file; two installs of one build (same variant, name and size, other
+    site-packages) do (the key names the variant, not the install path)."""
     pytest.importorskip("cutlass")
     import cutlass.cute as cute
 
-    libraries = cute.runtime.find_runtime_libraries(enable_tvm_ffi=True)
-    stems = []
-    for variant in ("cu12", "cu13"):
+    def library(site: str, variant: str) -> Path:
+        path = tmp_path / site / "nvidia_cutlass_dsl" / variant / "lib" / "libcute_dsl_runtime.so"
+        path.parent.mkdir(parents=True)
+        path.write_bytes(bytes(4096))  # same size for every variant: only the folder differs
+        return path
+
+    def stem_linking(lib: Path) -> str:
         compile_cache._source_fingerprint.cache_clear()
-        swapped = [
-            lib.replace("/cu13/", f"/{variant}/").replace("/cu12/", f"/{variant}/")
-            for lib in libraries
-        ]
-        monkeypatch.setattr(
-            cute.runtime, "find_runtime_libraries", lambda swapped=swapped, **_: swapped
-        )
-        stems.append(CompileCache("k").file_stem(("same", "key")))
-    compile_cache._source_fingerprint.cache_clear()
-    assert stems[0] != stems[1]
+        monkeypatch.setattr(cute.runtime, "find_runtime_libraries", lambda **_: [str(lib)])
+        return CompileCache("k").file_stem(("same", "key"))
+
+    try:
+        cu12 = stem_linking(library("site_a", "cu12"))
+        cu13 = stem_linking(library("site_a", "cu13"))
+        cu13_elsewhere = stem_linking(library("site_b", "cu13"))
+    finally:
+        compile_cache._source_fingerprint.cache_clear()
+    assert cu12 != cu13
+    assert cu13 == cu13_elsewhere
 
 
 @pytest.fixture

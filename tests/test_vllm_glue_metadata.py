@@ -273,6 +273,87 @@ def test_rows_past_the_block_table_get_no_slot(config):
     assert got == want and -1 in got and swa.swa_lens[0] == window_lens[0]
 
 
+def test_padding_rows_with_stale_slots_stay_invalid(config):
+    """CUDA-graph padding: rows past ``query_start_loc[num_reqs]`` are padding whatever
+    ``slot_mapping`` holds there (vLLM's persistent buffer may keep an earlier step's slots):
+    invalid, with empty lists and no compressed write, the first padding row included."""
+    gen = torch.Generator().manual_seed(11)
+    batch = vt.make_batch(gen, [300, 5, 40], [1, 1, 1], padding=3)
+    real, pad = len(batch.positions()), 3
+
+    def stale(cm):
+        slots = cm.slot_mapping.clone()
+        slots[real:] = slots[:pad]  # earlier real tokens' slots, all >= 0
+        assert bool((slots[real:] >= 0).all())
+        return dataclasses.replace(cm, slot_mapping=slots)
+
+    validity = [True] * real + [False] * pad
+    swa = swa_builder(config).build(0, stale(batch.swa_cm))
+    rows, lens = vt.brute_window(batch)
+    assert swa.is_valid_token.tolist() == validity
+    assert swa.swa_indices.tolist() == rows and swa.swa_lens.tolist() == lens
+    for ratio in (4, 128):
+        md = compressed_builder(config, ratio).build(0, stale(batch.cache_cm))
+        write_slots = vt.brute_write_slots(batch, ratio)
+        assert md.is_valid_token.tolist() == validity
+        assert md.slot_mapping.tolist() == write_slots
+        assert md.staging_rows.tolist() == [t if s >= 0 else -1 for t, s in enumerate(write_slots)]
+        if ratio == 128:
+            rows, lens = vt.brute_visible(batch, 128, md.hca_indices.shape[1])
+            assert md.hca_indices.tolist() == rows and md.hca_lens.tolist() == lens
+
+
+def test_hca_counts_never_exceed_the_list_width():
+    """HCA lists narrower than the entries a token sees: the first ``width`` entries' slots and
+    the count ``min((pos + 1) // ratio, width)``, never a length past the list (the Triton
+    kernel's rule too)."""
+    ratio, per_block, width = 128, vt.CACHE_BLOCK // 128, 3
+    batch = vt.make_batch(torch.Generator().manual_seed(12), [1000, 700, 129, 300], [1, 2, 1, 40])
+    T = batch.num_tokens
+    token_req = torch.zeros(T, dtype=torch.int32)
+    valid = torch.zeros(T, dtype=torch.bool)
+    write_slots = torch.full((T,), 7, dtype=torch.int64)
+    staging_rows = torch.full((T,), 7, dtype=torch.int64)
+    visible_slots = torch.full((T, width), 7, dtype=torch.int32)
+    visible_lens = torch.full((T,), 7, dtype=torch.int32)
+    metadata.fill_compressed(
+        batch.cache_cm,
+        per_block,
+        ratio,
+        token_req=token_req,
+        valid=valid,
+        write_slots=write_slots,
+        staging_rows=staging_rows,
+        visible_slots=visible_slots,
+        visible_lens=visible_lens,
+    )
+    want_rows, want_lens = [], []
+    for req, pos in batch.positions():
+        seen = range(min((pos + 1) // ratio, width))
+        want_rows.append(
+            vt.padded([vt.slot(batch.cache_block_table, req, i, per_block) for i in seen], width)
+        )
+        want_lens.append(len(seen))
+    assert max((pos + 1) // ratio for _, pos in batch.positions()) > width  # the case at hand
+    assert visible_slots.tolist() == want_rows
+    assert visible_lens.tolist() == want_lens
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_a_token_writing_slot_zero_is_staged(config, ratio):
+    """Slot 0 (block 0's first entry) is a slot like any other: the token completing it writes
+    there and is staged in its own row."""
+    seq_lens, query_lens = [50, 200], [1, 200]
+    swa_bt = torch.tensor([[6, 7, 8, 9], [10, 11, 12, 13]])
+    cache_bt = torch.tensor([[5], [0]])  # the prefill's entries live in block 0
+    batch = vt.batch_from_tables(seq_lens, query_lens, swa_bt, cache_bt, padding=2)
+    md = compressed_builder(config, ratio).build(0, batch.cache_cm)
+    write_slots = vt.brute_write_slots(batch, ratio)
+    assert 0 in write_slots  # token of position ratio - 1 of request 1 completes entry 0
+    assert md.slot_mapping.tolist() == write_slots
+    assert md.staging_rows.tolist() == [t if s >= 0 else -1 for t, s in enumerate(write_slots)]
+
+
 def test_csa_scope_needs_the_indexer_picks(config):
     batch = vt.make_batch(torch.Generator().manual_seed(1), [10], [1])
     swa = swa_builder(config).build(0, batch.swa_cm)

@@ -7,12 +7,15 @@ tests/test_vllm_glue_attention.py (batches with several prefills, forced into sm
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
+from dsv4_attn import kv_cache
+from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.vllm_glue import prefill
 
 
@@ -102,3 +105,204 @@ def test_csa_picks_the_token_does_not_see_yet_are_holes():
     assert bool(((topk >= visible) & (topk >= 0)).any())  # some picks from the token's future
     assert torch.equal(indices[:, :16] == -1, hole)
     assert torch.equal(indices[:, :16][~hole], topk[~hole])  # request 0: row = entry
+
+
+# ----------------------------------------------------------------------------------------------
+# Gather + index lists (torch path) against the rows each token should see, position by position
+# ----------------------------------------------------------------------------------------------
+
+WINDOW = 8
+SWA_BLOCK = 4  # tokens per SWA page
+ENTRIES_PER_PAGE = 2  # compressed entries per compressed page
+TOPK = 6
+# (seq_len, query_len), a decode first as vLLM orders them, then prefills: a chunk after a long
+# context (prefix > window - 1), a fresh prompt shorter than the window, a chunk whose prefix is
+# exactly the window (the chunk's widest gather), one whose prefix is window - 2.
+REQUESTS = [(12, 1), (30, 5), (6, 6), (20, 12), (9, 3)]
+NUM_DECODES = 1
+
+
+@dataclass
+class PagedRows:
+    """A BF16 paged cache holding a known random row per slot, and its block table."""
+
+    pages: torch.Tensor  # uint8 [num_pages, page_bytes]
+    table: torch.Tensor  # int32 [R, width]
+    values: torch.Tensor  # bf16 [num_pages * block, 512]: the row at each slot
+    block: int
+
+    def row(self, req: int, i: int) -> torch.Tensor:
+        """Request ``req``'s ``i``-th row (position or compressed entry), from the table."""
+        page = int(self.table[req, i // self.block])
+        if not 0 <= page < self.pages.shape[0]:
+            return torch.zeros(HEAD_DIM, dtype=torch.bfloat16)
+        return self.values[page * self.block + i % self.block]
+
+
+def paged_rows(gen: torch.Generator, rows_per_req: list[int], block: int) -> PagedRows:
+    """Every request's rows on shuffled pages (two spare pages; unused table entries point at
+    them, as stale entries would)."""
+    need = [-(-n // block) for n in rows_per_req]
+    num_pages = sum(need) + 2
+    ids = torch.randperm(num_pages, generator=gen).to(torch.int32)
+    table = torch.full((len(need), max(max(need), 1)), int(ids[-1]), dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(need):
+        table[r, :n] = ids[used : used + n]
+        used += n
+    pages = kv_cache.allocate(num_pages, block, KVFormat.BF16)
+    values = torch.randn(num_pages * block, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    kv_cache.write(pages, torch.arange(num_pages * block), values, KVFormat.BF16, block)
+    return PagedRows(pages, table, values, block)
+
+
+def prefill_step(gen: torch.Generator, ratio: int):
+    """The step's host tensors, its SWA cache and (ratio > 1) compressed cache."""
+    seq_lens = torch.tensor([s for s, _ in REQUESTS], dtype=torch.int32)
+    query_lens = torch.tensor([q for _, q in REQUESTS], dtype=torch.int32)
+    query_start = torch.cat([torch.zeros(1, dtype=torch.int32), query_lens.cumsum(0).int()])
+    swa = paged_rows(gen, [s for s, _ in REQUESTS], SWA_BLOCK)
+    compressed = None
+    if ratio > 1:
+        compressed = paged_rows(gen, [s // ratio for s, _ in REQUESTS], ENTRIES_PER_PAGE)
+    return seq_lens, query_lens, query_start, swa, compressed
+
+
+def expected_list(pos: int, ratio: int, topk_row: list[int], entries: int):
+    """What a prefill token at ``pos`` of its request reads, column by column: ``("entry", i)``,
+    ``("position", p)`` or None (a -1 column), and its length. CSA: the indexer's picks, a pick
+    < 0 or >= (pos + 1) // 4 a hole, then the window; HCA: every entry i < (pos + 1) // ratio
+    then the window, packed, -1 after; SWA-only: the window. ``entries``: the chunk's N."""
+    window = [("position", p) for p in range(max(0, pos - WINDOW + 1), pos + 1)]
+    visible = (pos + 1) // ratio if ratio > 1 else 0
+    if ratio == 4:
+        picks = [("entry", e) if 0 <= e < visible else None for e in topk_row]
+        columns = picks + window + [None] * (WINDOW - len(window))
+        return columns, len(topk_row) + len(window)
+    seen = [("entry", i) for i in range(visible)] + window
+    width = (entries if ratio > 1 else 0) + WINDOW
+    return seen + [None] * (width - len(seen)), len(seen)
+
+
+@pytest.mark.parametrize("budget", [10**6, 40], ids=["one_chunk", "small_chunks"])
+@pytest.mark.parametrize("ratio", [1, 4, 8])
+def test_prefill_tokens_read_their_own_rows(ratio, budget):
+    """Gather then index (torch path, a BF16 cache so rows compare exactly): every column of a
+    prefill token's list is -1 where the token reads nothing, else a workspace row inside its own
+    request's rows holding exactly the cache row of the entry or position it should read;
+    lengths as the decode path counts them."""
+    gen = torch.Generator().manual_seed(100 + ratio)
+    seq_lens, query_lens, query_start, swa, compressed = prefill_step(gen, ratio)
+    num_reqs = len(REQUESTS)
+    num_prefills = num_reqs - NUM_DECODES
+    chunks = prefill.plan_chunks(
+        query_start, seq_lens, NUM_DECODES, num_prefills, ratio, WINDOW, budget
+    )
+    assert (len(chunks) == 1) if budget == 10**6 else (len(chunks) > 1)
+    T = int(query_start[-1])
+    # The indexer's picks: entries the token sees, ones it does not yet, and -1 holes.
+    picks = torch.randint(-1, REQUESTS[1][0] // 4 + 3, (T, TOPK), generator=gen, dtype=torch.int32)
+    checked_holes = 0
+    for chunk in chunks:
+        reqs = slice(chunk.first_req, chunk.end_req)
+        workspace = torch.full((10**4, HEAD_DIM), 9.0, dtype=torch.bfloat16)
+        cc = None
+        if compressed is not None:
+            cc = (compressed.pages, compressed.table[reqs], ENTRIES_PER_PAGE, ratio)
+        rows = prefill.gather_rows(
+            workspace,
+            chunk,
+            KVFormat.BF16,
+            seq_lens[reqs],
+            query_lens[reqs],
+            WINDOW,
+            (swa.pages, swa.table[reqs], SWA_BLOCK),
+            cc,
+        )
+        flat = rows.reshape(-1, HEAD_DIM)
+        out = (
+            torch.full((T, 64), 777, dtype=torch.int32),
+            torch.full((T,), 777, dtype=torch.int32),
+        )
+        local = picks[chunk.first_token : chunk.end_token] if ratio == 4 else None
+        qs = query_start[chunk.first_req : chunk.end_req + 1]
+        indices, lens = prefill.index_lists(chunk, qs, seq_lens[reqs], WINDOW, ratio, local, out)
+        for t in range(chunk.first_token, chunk.end_token):
+            req = next(r for r in range(num_reqs) if query_start[r + 1] > t)
+            c = req - chunk.first_req
+            seq, q = REQUESTS[req]
+            pos = seq - q + (t - int(query_start[req]))
+            columns, length = expected_list(pos, ratio, picks[t].tolist(), chunk.entries)
+            i = t - chunk.first_token
+            assert indices.shape[1] == len(columns)
+            assert int(lens[i]) == length, (t, pos)
+            for j, want in enumerate(columns):
+                got = int(indices[i, j])
+                if want is None:
+                    assert got == -1, (t, pos, j)
+                    checked_holes += c > 0
+                    continue
+                assert c * chunk.rows <= got < (c + 1) * chunk.rows, (t, pos, j, got)
+                source = compressed if want[0] == "entry" else swa
+                assert torch.equal(flat[got], source.row(req, want[1])), (t, pos, want)
+    assert checked_holes > 0  # holes of a request that is not its chunk's first
+
+
+def test_gather_lens_count_window_minus_one_rows_before_the_query():
+    """A request gathers its query tokens and the ``window - 1`` positions before the first
+    (fewer when it has fewer): what its first token's window needs."""
+    window = 128
+    cases = [(1, 1), (5, 5), (1, 500), (300, 1500), (10, 137), (10, 138), (10, 139), (4, 130)]
+    query_lens = torch.tensor([q for q, _ in cases], dtype=torch.int32)
+    seq_lens = torch.tensor([s for _, s in cases], dtype=torch.int32)
+    got = prefill.gather_lens(query_lens, seq_lens, window)
+    assert got.dtype == torch.int32
+    assert got.tolist() == [q + min(s - q, window - 1) for q, s in cases]
+
+
+def test_gather_reads_zeros_from_pages_outside_the_cache():
+    """A block-table entry that names no page of the cache (= its number of pages, or -1): the
+    rows it would hold gather as zeros (the Triton gather's rule), every other row as laid out
+    (request c: entries 0 .. seq // ratio at rows 0 .., positions seq - gather_len .. seq at rows
+    N ..; zeros past them)."""
+    ratio = 8
+    gen = torch.Generator().manual_seed(7)
+    seq_lens, query_lens, query_start, swa, compressed = prefill_step(gen, ratio)
+    outside_swa = swa.pages.shape[0]
+    outside_entries = compressed.pages.shape[0]
+    swa.table[3, 2] = outside_swa  # request 3's positions 8 .. 11, in its gather
+    swa.table[1, 5] = -1  # request 1's positions 20 .. 23
+    compressed.table[1, 0] = outside_entries  # request 1's entries 0 and 1
+    (chunk,) = prefill.plan_chunks(
+        query_start, seq_lens, NUM_DECODES, len(REQUESTS) - NUM_DECODES, ratio, WINDOW, 10**6
+    )
+    reqs = slice(chunk.first_req, chunk.end_req)
+    workspace = torch.full((10**4, HEAD_DIM), 9.0, dtype=torch.bfloat16)
+    rows = prefill.gather_rows(
+        workspace,
+        chunk,
+        KVFormat.BF16,
+        seq_lens[reqs],
+        query_lens[reqs],
+        WINDOW,
+        (swa.pages, swa.table[reqs], SWA_BLOCK),
+        (compressed.pages, compressed.table[reqs], ENTRIES_PER_PAGE, ratio),
+    )
+    zero = torch.zeros(HEAD_DIM, dtype=torch.bfloat16)
+    N, M = chunk.entries, chunk.rows
+    zeros_seen = 0
+    for c, req in enumerate(range(chunk.first_req, chunk.end_req)):
+        seq, q = REQUESTS[req]
+        gather = q + min(seq - q, WINDOW - 1)
+        want = [compressed.row(req, i) for i in range(seq // ratio)]
+        want += [zero] * (N - len(want))
+        want += [swa.row(req, p) for p in range(seq - gather, seq)]
+        want += [zero] * (M - len(want))
+        for i, row in enumerate(want):
+            assert torch.equal(rows[c, i], row), (req, i)
+        zeros_seen += sum(
+            1
+            for i in range(N, N + gather)
+            if swa.table[req, (seq - gather + i - N) // SWA_BLOCK] in (-1, outside_swa)
+        )
+    assert zeros_seen == 8  # both missing SWA pages lie inside their requests' gathers

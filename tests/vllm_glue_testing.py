@@ -305,6 +305,30 @@ def make_batch(
     )
 
 
+def batch_from_tables(
+    seq_lens: Sequence[int],
+    query_lens: Sequence[int],
+    swa_block_table: torch.Tensor,
+    cache_block_table: torch.Tensor,
+    padding: int = 0,
+) -> Batch:
+    """A CPU batch on given block tables (``int32 [R, *]``, one per cache group: what a test
+    needs a particular block id at a particular place for); ``padding`` extra rows have slot
+    -1."""
+    num_tokens = sum(query_lens) + padding
+    swa_bt = swa_block_table.to(torch.int32)
+    cache_bt = cache_block_table.to(torch.int32)
+    return Batch(
+        list(seq_lens),
+        list(query_lens),
+        num_tokens,
+        swa_bt,
+        cache_bt,
+        _common_metadata(seq_lens, query_lens, num_tokens, swa_bt, SWA_BLOCK),
+        _common_metadata(seq_lens, query_lens, num_tokens, cache_bt, CACHE_BLOCK),
+    )
+
+
 def _on(cm, where: torch.device | str):
     """``cm`` with its device fields moved (the ``*_cpu`` fields stay on the host)."""
     if torch.device(where).type == "cpu":
