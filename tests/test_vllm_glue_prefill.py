@@ -184,6 +184,25 @@ def expected_list(pos: int, ratio: int, topk_row: list[int], entries: int):
     return seen + [None] * (width - len(seen)), len(seen)
 
 
+def _gather(chunk, seq_lens, query_lens, swa, compressed, ratio: int) -> torch.Tensor:
+    """``prefill.gather_rows`` of ``chunk`` (torch path, BF16 pages) into a workspace of 9s."""
+    reqs = slice(chunk.first_req, chunk.end_req)
+    workspace = torch.full((10**4, HEAD_DIM), 9.0, dtype=torch.bfloat16)
+    cc = None
+    if compressed is not None:
+        cc = (compressed.pages, compressed.table[reqs], ENTRIES_PER_PAGE, ratio)
+    return prefill.gather_rows(
+        workspace,
+        chunk,
+        KVFormat.BF16,
+        seq_lens[reqs],
+        query_lens[reqs],
+        WINDOW,
+        (swa.pages, swa.table[reqs], SWA_BLOCK),
+        cc,
+    )
+
+
 @pytest.mark.parametrize("budget", [10**6, 40], ids=["one_chunk", "small_chunks"])
 @pytest.mark.parametrize("ratio", [1, 4, 8])
 def test_prefill_tokens_read_their_own_rows(ratio, budget):
@@ -204,21 +223,7 @@ def test_prefill_tokens_read_their_own_rows(ratio, budget):
     picks = torch.randint(-1, REQUESTS[1][0] // 4 + 3, (T, TOPK), generator=gen, dtype=torch.int32)
     checked_holes = 0
     for chunk in chunks:
-        reqs = slice(chunk.first_req, chunk.end_req)
-        workspace = torch.full((10**4, HEAD_DIM), 9.0, dtype=torch.bfloat16)
-        cc = None
-        if compressed is not None:
-            cc = (compressed.pages, compressed.table[reqs], ENTRIES_PER_PAGE, ratio)
-        rows = prefill.gather_rows(
-            workspace,
-            chunk,
-            KVFormat.BF16,
-            seq_lens[reqs],
-            query_lens[reqs],
-            WINDOW,
-            (swa.pages, swa.table[reqs], SWA_BLOCK),
-            cc,
-        )
+        rows = _gather(chunk, seq_lens, query_lens, swa, compressed, ratio)
         flat = rows.reshape(-1, HEAD_DIM)
         out = (
             torch.full((T, 64), 777, dtype=torch.int32),
@@ -226,6 +231,7 @@ def test_prefill_tokens_read_their_own_rows(ratio, budget):
         )
         local = picks[chunk.first_token : chunk.end_token] if ratio == 4 else None
         qs = query_start[chunk.first_req : chunk.end_req + 1]
+        reqs = slice(chunk.first_req, chunk.end_req)
         indices, lens = prefill.index_lists(chunk, qs, seq_lens[reqs], WINDOW, ratio, local, out)
         for t in range(chunk.first_token, chunk.end_token):
             req = next(r for r in range(num_reqs) if query_start[r + 1] > t)
@@ -276,18 +282,7 @@ def test_gather_reads_zeros_from_pages_outside_the_cache():
     (chunk,) = prefill.plan_chunks(
         query_start, seq_lens, NUM_DECODES, len(REQUESTS) - NUM_DECODES, ratio, WINDOW, 10**6
     )
-    reqs = slice(chunk.first_req, chunk.end_req)
-    workspace = torch.full((10**4, HEAD_DIM), 9.0, dtype=torch.bfloat16)
-    rows = prefill.gather_rows(
-        workspace,
-        chunk,
-        KVFormat.BF16,
-        seq_lens[reqs],
-        query_lens[reqs],
-        WINDOW,
-        (swa.pages, swa.table[reqs], SWA_BLOCK),
-        (compressed.pages, compressed.table[reqs], ENTRIES_PER_PAGE, ratio),
-    )
+    rows = _gather(chunk, seq_lens, query_lens, swa, compressed, ratio)
     zero = torch.zeros(HEAD_DIM, dtype=torch.bfloat16)
     N, M = chunk.entries, chunk.rows
     zeros_seen = 0

@@ -287,22 +287,13 @@ def make_batch(
     """A batch with random block ids, distinct across both groups (they share vLLM's block
     pool, so one physical block holds either SWA or compressed pages); ``padding`` extra rows
     have slot -1. The block tables and the metadata's device tensors live ``on`` that device."""
-    num_tokens = sum(query_lens) + padding
     swa_width = max(-(-s // SWA_BLOCK) for s in seq_lens)
     cache_width = max(-(-s // CACHE_BLOCK) for s in seq_lens)
     num_reqs = len(seq_lens)
     ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
     swa_bt = ids[: num_reqs * swa_width].view(num_reqs, swa_width)
     cache_bt = ids[num_reqs * swa_width :][: num_reqs * cache_width].view(num_reqs, cache_width)
-    return Batch(
-        list(seq_lens),
-        list(query_lens),
-        num_tokens,
-        swa_bt,
-        cache_bt,
-        _on(_common_metadata(seq_lens, query_lens, num_tokens, swa_bt, SWA_BLOCK), on),
-        _on(_common_metadata(seq_lens, query_lens, num_tokens, cache_bt, CACHE_BLOCK), on),
-    )
+    return batch_from_tables(seq_lens, query_lens, swa_bt, cache_bt, padding, on)
 
 
 def batch_from_tables(
@@ -311,10 +302,11 @@ def batch_from_tables(
     swa_block_table: torch.Tensor,
     cache_block_table: torch.Tensor,
     padding: int = 0,
+    on: torch.device | str = "cpu",
 ) -> Batch:
-    """A CPU batch on given block tables (``int32 [R, *]``, one per cache group: what a test
-    needs a particular block id at a particular place for); ``padding`` extra rows have slot
-    -1."""
+    """A batch on given block tables (``int32 [R, *]``, one per cache group: what a test needs a
+    particular block id at a particular place for); ``padding`` extra rows have slot -1. The
+    metadata's device tensors live ``on`` that device."""
     num_tokens = sum(query_lens) + padding
     swa_bt = swa_block_table.to(torch.int32)
     cache_bt = cache_block_table.to(torch.int32)
@@ -324,8 +316,8 @@ def batch_from_tables(
         num_tokens,
         swa_bt,
         cache_bt,
-        _common_metadata(seq_lens, query_lens, num_tokens, swa_bt, SWA_BLOCK),
-        _common_metadata(seq_lens, query_lens, num_tokens, cache_bt, CACHE_BLOCK),
+        _on(_common_metadata(seq_lens, query_lens, num_tokens, swa_bt, SWA_BLOCK), on),
+        _on(_common_metadata(seq_lens, query_lens, num_tokens, cache_bt, CACHE_BLOCK), on),
     )
 
 
