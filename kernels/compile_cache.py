@@ -132,10 +132,10 @@ def _fingerprint_sources() -> list[Path]:
 
 @functools.cache
 def _source_fingerprint() -> str:
-    """Hash of everything a cached object depends on besides its key: this package's kernel
-    sources, the DSL versions, the runtime libraries it links against (by variant and size, not
-    install path: ``cu13/libcute_dsl_runtime.so`` or ``cu12/...``, so any install of the same
-    build shares objects) and the machine."""
+    """Hash of everything a cached object depends on besides its key: the sources of
+    :func:`_fingerprint_sources`, the DSL versions, the runtime libraries it links against (by
+    variant and size, not install path: ``cu13/libcute_dsl_runtime.so`` or ``cu12/...``, so any
+    install of the same build shares objects) and the machine."""
     import cutlass
     import cutlass.cute as cute
     import tvm_ffi

@@ -327,13 +327,7 @@ def test_hca_counts_never_exceed_the_list_width():
         visible_slots=visible_slots,
         visible_lens=visible_lens,
     )
-    want_rows, want_lens = [], []
-    for req, pos in batch.positions():
-        seen = range(min((pos + 1) // ratio, width))
-        want_rows.append(
-            vt.padded([vt.slot(batch.cache_block_table, req, i, per_block) for i in seen], width)
-        )
-        want_lens.append(len(seen))
+    want_rows, want_lens = vt.brute_visible(batch, ratio, width)
     assert max((pos + 1) // ratio for _, pos in batch.positions()) > width  # the case at hand
     assert visible_slots.tolist() == want_rows
     assert visible_lens.tolist() == want_lens

@@ -406,12 +406,13 @@ def brute_write_slots(batch: Batch, ratio: int) -> list[int]:
 
 
 def brute_visible(batch: Batch, ratio: int, width: int):
+    """Each token's visible entries' slots, the first ``width`` of them (a narrower list holds
+    no more), padded with -1 to ``width``, and their count."""
     per_block = CACHE_BLOCK // ratio
     rows, lens = [], []
     for req, pos in batch.positions():
-        slots = [
-            slot(batch.cache_block_table, req, i, per_block) for i in range((pos + 1) // ratio)
-        ]
+        seen = range(min((pos + 1) // ratio, width))
+        slots = [slot(batch.cache_block_table, req, i, per_block) for i in seen]
         rows.append(padded(slots, width))
         lens.append(len(slots))
     pad = batch.num_tokens - len(rows)
