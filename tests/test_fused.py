@@ -448,7 +448,7 @@ UNSPECIALIZED: dict[str, tuple[set[str], set[str]]] = {
         {"query_start_ptr", "seq_lens_ptr"},
     ),
     "_gather_nvfp4_kernel": (
-        {"offset", "bt_stride", "bt_width"},
+        {"offset", "num_pages", "bt_stride", "bt_width"},
         {"seq_lens_ptr", "gather_lens_ptr", "block_table_ptr"},
     ),
     "_compress_rows_kernel": (
@@ -485,12 +485,10 @@ def test_batch_dependent_parameters_are_not_specialized():
         assert got_alignments == alignments, name
 
 
-def test_one_launch_key_serves_every_batch(monkeypatch):
-    """What the GPU test :func:`test_one_compile_serves_every_batch_cuda` proves, on the CPU:
-    each launch's compile key (Triton's own binder for sm_90: the specialization of every
-    argument, constexprs and options), recorded instead of compiling, over the warm-up step and
-    then batches of every other shape. The warm-up asks for each kernel's per-layer variants;
-    the other batches ask for no new key."""
+def _record_launch_keys(monkeypatch) -> dict[str, set]:
+    """From now on, each launch of a :mod:`dsv4_attn.fused` kernel records its compile key
+    (Triton's own binder for sm_90: the specialization of every argument, constexprs and
+    options) by kernel name, instead of compiling and running."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -505,6 +503,42 @@ def test_one_launch_key_serves_every_batch(monkeypatch):
             keys.setdefault(_name, set()).add((tuple(specialization), str(options)))
 
         monkeypatch.setattr(kernel, "run", record)
+    return keys
+
+
+def test_the_profiling_runs_gather_warm_up_covers_serving(monkeypatch):
+    """``prefill.warm_gather``, run by each layer kind in vLLM's profiling run on small caches
+    of its own, asks for every gather key that serving steps then ask for (their caches of
+    another page count, chunks of every shape): a user's first prefill with earlier context
+    compiles nothing. The gathers take their GPU path here (keys recorded, nothing run)."""
+    from dsv4_attn.kv_cache import KVFormat
+    from dsv4_attn.vllm_glue import prefill
+
+    keys = _record_launch_keys(monkeypatch)
+    monkeypatch.setattr(prefill, "_runs_fused", lambda device: True)
+    stand = ServingStand("cpu")
+    for ratio in (1, 4, 128):
+        prefill.warm_gather(
+            KVFormat.NVFP4, ratio, stand.WINDOW, stand.SWA_BLOCK, stand.CACHE_BLOCK, "cpu"
+        )
+    warm = set(keys.pop("_gather_nvfp4_kernel"))
+    assert len(warm) == KERNEL_VARIANTS["_gather_nvfp4_kernel"]
+    fused = fused_modules()
+    for step in [WARM_STEP, *serving_steps()]:
+        stand.step(fused, step)
+    served = keys["_gather_nvfp4_kernel"]
+    assert served, "the serving steps gathered nothing"
+    assert served <= warm, served - warm
+
+
+def test_one_launch_key_serves_every_batch(monkeypatch):
+    """What the GPU test :func:`test_one_compile_serves_every_batch_cuda` proves, on the CPU:
+    each launch's compile key (Triton's own binder for sm_90: the specialization of every
+    argument, constexprs and options), recorded instead of compiling, over the warm-up step and
+    then batches of every other shape. The warm-up asks for each kernel's per-layer variants;
+    the other batches ask for no new key."""
+
+    keys = _record_launch_keys(monkeypatch)
     fused = fused_modules()
     stand = ServingStand("cpu")
     stand.step(fused, WARM_STEP)

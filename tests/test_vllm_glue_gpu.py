@@ -753,3 +753,104 @@ def test_hca_compressor_store_through_vllms_kernel_matches_reference(profiled):
         expected, write_slots[done], staged, KVFormat.NVFP4, layer.compressed_rows_per_block
     )
     assert torch.equal(layer.compressed_pages(), expected)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_warm_gather_leaves_no_gather_to_compile_in_serving(kv_dtype):
+    """After ``prefill.warm_gather`` (run by each layer kind in the profiling run, on caches of
+    its own), prefill chunks with earlier context on caches of another size, requests and
+    lengths compile no gather kernel: neither vLLM's CuTeDSL fp8 gather (its compile cache
+    does not grow) nor the NVFP4 Triton gather (Triton's post-compile hook, which vLLM's JIT
+    monitor also uses, is not called)."""
+    _needs_cuda_vllm()
+    from triton import knobs
+    from vllm.models.deepseek_v4.nvidia.ops.dequant_gather_k_cutedsl import (
+        _DEQUANT_GATHER_K_CACHE_CUTEDSL_KERNEL as fp8_gather,
+    )
+
+    from dsv4_attn.fused import kv_gather
+    from dsv4_attn.kv_cache import KVFormat
+    from dsv4_attn.vllm_glue import kv_spec, prefill
+
+    fmt = kv_spec.resolve_kv_format(kv_dtype)
+    window, swa_block, cache_block, device = 128, 64, 256, torch.device("cuda")
+    fp8_gather._compiled_cache.clear()
+    kv_gather._gather_nvfp4_kernel.device_caches.clear()
+    for ratio in (1, 4, 128):
+        prefill.warm_gather(fmt, ratio, window, swa_block, cache_block, device)
+    torch.cuda.synchronize()
+    warm_fp8 = set(fp8_gather._compiled_cache)
+    assert bool(warm_fp8) == (fmt is KVFormat.FP8_DS_MLA)
+    compiled: list[str] = []
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def count(**kwargs):
+        compiled.append(kwargs["compile"]["key"] if "key" in kwargs["compile"] else str(kwargs))
+        return previous(**kwargs) if previous is not None else None
+
+    knobs.runtime.jit_post_compile_hook = count
+    try:
+        gen = torch.Generator().manual_seed(7)
+        for ratio in (1, 4, 128):
+            for _ in range(3):
+                _gather_with_context(fmt, ratio, window, swa_block, cache_block, gen)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+    assert compiled == []
+    assert set(fp8_gather._compiled_cache) == warm_fp8
+
+
+def _gather_with_context(fmt, ratio, window, swa_block, cache_block, gen) -> None:
+    """One chunk of 1-4 prefill requests with earlier context (prompts of 300-3000 tokens,
+    8-200 of them new) through ``prefill.gather_rows`` on CUDA, from caches of 50-90 pages
+    (fp8: vLLM's ``[pages, block, 584]`` views, as a server's layer passes its own caches)."""
+    from dsv4_attn import kv_cache
+    from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+    from dsv4_attn.vllm_glue import prefill
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (1,), generator=gen))
+
+    C = draw(1, 4)
+    seq = [draw(300, 3000) for _ in range(C)]
+    new = [min(s, draw(8, 200)) for s in seq]
+    starts = [0]
+    for n in new:
+        starts.append(starts[-1] + n)
+    device = torch.device("cuda")
+    seq_cpu = torch.tensor(seq, dtype=torch.int32)
+    query_start_cpu = torch.tensor(starts, dtype=torch.int32)
+    budget = prefill.rows_budget(max(seq), ratio, window, starts[-1])
+    (chunk,) = prefill.plan_chunks(query_start_cpu, seq_cpu, 0, C, ratio, window, budget * C)
+
+    def caches(block: int):
+        count = draw(50, 90)
+        pages = kv_cache.allocate(count, block, fmt, device)
+        width = -(-max(seq) // block)
+        table = torch.randint(0, count, (C, width), generator=gen, dtype=torch.int32).to(device)
+        row = kv_cache.bytes_per_token(fmt)
+        view = pages.as_strided((count, block, row), (pages.stride(0), row, 1))
+        return pages, table, view
+
+    swa_pages, swa_table, swa_view = caches(swa_block)
+    extra, extra_view = None, None
+    if ratio > 1:
+        per_page = cache_block // ratio
+        pages, table, extra_view = caches(per_page)
+        extra = (pages, table, per_page, ratio)
+    vllm_caches = (swa_view, extra_view) if fmt is KVFormat.FP8_DS_MLA else None
+    workspace = torch.empty(C * chunk.rows, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    seq_lens = seq_cpu.to(device)
+    query_lens = torch.tensor(new, dtype=torch.int32, device=device)
+    prefill.gather_rows(
+        workspace,
+        chunk,
+        fmt,
+        seq_lens,
+        query_lens,
+        window,
+        (swa_pages, swa_table, swa_block),
+        extra,
+        vllm_caches,
+    )

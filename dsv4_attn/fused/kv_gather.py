@@ -41,13 +41,15 @@ def _e2m1_value(nibble):
 
 # Batch-dependent scalars are not specialized, so one compile serves every batch: the first row
 # to write (a chunk's entry count) and the block table's row stride and width (a view vLLM hands
-# over; a caller may narrow it). The workspace's request stride (rows x 512) follows the chunk
-# but is always a multiple of 16, so it stays specialized: that keeps the row stores vectorized.
+# over; a caller may narrow it). Nor is the cache's page count, which vLLM sizes after the
+# profiling run: the warm-up there (vllm_glue.prefill.warm_gather) runs on pages of its own.
+# The workspace's request stride (rows x 512) follows the chunk but is always a multiple of 16,
+# so it stays specialized: that keeps the row stores vectorized.
 # The page geometry and the ratio (per layer and variant) are fixed. seq_lens, gather_lens (for
 # which seq_lens stands in when absent) and the block table are the chunk's slices of the step's
 # tensors, views at a request offset read one element per program: alignment not specialized.
 @triton.jit(
-    do_not_specialize=["offset", "bt_stride", "bt_width"],
+    do_not_specialize=["offset", "num_pages", "bt_stride", "bt_width"],
     do_not_specialize_on_alignment=["seq_lens_ptr", "gather_lens_ptr", "block_table_ptr"],
 )
 def _gather_nvfp4_kernel(

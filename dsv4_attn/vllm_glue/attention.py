@@ -388,7 +388,9 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
     def _compile_kernels(self) -> None:
         """Compile (or load from the disk cache) this layer's kernels now, outside any CUDA-graph
         capture: loading a module while a graph is being captured is not allowed. (vLLM has set
-        the final block size by the profiling run.)"""
+        the final block size by the profiling run.) The prefill gathers are launched once on
+        small caches of their own (:func:`.prefill.warm_gather`): vLLM's warm-up batches have
+        no earlier context, so they would otherwise compile in a user's first request."""
         from dsv4_attn.kernels.precompile import compile_layer_kernels
 
         compile_layer_kernels(
@@ -397,6 +399,14 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             self.swa_cache_layer.block_size,
             self.cache_config.block_size,
             self._may_run_balanced(),
+        )
+        prefill.warm_gather(
+            self.kv_format,
+            self.compress_ratio,
+            self.window_size,
+            self.swa_cache_layer.block_size,
+            self.cache_config.block_size,
+            self.device,
         )
 
     def forward_mqa(

@@ -43,6 +43,7 @@ __all__ = [
     "peak_workspace_shapes",
     "plan_chunks",
     "rows_budget",
+    "warm_gather",
 ]
 
 _CPU_ROWS_PER_READ = 4096  # rows decoded per torch read (bounds its float32 temporaries)
@@ -196,7 +197,7 @@ def gather_rows(
     C, N, M = chunk.end_req - chunk.first_req, chunk.entries, chunk.rows
     rows = workspace[: C * M].view(C, M, HEAD_DIM)
     glens = gather_lens(query_lens, seq_lens, window)
-    on_cuda = rows.device.type == "cuda"
+    on_cuda = _runs_fused(rows.device)
     swa_pages, swa_table, swa_block = swa
     if on_cuda and fmt is KVFormat.FP8_DS_MLA and vllm_caches is not None:
         from vllm.models.deepseek_v4.common.ops import dequantize_and_gather_k_cache
@@ -245,6 +246,69 @@ def gather_rows(
             )
         _read_run(rows[:, N:], swa_pages, fmt, swa_block, swa_table, seq_lens - glens, glens)
     return rows
+
+
+def _runs_fused(device: torch.device) -> bool:
+    """Whether the gather runs the GPU ops (vLLM's fp8 op, the NVFP4 Triton kernel)."""
+    return device.type == "cuda"
+
+
+def warm_gather(
+    fmt: KVFormat,
+    compress_ratio: int,
+    window: int,
+    swa_block: int,
+    cache_block: int,
+    device: torch.device,
+) -> None:
+    """Run :func:`gather_rows` once on a one-request chunk over small caches of their own, so
+    that every gather variant a layer of this kind launches (window rows; compressed entries,
+    where the ratio is above 1) is compiled now and not in a user's first prefill with earlier
+    context. vLLM's mixed warm-up batch has none: its prompts start at position 0, so no
+    request gathers compressed entries. Called in the profiling run, before the KV caches
+    exist; the values written are not used.
+
+    Args:
+        compress_ratio: 1 (window only), 4 (CSA) or 128 (HCA).
+        swa_block: tokens per window page; cache_block: tokens per compressed block
+            (``cache_block // compress_ratio`` entries per page).
+    """
+    seq_len = 2 * max(compress_ratio, 1) + 1  # at least two entries and one window row
+    entries = seq_len // compress_ratio if compress_ratio > 1 else 0
+    rows = entries + seq_len
+    chunk = PrefillChunk(0, 1, 0, seq_len, entries, rows)
+    i32 = torch.int32
+    lens = torch.tensor([seq_len], dtype=i32, device=device)
+
+    def pages(block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A cache of 2 pages more than one request of ``seq_len`` rows spans (the count is
+        not specialized), its block table, and the fp8 op's ``[pages, block, row]`` view."""
+        count = -(-seq_len // block) + 2
+        cache = kv_cache.allocate(count, block, fmt, device)
+        table = torch.arange(count, dtype=i32, device=device)[None]
+        row = kv_cache.bytes_per_token(fmt)
+        view = cache.as_strided((count, block, row), (cache.stride(0), row, 1))
+        return cache, table, view
+
+    swa_pages, swa_table, swa_view = pages(swa_block)
+    extra, extra_view = None, None
+    if compress_ratio > 1:
+        per_page = cache_block // compress_ratio
+        extra_pages, extra_table, extra_view = pages(per_page)
+        extra = (extra_pages, extra_table, per_page, compress_ratio)
+    vllm_caches = (swa_view, extra_view) if fmt is KVFormat.FP8_DS_MLA else None
+    workspace = torch.empty(rows, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    gather_rows(
+        workspace,
+        chunk,
+        fmt,
+        lens,
+        lens,
+        window,
+        (swa_pages, swa_table, swa_block),
+        extra,
+        vllm_caches,
+    )
 
 
 def index_lists(
