@@ -413,6 +413,8 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     # that case's steps, BENCH_SPREAD=1 a GPU per server at once, BENCH_SHARED=1 every server
     # on GPU 0 at once taking turns; BENCH_PORT (8200) the first server's port, the next
     # +20 each). Long: run it under setsid and poll $OUT/bench.log.
+    # Set d (long contexts; BENCH_CASES=d): BENCH_LONG_CONTEXTS (131072), BENCH_LONG_OUTPUT
+    # (2048), BENCH_LONG_WAVES (1), BENCH_MAX_MODEL_LEN (131072); BENCH_KV_GIB may be fractional.
     # REAL_LAYERS (43): the first layers of V4-Flash's schedule (4: a shallow control whose
     # outputs depth has not amplified); FLASH_CKPT: a checkpoint written elsewhere.
     layers=${REAL_LAYERS:-43}
@@ -427,7 +429,11 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
       VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m dsv4_attn.e2e.bench_serve --model "$FLASH" \
         --layout "$layout" --servers "$names" --port "$port" \
         --cases "${BENCH_CASES-a,b}" --only "${BENCH_ONLY:-}" ${BENCH_GREEDY:+--greedy} \
-        ${BENCH_PROFILE:+--profile "$BENCH_PROFILE"} --out "$OUT/bench_serve" "$@"
+        ${BENCH_PROFILE:+--profile "$BENCH_PROFILE"} \
+        ${BENCH_MAX_MODEL_LEN:+--max-model-len "$BENCH_MAX_MODEL_LEN"} \
+        ${BENCH_LONG_CONTEXTS:+--long-contexts "$BENCH_LONG_CONTEXTS"} \
+        ${BENCH_LONG_OUTPUT:+--long-output "$BENCH_LONG_OUTPUT"} \
+        ${BENCH_LONG_WAVES:+--long-waves "$BENCH_LONG_WAVES"} --out "$OUT/bench_serve" "$@"
     }
     compare_greedy() {  # the greedy agreement of the servers run by separate processes
       python3 -c "from pathlib import Path; \
@@ -441,7 +447,7 @@ compare_greedy(Path('$OUT/bench_serve'), '$layout', '$servers'.split(','))"
       # memory profiling for a neighbour to disturb); their cold starts overlap, then each step
       # runs on one server at a time (dsv4_attn.e2e.turns), after BENCH_AFTER (a file, e.g.
       # another batch's done) exists.
-      kv_bytes=$(( ${BENCH_KV_GIB:-16} * 1024 * 1024 * 1024 ))
+      kv_bytes=$(python3 -c "print(int(float('${BENCH_KV_GIB:-16}') * 2**30))")
       gpus=${BENCH_GPUS:-$([ "$layout" = tp1 ] && echo 0 || nvidia-smi --query-gpu=index \
         --format=csv,noheader | paste -sd,)}
       i=0

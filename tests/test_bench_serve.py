@@ -182,6 +182,10 @@ def _args(**overrides) -> argparse.Namespace:
         turns=None,
         turn_order="vllm,fp8,nvfp4",
         start_after=None,
+        long_contexts=[131072],
+        long_output=2048,
+        long_waves=1,
+        probe_requests=0,
     )
     return argparse.Namespace(**{**fields, **overrides})
 
@@ -347,6 +351,74 @@ def test_servers_sharing_a_gpu_take_each_case_in_turn(tmp_path: Path, monkeypatc
         "nvfp4.finished",
         "vllm.finished",
     ]
+
+
+def test_set_d_is_one_and_a_half_times_the_measured_capacity():
+    case = bench_serve.plan_long_case(131072, 2048, 5)
+    assert case == bench_serve.Case("d_128k", 129024, 2048, 8, 8)
+    assert bench_serve.plan_long_case(262144, 4096, 4, waves=3).num_prompts == 18
+    assert bench_serve.long_case_name(1048576) == "d_1024k"
+    assert bench_serve.long_case_name(100000) == "d_100000"
+    with pytest.raises(ValueError, match="measured \\(>= 1\\), got None"):
+        bench_serve.plan_long_case(131072, 2048, None)
+    with pytest.raises(ValueError, match="output \\(131072\\) must be shorter"):
+        bench_serve.plan_long_case(131072, 131072, 3)
+
+
+def test_set_d_measures_vllms_capacity_first_and_every_server_plans_from_it(
+    tmp_path: Path, monkeypatch
+):
+    """With --turns and set d, vLLM's server alone is probed (at the case's prompt length,
+    before any server runs the case); its figure lands in its record, and each server then runs
+    the case at 1.5x that figure, in turn order. Each case's /metrics samples are summarized."""
+    import threading
+
+    world = _StandIns(monkeypatch)
+    world.log_lines = "(EngineCore pid=7) INFO GPU KV cache size: 300,000 tokens\n"
+    events = []
+    run = world._run
+
+    def run_in_turn(command, **kwargs):
+        concurrency = command[command.index("--max-concurrency") + 1]
+        events.append(("case", command[command.index("--port") + 1], concurrency))
+        return run(command, **kwargs)
+
+    def probe(port, model, input_len, output_len, offered, **kwargs):
+        events.append(("probe", str(port), input_len, output_len, offered))
+        return {"capacity": 5, "bound": "cache", "seconds": 3.0}
+
+    monkeypatch.setattr(bench_serve.subprocess, "run", run_in_turn)
+    monkeypatch.setattr(bench_serve, "find_capacity", probe)
+    errors = []
+
+    def serve(name: str, port: int) -> None:
+        args = _args(port=port, cases=["d"], turns=str(tmp_path / "turns"))
+        args.turn_order = "vllm,nvfp4,fp8"
+        try:
+            bench_serve.run_server(args, name, tmp_path)
+        except Exception as error:  # reported by the assertion below
+            errors.append(error)
+
+    ports = {"fp8": 3, "nvfp4": 2, "vllm": 1}
+    threads = [threading.Thread(target=serve, args=item) for item in ports.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
+    # 4 x the token line's 300,000 / 131,072 = 9.2: 10 offered
+    assert events == [
+        ("probe", "1", 129024, 2048, 10),
+        ("case", "1", "8"),
+        ("case", "2", "8"),
+        ("case", "3", "8"),
+    ]
+    vllm = json.loads((tmp_path / "tp1_vllm.json").read_text())
+    assert vllm["capacity"]["d_128k"]["capacity"] == 5
+    for name in ports:
+        entry = json.loads((tmp_path / f"tp1_{name}.json").read_text())["cases"]["d_128k"]
+        assert entry["case"]["concurrency"] == 8 and entry["case"]["input_len"] == 129024
+        assert entry["requests_at_once"]["samples"] == 0  # the stand-in has no /metrics
 
 
 def test_each_case_draws_prompts_no_other_case_shares(tmp_path: Path):

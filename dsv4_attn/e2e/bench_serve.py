@@ -19,6 +19,16 @@ end. The cases (:func:`plan_cases`):
 * ``c``: 32768 input / 4096 output, one wave of 1.5x the requests vLLM's backend's cache holds
   (its tokens / 36864): decoding bounds the output rate, so a server that holds more of them at
   once finishes sooner.
+* ``d``: long contexts (``--long-contexts``, default 128K tokens: prompt plus ``--long-output``
+  tokens), ``--long-waves`` waves of 1.5x the requests vLLM's backend holds at once at that
+  context, *measured*: before the case, vLLM's server is offered more requests of that length
+  than it can hold (:func:`dsv4_attn.e2e.capacity_finder.find_capacity`, step
+  ``capacity_<case>``), and the others read its figure from its record. vLLM's "KV cache size"
+  line does not tell it (see :mod:`dsv4_attn.e2e.capacity_finder`).
+
+During every case each server's ``/metrics`` is sampled (requests running and waiting, KV
+usage, preemptions): ``requests_at_once`` in its record, where ``held_while_waiting`` is what
+the server ran while others waited.
 
 With ``--greedy`` each fresh server first answers the greedy-agreement set
 (:func:`dsv4_attn.e2e.serve_check.greedy_plan`: prompts of 4K, 32K and the longest that fits,
@@ -52,6 +62,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dsv4_attn.e2e.capacity_finder import MetricsSampler, find_capacity
+from dsv4_attn.e2e.capacity_finder import summarize as summarize_samples
 from dsv4_attn.e2e.serve_check import Server, greedy_plan, print_comparison, query
 from dsv4_attn.e2e.turns import Turns
 
@@ -63,8 +75,10 @@ __all__ = [
     "case_seed",
     "compare_greedy",
     "kv_tokens",
+    "long_case_name",
     "main",
     "plan_cases",
+    "plan_long_case",
     "profile_summary",
     "profiler_config",
     "summarize",
@@ -102,9 +116,38 @@ class Case:
     num_prompts: int
 
 
+LONG_CONTEXTS = (131072,)
+LONG_OUTPUT = 2048
+BEYOND = 1.5
+"""Beyond-capacity cases offer this many times the requests vLLM's backend holds at once."""
+
+
+def long_case_name(context: int) -> str:
+    """The name of set d's case at ``context`` tokens (prompt plus output), e.g. ``d_128k``."""
+    return f"d_{context // 1024}k" if context % 1024 == 0 else f"d_{context}"
+
+
+def plan_long_case(context: int, output: int, reference_capacity: int, waves: int = 1) -> Case:
+    """Set d's case at ``context`` tokens: prompts of ``context - output`` tokens, ``output``
+    tokens each, at a concurrency of :data:`BEYOND` x ``reference_capacity`` (vLLM's backend's
+    measured requests at once), ``waves`` times that many prompts."""
+    if not 0 < output < context:
+        raise ValueError(f"the output ({output}) must be shorter than the context ({context})")
+    if not isinstance(reference_capacity, int) or reference_capacity < 1:
+        raise ValueError(
+            f"set d needs the requests vLLM's backend holds at {context} tokens, measured "
+            f"(>= 1), got {reference_capacity!r}"
+        )
+    if waves < 1:
+        raise ValueError(f"waves must be >= 1, got {waves}")
+    c = math.ceil(BEYOND * reference_capacity)
+    return Case(long_case_name(context), context - output, output, c, waves * c)
+
+
 def plan_cases(which: str, reference_kv_tokens: int | None) -> list[Case]:
     """The cases of set ``which`` (``a``, ``b`` or ``c``); ``b`` and ``c`` need the reference
-    server's KV capacity in tokens."""
+    server's KV capacity in tokens. (Set d's cases need a measured capacity:
+    :func:`plan_long_case`.)"""
     if which == "a":
         return [Case(f"a_8k_c{c}", 8192, OUTPUT, c, max(4, 2 * c)) for c in (1, 16, 64)]
     if which not in ("b", "c"):
@@ -316,10 +359,18 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
         cases = [
             case
             for which in args.cases
+            if which != "d"
             for case in plan_cases(which, reference)
             if not args.only or case.name in args.only
         ]
+        long_names = [
+            long_case_name(context)
+            for context in (args.long_contexts if "d" in args.cases else ())
+            if not args.only or long_case_name(context) in args.only
+        ]
         steps = (["greedy"] if args.greedy else []) + [case.name for case in cases]
+        for name_d in long_names:
+            steps += [f"capacity_{name_d}", name_d]
         if args.greedy:  # before the load: a fresh server, nothing cached
             with _turn(turns, steps, "greedy", name):
                 greedy = {
@@ -329,20 +380,30 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
             (out / f"{args.layout}_{name}_greedy.json").write_text(json.dumps(greedy))
             record["greedy_errors"] = len(greedy["errors"])
         record["cases"] = {}
-        for case in cases:
+        long_contexts = [
+            c for c in args.long_contexts if "d" in args.cases and long_case_name(c) in long_names
+        ]
+        for item in [*cases, *long_contexts]:  # in the order of steps
+            if isinstance(item, Case):
+                case = item
+            else:
+                case = _long_case(args, name, item, out, turns, steps, record)
             before = _preemptions(server)
             result_dir = out / f"{args.layout}_{name}"
             profiling = profile_dir is not None and case.name == args.profile
             with _turn(turns, steps, case.name, name):
                 if profiling:
                     server.post("/start_profile")
+                sampler = MetricsSampler(server.base, 1.0).start()
                 run = subprocess.run(
                     bench_command(port, args.model, case, result_dir, args.seed),
                     capture_output=True,
                     text=True,
                 )
+                samples = sampler.stop()
                 after = _preemptions(server)
                 entry = {"case": asdict(case), "exit": run.returncode}
+                entry["requests_at_once"] = summarize_samples(samples)
                 if profiling:
                     server.post("/stop_profile")
                     entry["profile"] = profile_summary(profile_dir)
@@ -373,6 +434,39 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
     record["server_log_errors"] = errors[:10]
     _write_json(out / f"{args.layout}_{name}.json", record)
     return record
+
+
+def _long_case(args, name: str, context: int, out: Path, turns, steps, record) -> Case:
+    """Set d's case at ``context`` for server ``name``: vLLM's backend first measures how many
+    requests of that length it holds at once (its turn at ``capacity_<case>``; the figure goes
+    into its record, ``capacity``); every server plans the case from that figure."""
+    case_name = long_case_name(context)
+    measured = None
+    with _turn(turns, steps, f"capacity_{case_name}", name):
+        if name == "vllm":
+            offered = args.probe_requests or max(8, math.ceil(4 * record["kv_tokens"] / context))
+            measured = find_capacity(
+                args.port,
+                args.model,
+                context - args.long_output,
+                args.long_output,
+                offered,
+                vocab=args.vocab,
+                seed=args.seed + 7,
+            )
+            record.setdefault("capacity", {})[case_name] = measured
+            _write_json(out / f"{args.layout}_{name}.json", record)
+    if measured is None:
+        reference = json.loads((out / f"{args.layout}_vllm.json").read_text())
+        measured = reference.get("capacity", {}).get(case_name)
+        if measured is None:
+            raise RuntimeError(f"vLLM's backend has no measured capacity for {case_name}")
+    print(
+        f"{args.layout} {name} {case_name}: vLLM's backend holds {measured['capacity']} "
+        f"requests at once ({measured['bound']}, {measured['seconds']} s)",
+        flush=True,
+    )
+    return plan_long_case(context, args.long_output, measured["capacity"], args.long_waves)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -420,10 +514,31 @@ def main(argv: list[str] | None = None) -> None:
         metavar="FILE",
         help="with --turns: the first step also waits until FILE exists",
     )
+    parser.add_argument(
+        "--long-contexts",
+        default=",".join(map(str, LONG_CONTEXTS)),
+        help="set d: context lengths (prompt + output tokens), comma-separated",
+    )
+    parser.add_argument("--long-output", type=int, default=LONG_OUTPUT, help="set d: output")
+    parser.add_argument(
+        "--long-waves", type=int, default=1, help="set d: prompts as waves of the concurrency"
+    )
+    parser.add_argument(
+        "--probe-requests",
+        type=int,
+        default=0,
+        help="set d: requests offered to measure vLLM's capacity (0: 4x its token line's)",
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("serve_args", nargs="*", help="more `vllm serve` flags (after --)")
     args = parser.parse_args(argv)
     args.cases = [c for c in args.cases.split(",") if c]
+    args.long_contexts = [int(c) for c in args.long_contexts.split(",") if c]
+    too_long = [c for c in args.long_contexts if c > args.max_model_len]
+    if "d" in args.cases and too_long:
+        raise SystemExit(
+            f"--long-contexts {too_long} exceed --max-model-len {args.max_model_len}: raise it"
+        )
     args.only = {c for c in args.only.split(",") if c}
     servers = [s for s in args.servers.split(",") if s]
     unknown = [s for s in servers if s not in SERVERS]

@@ -34,7 +34,17 @@ from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.vllm_glue import kv_spec
 from dsv4_attn.vllm_glue.compressor_state import state_dtype
 
-__all__ = ["BACKENDS", "SCHEDULES", "Capacity", "GroupCost", "breakdown", "capacity", "layer_specs"]
+__all__ = [
+    "BACKENDS",
+    "SCHEDULES",
+    "Capacity",
+    "GroupCost",
+    "breakdown",
+    "capacity",
+    "decode_blocks_per_request",
+    "layer_specs",
+    "requests_at_once",
+]
 
 # compress_ratios of the main layers (1: sliding window only; 4: CSA; 128: HCA).
 SCHEDULES: dict[str, list[int]] = {
@@ -187,6 +197,56 @@ def capacity(
     )
 
 
+def decode_blocks_per_request(
+    schedule: list[int],
+    backend: str,
+    context_len: int,
+    max_model_len: int = 131072,
+    max_num_batched_tokens: int = 8192,
+) -> int:
+    """Block ids one decoding request of ``context_len`` tokens holds, all groups: a
+    sliding-window group (window rows, compressor states) only the blocks its window spans
+    (vLLM frees the blocks behind it), ``cdiv(window - 1 + retained, block) + 1``; a full
+    group (compressed rows, indexer keys) every block of the context.
+
+    vLLM's "GPU KV cache size" line counts instead each request's admission reservation at
+    ``max_model_len``, where every window group reserves room for two batches of tokens in
+    flight (``2 x max_num_batched_tokens`` more positions: 4,099 blocks for the CSA states
+    alone at 8192), about 13x what a 128K-token request holds while it decodes. A prefill
+    chunk holds its window groups' blocks for the chunk's tokens too, for that step."""
+    cache_dtype = "auto" if backend == "dsv4_nvfp4-nvfp4" else "fp8_ds_mla"
+    config = _planner_config(cache_dtype, max_model_len, max_num_batched_tokens)
+    groups = kv_cache_planning.get_kv_cache_groups(config, layer_specs(schedule, backend, config))
+    blocks = 0
+    for group in groups:
+        spec = kv_cache_planning._get_per_layer_spec(group, group.layer_names[0])
+        window = getattr(spec, "sliding_window", None)
+        if window:
+            retained = window - 1 + getattr(spec, "extra_retained_tokens", 0)
+            blocks += -(-retained // spec.block_size) + 1
+        else:
+            blocks += -(-context_len // spec.block_size)
+    return blocks
+
+
+def requests_at_once(
+    schedule: list[int],
+    backend: str,
+    memory_bytes: int,
+    context_len: int,
+    max_model_len: int = 131072,
+    max_num_batched_tokens: int = 8192,
+) -> int:
+    """Requests of ``context_len`` tokens that ``memory_bytes`` of KV cache holds while they
+    decode (:func:`decode_blocks_per_request` each, of the blocks :func:`capacity` counts): a
+    prediction, which ``dsv4_attn.e2e.capacity_finder`` measures on a server."""
+    total = capacity(schedule, backend, memory_bytes, max_model_len, max_num_batched_tokens)
+    per_request = decode_blocks_per_request(
+        schedule, backend, context_len, max_model_len, max_num_batched_tokens
+    )
+    return total.num_blocks // per_request
+
+
 def _cache_kind(name: str, schedule: list[int]) -> str:
     ratio = schedule[int(name.split(".")[2])]
     kind = {1: "window-only", 4: "CSA", 128: "HCA"}.get(ratio, f"ratio {ratio}")
@@ -238,6 +298,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, nargs="+", default=[131072, 1048576])
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument(
+        "--context",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also the requests of these context lengths the memory holds while they decode",
+    )
+    parser.add_argument(
         "--breakdown",
         action="store_true",
         help="also each cache group's bytes per request, needed and charged",
@@ -258,6 +325,16 @@ def main(argv: list[str] | None = None) -> None:
                     f"{c.tokens:>13,} {c.bytes_per_request / 1e9:>10.2f} "
                     f"{c.tokens / base.tokens:>7.3f}"
                 )
+                for context in args.context:
+                    held = requests_at_once(
+                        schedule, backend, memory, context, length, args.max_num_batched_tokens
+                    )
+                    blocks = decode_blocks_per_request(
+                        schedule, backend, context, length, args.max_num_batched_tokens
+                    )
+                    print(
+                        f"    {context:>9}-token requests decoding: {held} at once ({blocks} blocks each)"
+                    )
                 if args.breakdown:
                     for g in breakdown(schedule, backend, length, args.max_num_batched_tokens):
                         print(
