@@ -415,6 +415,8 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     # +20 each). Long: run it under setsid and poll $OUT/bench.log.
     # Set d (long contexts; BENCH_CASES=d): BENCH_LONG_CONTEXTS (131072), BENCH_LONG_OUTPUT
     # (2048), BENCH_LONG_WAVES (1), BENCH_MAX_MODEL_LEN (131072); BENCH_KV_GIB may be fractional.
+    # BENCH_FIRST=1 (with BENCH_SHARED=1): first-request TTFTs once all are up, before any turn;
+    # BENCH_SERVE_ARGS: more `vllm serve` flags for every server (e.g. --jit-monitor-verbose).
     # REAL_LAYERS (43): the first layers of V4-Flash's schedule (4: a shallow control whose
     # outputs depth has not amplified); FLASH_CKPT: a checkpoint written elsewhere.
     layers=${REAL_LAYERS:-43}
@@ -450,11 +452,31 @@ compare_greedy(Path('$OUT/bench_serve'), '$layout', '$servers'.split(','))"
       kv_bytes=$(python3 -c "print(int(float('${BENCH_KV_GIB:-16}') * 2**30))")
       gpus=${BENCH_GPUS:-$([ "$layout" = tp1 ] && echo 0 || nvidia-smi --query-gpu=index \
         --format=csv,noheader | paste -sd,)}
+      if [ "${BENCH_FIRST:-0}" = 1 ]; then
+        # Once every server is up, before any turn: each server's first request against a
+        # second of equal length (dsv4_attn.e2e.first_request; vLLM's JIT monitor logs into
+        # the server's log, read at the end) -> $OUT/first_real_<server>.json
+        first_done="$OUT/first_done"; rm -f "$first_done"
+        (
+          i=0; ports=""
+          for name in ${servers//,/ }; do ports="$ports $((${BENCH_PORT:-8200} + 20 * i))"; i=$((i + 1)); done
+          for port in $ports; do wait_up "$port" "${BENCH_WAIT_S:-1500}" || true; done
+          i=0
+          for name in ${servers//,/ }; do
+            port=$((${BENCH_PORT:-8200} + 20 * i)); i=$((i + 1))
+            python3 -m dsv4_attn.e2e.first_request --port "$port" --model "$FLASH" --wait 60 \
+              --log "$OUT/bench_serve/${layout}_$name.log" --out "$OUT/first_real_$name.json" \
+              || echo "first $name: failed"
+          done
+          touch "$first_done"
+        ) > "$OUT/first_real.log" 2>&1 &
+        BENCH_AFTER=$first_done
+      fi
       i=0
       for name in ${servers//,/ }; do
         CUDA_VISIBLE_DEVICES=$gpus bench "$name" $((${BENCH_PORT:-8200} + 20 * i)) \
           --turns "$OUT/turns" --turn-order "$servers" ${BENCH_AFTER:+--start-after "$BENCH_AFTER"} -- \
-          --kv-cache-memory-bytes "$kv_bytes" --gpu-memory-utilization 0.2 \
+          --kv-cache-memory-bytes "$kv_bytes" --gpu-memory-utilization 0.2 ${BENCH_SERVE_ARGS:-} \
           > "$OUT/bench_$name.log" 2>&1 &
         i=$((i + 1))
       done

@@ -13,8 +13,14 @@ waits on a full queue), median of ``--reps`` calls, for:
   which validates every argument and picks the kernel; a serving layer's first decode call;
 * ``direct_us`` — :func:`dsv4_attn.kernels.sparse_decode.sparse_attention`: the serving layer's
   later calls, once its first ran the kernel;
+* ``launch_us`` — the compiled kernels' own calls alone (the decode kernel, and the combine
+  where the keys are split), their arguments prepared beforehand: what no Python around them
+  can save;
 * ``flashmla_us`` — FlashMLA's ``flash_mla_with_kvcache`` on the same fp8 bytes, its plan made
   once (as vLLM makes it per step): the anchor, in the same process (fp8 rows only).
+
+``--profile DIR`` also writes, per row, the functions that take the direct call's host time
+(cProfile of ``--reps`` calls, sorted by own time) to ``DIR/host_<fmt>_b<batch>.txt``.
 
 Device time is not measured here (``bench decode`` does that).
 """
@@ -22,9 +28,14 @@ Device time is not measured here (``bench decode`` does that).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import math
+import pstats
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -42,6 +53,7 @@ COLUMNS = [
     ("batch", "b", "d"),
     ("ops_us", "ops (us)", ".1f"),
     ("direct_us", "direct (us)", ".1f"),
+    ("launch_us", "launch (us)", ".1f"),
     ("flashmla_us", "FlashMLA (us)", ".1f"),
     ("direct_vs_flashmla", "FlashMLA/direct", ".2f"),
 ]
@@ -65,7 +77,52 @@ def host_us(call: Callable[[], object], reps: int, warmup: int = 50) -> float:
     return statistics.median(times) * 1e6
 
 
-def _row(fmt: KVFormat, batch: int, reps: int, flash_mla) -> dict:
+def _launch_only(case, out, lse, workspace):
+    """The direct call's kernel launches alone, every argument prepared once here."""
+    from dsv4_attn.kernels import sparse_decode as sd
+
+    q, window, sink, scale, extra = case.args()
+    window, extra = sd._int32_scope(window), sd._int32_scope(extra)
+    T, H, _ = q.shape
+    splits, tiles = sd.resolve_splits(T, H, sd.key_capacity(window, extra), q.device)
+    config = sd.decode_config(window, sink, extra, splits > 1)
+    decode = sd._caches()[0].get(config, lambda: sd.build_decode_kernel(config))
+    o_dest, lse_dest = out, lse
+    combine = None
+    if splits > 1:
+        o_dest, lse_dest = sd._partials(workspace, *sd.workspace_shape(splits, T, H), q.device)
+        combine_config = sd.combine_config_for(
+            T * H, sink is not None, False, sd._num_sms(q.device.index or 0)
+        )
+        combine = sd._caches()[1].get(
+            combine_config, lambda: sd.build_combine_kernel(combine_config)
+        )
+    args = (*sd._input_args(q, window, extra, sink), o_dest, lse_dest, *sd._NOT_BALANCED)
+    scale_log2 = float(scale) * math.log2(math.e)
+
+    def launch() -> None:
+        decode(*args, scale_log2, splits, tiles)
+        if combine is not None:
+            combine(o_dest, lse_dest, sink, out, lse, None)
+
+    return launch
+
+
+def _profile(call: Callable[[], object], reps: int, path: Path) -> None:
+    """cProfile of ``reps`` calls of ``call``, the top 30 functions by own time, into ``path``."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(reps):
+        call()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.getvalue())
+
+
+def _row(fmt: KVFormat, batch: int, reps: int, flash_mla, profile: Path | None = None) -> dict:
     from dsv4_attn.kernels import sparse_decode
 
     case = make_decode_case(batch, HEADS, fmt, WINDOW, EXTRA, device="cuda", seed=batch)
@@ -97,7 +154,10 @@ def _row(fmt: KVFormat, batch: int, reps: int, flash_mla) -> dict:
         "extra": EXTRA,
         "ops_us": host_us(public, reps),
         "direct_us": host_us(direct, reps),
+        "launch_us": host_us(_launch_only(case, out, lse, workspace), reps),
     }
+    if profile is not None:
+        _profile(direct, reps, profile / f"host_{fmt.value}_b{batch}.txt")
     if flash_mla is not None and fmt is KVFormat.FP8_DS_MLA:
         row["flashmla_us"] = host_us(anchors.flashmla_sparse_decode(flash_mla, case, 1), reps)
         row["direct_vs_flashmla"] = row["flashmla_us"] / row["direct_us"]
@@ -110,12 +170,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--formats", nargs="+", default=["fp8_ds_mla", "nvfp4"])
     parser.add_argument("--reps", type=int, default=2000)
     parser.add_argument("--json", default="bench_host.json")
+    parser.add_argument("--profile", type=Path, help="write cProfile tables of the direct call")
     args = parser.parse_args(argv)
     formats = [KVFormat.parse(f) for f in args.formats]
     if not torch.cuda.is_available():
         raise SystemExit("the host benchmark launches the CUDA kernels: no CUDA device found")
     flash_mla = anchors.import_flash_mla()
-    rows = [_row(fmt, b, args.reps, flash_mla) for fmt in formats for b in args.batches]
+    rows = [
+        _row(fmt, b, args.reps, flash_mla, args.profile) for fmt in formats for b in args.batches
+    ]
     write_json(args.json, "host", None, rows)
     print(
         f"device: {torch.cuda.get_device_name()}; host time per eager call, median of "
