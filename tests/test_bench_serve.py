@@ -406,9 +406,9 @@ def test_set_d_measures_vllms_capacity_first_and_every_server_plans_from_it(
     for thread in threads:
         thread.join(60)
     assert not errors
-    # 4 x the token line's 300,000 / 131,072 = 9.2: 10 offered
+    # 16 x the token line's 300,000 / 131,072 = 36.6: 37 offered
     assert events == [
-        ("probe", "1", 129024, 2048, 10),
+        ("probe", "1", 129024, 2048, 37),
         ("case", "1", "8"),
         ("case", "2", "8"),
         ("case", "3", "8"),

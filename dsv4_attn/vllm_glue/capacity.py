@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> None:
                         schedule, backend, context, length, args.max_num_batched_tokens
                     )
                     print(
-                        f"    {context:>9}-token requests decoding: {held} at once ({blocks} blocks each)"
+                        f"    {context:>9}-token requests decoding: {held} at once "
+                        f"({blocks} blocks each)"
                     )
                 if args.breakdown:
                     for g in breakdown(schedule, backend, length, args.max_num_batched_tokens):
