@@ -56,6 +56,7 @@ The codecs here are the reference implementation of the formats (vectorized torc
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -144,6 +145,12 @@ def page_layout(fmt: KVFormat | str, block_size: int) -> PageLayout:
     fmt = KVFormat.parse(fmt)
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    return _page_layout(fmt, block_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _page_layout(fmt: KVFormat, block_size: int) -> PageLayout:
+    # One object per (format, block size): an eager call pays a lookup, not a dataclass.
     data, scale, align = _GEOMETRY[fmt]
     raw = block_size * (data + scale)
     return PageLayout(block_size, data, scale, -(-raw // align) * align)

@@ -85,6 +85,13 @@ def kernel_stack_error() -> str | None:
     return None
 
 
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    """A CUDA device's compute capability, asked once per process (torch's query costs ~10 us
+    of host time, every eager call)."""
+    return torch.cuda.get_device_capability(device_index)
+
+
 def _cache_reason(name: str, cache: torch.Tensor, block_size: int) -> str | None:
     if cache.shape[0] == 0:
         # The kernel reads slot 0 in place of a key without a slot (and discards it).
@@ -103,7 +110,8 @@ def unsupported_reason(q, window, sink, extra) -> str | None:
     """
     if not q.is_cuda:
         return "q is not on a CUDA device"
-    major, minor = torch.cuda.get_device_capability(q.device)
+    index = q.device.index
+    major, minor = _capability(torch.cuda.current_device() if index is None else index)
     if (major, minor) != (9, 0):
         return f"the kernel targets sm_90a (H100/H200); this GPU is sm_{major}{minor}"
     if window.fmt not in _FORMATS:

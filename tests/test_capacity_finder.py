@@ -73,7 +73,7 @@ class _Cache:
 
     def metrics(self) -> str:
         with self.lock:
-            used = self.decoding / self.slots
+            used = 0.95 if self.partial else self.decoding / self.slots
             return (
                 f'vllm:num_requests_running{{engine="0"}} {self.decoding + self.partial}\n'
                 f'vllm:num_requests_waiting{{engine="0"}} {self.waiting}\n'
@@ -91,12 +91,14 @@ class _Cache:
                 with self.prefill:
                     with self.lock:
                         self.waiting -= 1
+                        self.partial = 1  # running while it prefills, its chunks' blocks held
                     if _gone(handler):
                         return
                     time.sleep(self.prefill_s)
                     with self.lock:
                         if self.decoding < self.slots:
                             self.decoding += 1
+                            self.partial = 0
                             holding = True
                         else:
                             self.partial = 1
@@ -180,6 +182,17 @@ def test_finds_how_many_requests_the_cache_holds(stand_in, slots):
     while cache.decoding and time.monotonic() < deadline:
         time.sleep(0.05)
     assert cache.decoding == 0
+
+
+def test_a_prefill_longer_than_the_settling_time_is_not_the_bound(stand_in):
+    """A long prompt's prefill keeps vLLM's cache 95% used and the rest waiting for longer
+    than ``settle_s`` (vLLM at 128K tokens): the finder waits for the requests that fit."""
+    port, cache = stand_in(3)
+    cache.prefill_s = 0.8
+    found = cf.find_capacity(
+        port, "m", 40, 10_000, 5, vocab=50, settle_s=0.5, interval_s=0.05, timeout_s=60
+    )
+    assert found["bound"] == "cache" and found["capacity"] == 3, found
 
 
 def test_all_offered_fit(stand_in):

@@ -19,8 +19,8 @@ waits on a full queue), median of ``--reps`` calls, for:
 * ``flashmla_us`` — FlashMLA's ``flash_mla_with_kvcache`` on the same fp8 bytes, its plan made
   once (as vLLM makes it per step): the anchor, in the same process (fp8 rows only).
 
-``--profile DIR`` also writes, per row, the functions that take the direct call's host time
-(cProfile of ``--reps`` calls, sorted by own time) to ``DIR/host_<fmt>_b<batch>.txt``.
+``--profile DIR`` also writes, per row, the functions that take each call's host time (cProfile
+of ``--reps`` calls, sorted by own time) to ``DIR/host_<fmt>_b<batch>_{direct,ops}.txt``.
 
 Device time is not measured here (``bench decode`` does that).
 """
@@ -157,7 +157,8 @@ def _row(fmt: KVFormat, batch: int, reps: int, flash_mla, profile: Path | None =
         "launch_us": host_us(_launch_only(case, out, lse, workspace), reps),
     }
     if profile is not None:
-        _profile(direct, reps, profile / f"host_{fmt.value}_b{batch}.txt")
+        _profile(direct, reps, profile / f"host_{fmt.value}_b{batch}_direct.txt")
+        _profile(public, reps, profile / f"host_{fmt.value}_b{batch}_ops.txt")
     if flash_mla is not None and fmt is KVFormat.FP8_DS_MLA:
         row["flashmla_us"] = host_us(anchors.flashmla_sparse_decode(flash_mla, case, 1), reps)
         row["direct_vs_flashmla"] = row["flashmla_us"] / row["direct_us"]

@@ -187,8 +187,10 @@ class _Request(threading.Thread):
             for line in response:
                 if self.decoding_since is None and line.startswith(b"data: {"):
                     self.decoding_since = time.monotonic()
-        except (OSError, http.client.HTTPException, ValueError) as exc:
-            self.error = type(exc).__name__
+        except (OSError, http.client.HTTPException, ValueError, AttributeError) as exc:
+            # AttributeError: http.client reading a response whose socket abort() closed.
+            if not self.aborted:
+                self.error = type(exc).__name__
 
     def abort(self) -> None:
         self.aborted = True
@@ -219,9 +221,12 @@ def find_capacity(
     none finishes while this looks).
 
     The figure is the number of requests streaming tokens at once (prompt prefilled, context
-    held) once the cache is full: requests wait, and the KV cache is at least 90% used or vLLM
-    has preempted a request (one admitted into the last free blocks that could not grow), and
-    that number has not changed for ``settle_s`` seconds. The server's own gauges are sampled
+    held) once the cache is full: requests wait while none is being prefilled (vLLM's running
+    count equals the streaming one), or vLLM preempts (a request admitted into the last free
+    blocks could not grow), for ``settle_s`` seconds without that number changing. (A long
+    prompt's prefill holds its window groups' blocks for each chunk in flight: at 128K tokens
+    and 7 GiB of V4-Flash cache one prefilling request kept vLLM's usage at 95% and the rest
+    waiting, which is not the bound.) The server's own gauges are sampled
     alongside (:func:`summarize`). Then every request is aborted, and the call returns once the
     server runs none.
 
@@ -257,6 +262,7 @@ def find_capacity(
     for request in requests:
         request.start()
     bound, decoding, stable_since, last = "timeout", 0, start, -1
+    full_since: float | None = None
     try:
         while time.monotonic() - start < timeout_s:
             time.sleep(interval_s)
@@ -268,12 +274,20 @@ def find_capacity(
             if decoding >= max_requests and now - stable_since >= settle_s:
                 bound = "offered"
                 break
+            # Full: requests wait although none is being prefilled (vLLM's running count is
+            # the streaming one: it would admit a waiting request at once if blocks were free),
+            # or vLLM preempts (one admitted into the last blocks cannot grow). A long prompt's
+            # prefill holds many blocks for a while: waiting then says nothing.
             full = (
                 sample is not None
                 and sample.waiting > 0
-                and (sample.kv_usage >= 0.9 or sample.preemptions > preempted_before)
+                and (sample.running == decoding or sample.preemptions > preempted_before)
             )
-            if full and now - stable_since >= settle_s:
+            if not full:
+                full_since = None
+            elif full_since is None:
+                full_since = now
+            if full_since is not None and now - max(full_since, stable_since) >= settle_s:
                 bound = "cache"
                 break
             if all(not r.is_alive() for r in requests):
