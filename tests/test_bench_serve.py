@@ -304,10 +304,32 @@ def test_profiled_case_is_bracketed_and_summarized(tmp_path: Path, monkeypatch):
     assert "profile" not in record["cases"]["a_8k_c1"]
 
 
+def _serve_in_threads(tmp_path: Path, ports: dict[str, int], **overrides) -> list[Exception]:
+    """``run_server`` for each server (name: port) sharing one GPU through turn files under
+    ``tmp_path``, each in its own thread (its own process in use), started in the dict's order;
+    the errors they raised."""
+    import threading
+
+    errors = []
+
+    def serve(name: str, port: int) -> None:
+        args = _args(port=port, turns=str(tmp_path / "turns"), **overrides)
+        try:
+            bench_serve.run_server(args, name, tmp_path)
+        except Exception as error:  # returned to the test
+            errors.append(error)
+
+    threads = [threading.Thread(target=serve, args=item) for item in ports.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return errors
+
+
 def test_servers_sharing_a_gpu_take_each_case_in_turn(tmp_path: Path, monkeypatch):
     """With --turns, three servers (each its own thread here, its own process in use) run
     the greedy set and then each case server by server in turn order, case after case."""
-    import threading
 
     world = _StandIns(monkeypatch)
     order = []
@@ -322,21 +344,7 @@ def test_servers_sharing_a_gpu_take_each_case_in_turn(tmp_path: Path, monkeypatc
     monkeypatch.setattr(
         bench_serve, "query", lambda server, plan: queried.append(server.base) or {"errors": {}}
     )
-    errors = []
-
-    def serve(name: str, port: int) -> None:
-        args = _args(port=port, greedy=True, turns=str(tmp_path / "turns"))
-        try:
-            bench_serve.run_server(args, name, tmp_path)
-        except Exception as error:  # reported by the assertion below
-            errors.append(error)
-
-    ports = {"nvfp4": 3, "fp8": 2, "vllm": 1}
-    threads = [threading.Thread(target=serve, args=item) for item in ports.items()]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    errors = _serve_in_threads(tmp_path, {"nvfp4": 3, "fp8": 2, "vllm": 1}, greedy=True)
     assert not errors
     assert [base.rsplit(":", 1)[1] for base in queried] == ["1", "2", "3"]
     assert order == ["1", "2", "3"] * 3
@@ -371,7 +379,6 @@ def test_set_d_measures_vllms_capacity_first_and_every_server_plans_from_it(
     """With --turns and set d, vLLM's server alone is probed (at the case's prompt length,
     before any server runs the case); its figure lands in its record, and each server then runs
     the case at 1.5x that figure, in turn order. Each case's /metrics samples are summarized."""
-    import threading
 
     world = _StandIns(monkeypatch)
     world.log_lines = "(EngineCore pid=7) INFO GPU KV cache size: 300,000 tokens\n"
@@ -389,22 +396,8 @@ def test_set_d_measures_vllms_capacity_first_and_every_server_plans_from_it(
 
     monkeypatch.setattr(bench_serve.subprocess, "run", run_in_turn)
     monkeypatch.setattr(bench_serve, "find_capacity", probe)
-    errors = []
-
-    def serve(name: str, port: int) -> None:
-        args = _args(port=port, cases=["d"], turns=str(tmp_path / "turns"))
-        args.turn_order = "vllm,nvfp4,fp8"
-        try:
-            bench_serve.run_server(args, name, tmp_path)
-        except Exception as error:  # reported by the assertion below
-            errors.append(error)
-
     ports = {"fp8": 3, "nvfp4": 2, "vllm": 1}
-    threads = [threading.Thread(target=serve, args=item) for item in ports.items()]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    errors = _serve_in_threads(tmp_path, ports, cases=["d"], turn_order="vllm,nvfp4,fp8")
     assert not errors
     # 16 x the token line's 300,000 / 131,072 = 36.6: 37 offered
     assert events == [

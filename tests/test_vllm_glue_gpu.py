@@ -829,9 +829,7 @@ def _gather_with_context(fmt, ratio, window, swa_block, cache_block, gen) -> Non
         pages = kv_cache.allocate(count, block, fmt, device)
         width = -(-max(seq) // block)
         table = torch.randint(0, count, (C, width), generator=gen, dtype=torch.int32).to(device)
-        row = kv_cache.bytes_per_token(fmt)
-        view = pages.as_strided((count, block, row), (pages.stride(0), row, 1))
-        return pages, table, view
+        return pages, table, prefill.token_rows_view(pages, fmt, block)
 
     swa_pages, swa_table, swa_view = caches(swa_block)
     extra, extra_view = None, None

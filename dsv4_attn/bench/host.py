@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--formats", nargs="+", default=["fp8_ds_mla", "nvfp4"])
     parser.add_argument("--reps", type=int, default=2000)
     parser.add_argument("--json", default="bench_host.json")
-    parser.add_argument("--profile", type=Path, help="write cProfile tables of the direct call")
+    parser.add_argument("--profile", type=Path, help="write cProfile tables of both calls here")
     args = parser.parse_args(argv)
     formats = [KVFormat.parse(f) for f in args.formats]
     if not torch.cuda.is_available():

@@ -363,14 +363,14 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
             for case in plan_cases(which, reference)
             if not args.only or case.name in args.only
         ]
-        long_names = [
-            long_case_name(context)
+        long_contexts = [
+            context
             for context in (args.long_contexts if "d" in args.cases else ())
             if not args.only or long_case_name(context) in args.only
         ]
         steps = (["greedy"] if args.greedy else []) + [case.name for case in cases]
-        for name_d in long_names:
-            steps += [f"capacity_{name_d}", name_d]
+        for context in long_contexts:
+            steps += [f"capacity_{long_case_name(context)}", long_case_name(context)]
         if args.greedy:  # before the load: a fresh server, nothing cached
             with _turn(turns, steps, "greedy", name):
                 greedy = {
@@ -380,9 +380,6 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
             (out / f"{args.layout}_{name}_greedy.json").write_text(json.dumps(greedy))
             record["greedy_errors"] = len(greedy["errors"])
         record["cases"] = {}
-        long_contexts = [
-            c for c in args.long_contexts if "d" in args.cases and long_case_name(c) in long_names
-        ]
         for item in [*cases, *long_contexts]:  # in the order of steps
             if isinstance(item, Case):
                 case = item

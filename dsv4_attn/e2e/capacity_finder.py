@@ -96,7 +96,7 @@ class MetricsSampler:
         self.samples: list[Sample] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._t0 = 0.0
+        self.t0 = time.monotonic()  # samples' times count from here (and from start())
 
     def sample(self) -> Sample | None:
         """Read the gauges now, keep and return the sample (None if the read failed)."""
@@ -105,7 +105,7 @@ class MetricsSampler:
         except (OSError, ValueError):
             return None
         sample = Sample(
-            round(time.monotonic() - self._t0, 3),
+            round(time.monotonic() - self.t0, 3),
             int(values.get("running", 0)),
             int(values.get("waiting", 0)),
             values.get("kv_usage", 0.0),
@@ -120,7 +120,7 @@ class MetricsSampler:
             self._stop.wait(self.interval_s)
 
     def start(self) -> MetricsSampler:
-        self._t0 = time.monotonic()
+        self.t0 = time.monotonic()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -256,7 +256,7 @@ def find_capacity(
         for _ in range(max_requests)
     ]
     sampler = MetricsSampler(f"http://{host}:{port}", interval_s)
-    sampler._t0 = start = time.monotonic()
+    start = sampler.t0
     first = sampler.sample()
     preempted_before = first.preemptions if first is not None else 0.0
     for request in requests:

@@ -172,6 +172,14 @@ def layer_specs(schedule: list[int], backend: str, config) -> dict[str, KVCacheS
     return specs
 
 
+def _groups(schedule: list[int], backend: str, max_model_len: int, max_num_batched_tokens: int):
+    """The planner config and vLLM's KV cache groups of ``backend``'s layers."""
+    cache_dtype = "auto" if backend == "dsv4_nvfp4-nvfp4" else "fp8_ds_mla"
+    config = _planner_config(cache_dtype, max_model_len, max_num_batched_tokens)
+    groups = kv_cache_planning.get_kv_cache_groups(config, layer_specs(schedule, backend, config))
+    return config, groups
+
+
 def capacity(
     schedule: list[int],
     backend: str,
@@ -180,9 +188,7 @@ def capacity(
     max_num_batched_tokens: int = 8192,
 ) -> Capacity:
     """vLLM's KV capacity of ``schedule`` for ``backend`` with ``memory_bytes`` of KV cache."""
-    cache_dtype = "auto" if backend == "dsv4_nvfp4-nvfp4" else "fp8_ds_mla"
-    config = _planner_config(cache_dtype, max_model_len, max_num_batched_tokens)
-    groups = kv_cache_planning.get_kv_cache_groups(config, layer_specs(schedule, backend, config))
+    config, groups = _groups(schedule, backend, max_model_len, max_num_batched_tokens)
     kv_config = kv_cache_planning.get_kv_cache_config_from_groups(config, groups, memory_bytes)
     tokens, _ = kv_cache_utils.get_kv_cache_capacity(config, kv_config)
     bytes_per_block = kv_cache_planning._get_kv_cache_bytes_per_block(
@@ -214,9 +220,7 @@ def decode_blocks_per_request(
     flight (``2 x max_num_batched_tokens`` more positions: 4,099 blocks for the CSA states
     alone at 8192), about 13x what a 128K-token request holds while it decodes. A prefill
     chunk holds its window groups' blocks for the chunk's tokens too, for that step."""
-    cache_dtype = "auto" if backend == "dsv4_nvfp4-nvfp4" else "fp8_ds_mla"
-    config = _planner_config(cache_dtype, max_model_len, max_num_batched_tokens)
-    groups = kv_cache_planning.get_kv_cache_groups(config, layer_specs(schedule, backend, config))
+    _, groups = _groups(schedule, backend, max_model_len, max_num_batched_tokens)
     blocks = 0
     for group in groups:
         spec = kv_cache_planning._get_per_layer_spec(group, group.layer_names[0])
@@ -270,9 +274,7 @@ def breakdown(
     """Per KV cache group of ``backend``'s layers: what one ``max_model_len`` request needs and
     what vLLM charges for it (every block id at the widest group's bytes per block). The
     charged bytes sum to :attr:`Capacity.bytes_per_request`."""
-    cache_dtype = "auto" if backend == "dsv4_nvfp4-nvfp4" else "fp8_ds_mla"
-    config = _planner_config(cache_dtype, max_model_len, max_num_batched_tokens)
-    groups = kv_cache_planning.get_kv_cache_groups(config, layer_specs(schedule, backend, config))
+    config, groups = _groups(schedule, backend, max_model_len, max_num_batched_tokens)
     widest = kv_cache_planning._get_kv_cache_bytes_per_block(
         groups, config.cache_config.get_resolved_kv_cache_layout()
     )

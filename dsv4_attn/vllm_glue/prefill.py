@@ -43,6 +43,7 @@ __all__ = [
     "peak_workspace_shapes",
     "plan_chunks",
     "rows_budget",
+    "token_rows_view",
     "warm_gather",
 ]
 
@@ -253,6 +254,13 @@ def _runs_fused(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def token_rows_view(pages: torch.Tensor, fmt: KVFormat, block_size: int) -> torch.Tensor:
+    """``uint8 [num_pages, page_bytes]`` pages as ``[num_pages, block_size, row bytes]``, one
+    token's bytes per row: the shape vLLM's fp8 gather op takes its cache in."""
+    row = kv_cache.bytes_per_token(fmt)
+    return pages.as_strided((pages.shape[0], block_size, row), (pages.stride(0), row, 1))
+
+
 def warm_gather(
     fmt: KVFormat,
     compress_ratio: int,
@@ -282,13 +290,11 @@ def warm_gather(
 
     def pages(block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A cache of 2 pages more than one request of ``seq_len`` rows spans (the count is
-        not specialized), its block table, and the fp8 op's ``[pages, block, row]`` view."""
+        not specialized), its block table, and the fp8 op's view of it."""
         count = -(-seq_len // block) + 2
         cache = kv_cache.allocate(count, block, fmt, device)
         table = torch.arange(count, dtype=i32, device=device)[None]
-        row = kv_cache.bytes_per_token(fmt)
-        view = cache.as_strided((count, block, row), (cache.stride(0), row, 1))
-        return cache, table, view
+        return cache, table, token_rows_view(cache, fmt, block)
 
     swa_pages, swa_table, swa_view = pages(swa_block)
     extra, extra_view = None, None
