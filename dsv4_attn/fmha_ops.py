@@ -438,7 +438,7 @@ def check_output_tensor(
     Shared by every entry point that writes into given tensors."""
     if tensor is not None and (
         not isinstance(tensor, torch.Tensor)
-        or tuple(tensor.shape) != shape
+        or tensor.shape != shape
         or tensor.dtype != dtype
         or tensor.device != device
         or not tensor.is_contiguous()

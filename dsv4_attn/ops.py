@@ -17,6 +17,7 @@ lives in :mod:`dsv4_attn.fmha_ops` and is re-exported here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -70,11 +71,11 @@ def _checked_scope(
     if not isinstance(scope, KVScope):
         raise ValueError(f"{name} must be a dsv4_attn.scope.KVScope, got {type(scope).__name__}")
     prefix = f"{name}."
-    fmt = KVFormat.parse(scope.fmt)
+    fmt = scope.fmt if scope.fmt.__class__ is KVFormat else KVFormat.parse(scope.fmt)
     block_size = scope.block_size
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"{prefix}block_size must be a positive int, got {block_size!r}")
-    layout = kv_cache.page_layout(fmt, block_size)
+    layout = kv_cache._page_layout(fmt, block_size)  # fmt and block_size are checked above
     try:
         kv_cache._check_cache(scope.cache, layout)
     except ValueError as exc:
@@ -120,13 +121,23 @@ def _validate(q, window, sink, scale, extra, out, lse, check_values):
     return window, extra
 
 
-def _cutedsl_unsupported_reason(q, window, sink, extra) -> str | None:
-    """Why the CuTeDSL kernel cannot run this case, or None."""
+@functools.cache
+def _sparse_decode():
+    """The CuTeDSL sparse-decode interface module, or the reason it cannot be imported (asked
+    once per process)."""
     try:
         from dsv4_attn.kernels import sparse_decode
     except ImportError as exc:
         return f"the CuTeDSL sparse-decode kernel is unavailable ({exc})"
-    return sparse_decode.unsupported_reason(q, window, sink, extra)
+    return sparse_decode
+
+
+def _cutedsl_unsupported_reason(q, window, sink, extra) -> str | None:
+    """Why the CuTeDSL kernel cannot run this case, or None."""
+    kernel = _sparse_decode()
+    if isinstance(kernel, str):
+        return kernel
+    return kernel.unsupported_reason(q, window, sink, extra)
 
 
 def _reference_on_cache(q, window, sink, scale, extra) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,10 +227,8 @@ def sparse_attention(
     if backend in ("auto", "cutedsl"):
         reason = _cutedsl_unsupported_reason(q, window, sink, extra)
         if reason is None:
-            from dsv4_attn.kernels import sparse_decode
-
             _last_dispatch = Dispatch("cutedsl", None)
-            return sparse_decode.sparse_attention(
+            return _sparse_decode().sparse_attention(
                 q, window, sink, scale, extra, out=out, lse=lse, workspace=workspace, plan=plan
             )
         if backend == "cutedsl":

@@ -110,8 +110,7 @@ def unsupported_reason(q, window, sink, extra) -> str | None:
     """
     if not q.is_cuda:
         return "q is not on a CUDA device"
-    index = q.device.index
-    major, minor = _capability(torch.cuda.current_device() if index is None else index)
+    major, minor = _capability(q.get_device())  # a CUDA tensor's device always has an index
     if (major, minor) != (9, 0):
         return f"the kernel targets sm_90a (H100/H200); this GPU is sm_{major}{minor}"
     if window.fmt not in _FORMATS:

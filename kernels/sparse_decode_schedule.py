@@ -159,8 +159,10 @@ def build_schedule(
 
 
 @functools.cache
+@functools.cache
 def num_sms(device_index: int) -> int:
-    """Streaming multiprocessors of CUDA device ``device_index``."""
+    """Streaming multiprocessors of CUDA device ``device_index`` (asked once per process: torch's
+    property query costs microseconds of host time, every eager call)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 

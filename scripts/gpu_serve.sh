@@ -410,11 +410,13 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     # once), then vllm bench serve of the three servers on layout ${2:-tp1}
     # (dsv4_attn.e2e.bench_serve; BENCH_SERVERS / BENCH_CASES (empty: none) / BENCH_ONLY narrow it,
     # BENCH_GREEDY=1 adds the greedy agreement of the servers, BENCH_PROFILE=CASE a profile of
-    # that case's steps, BENCH_SPREAD=1 a GPU per server at once, BENCH_SHARED=1 every server
+    # that case's steps (BENCH_PROFILE_DELAY steps skipped, BENCH_PROFILE_STEPS profiled), BENCH_SPREAD=1 a GPU per server at once, BENCH_SHARED=1 every server
     # on GPU 0 at once taking turns; BENCH_PORT (8200) the first server's port, the next
     # +20 each). Long: run it under setsid and poll $OUT/bench.log.
     # Set d (long contexts; BENCH_CASES=d): BENCH_LONG_CONTEXTS (131072), BENCH_LONG_OUTPUT
-    # (2048), BENCH_LONG_WAVES (1), BENCH_MAX_MODEL_LEN (131072); BENCH_KV_GIB may be fractional.
+    # (2048), BENCH_LONG_WAVES (1), BENCH_MAX_MODEL_LEN (131072); BENCH_KV_GIB may be fractional;
+    # BENCH_LONG_CAPACITY: vLLM's requests at once per context, or "planned" (with BENCH_SHARED:
+    # dsv4_attn.vllm_glue.capacity's prediction for BENCH_KV_GIB), instead of probing vLLM.
     # BENCH_FIRST=1 (with BENCH_SHARED=1): first-request TTFTs once all are up, before any turn;
     # BENCH_SERVE_ARGS: more `vllm serve` flags for every server (e.g. --jit-monitor-verbose).
     # REAL_LAYERS (43): the first layers of V4-Flash's schedule (4: a shallow control whose
@@ -432,10 +434,13 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
         --layout "$layout" --servers "$names" --port "$port" \
         --cases "${BENCH_CASES-a,b}" --only "${BENCH_ONLY:-}" ${BENCH_GREEDY:+--greedy} \
         ${BENCH_PROFILE:+--profile "$BENCH_PROFILE"} \
+        ${BENCH_PROFILE_DELAY:+--profile-delay "$BENCH_PROFILE_DELAY"} \
+        ${BENCH_PROFILE_STEPS:+--profile-iterations "$BENCH_PROFILE_STEPS"} \
         ${BENCH_MAX_MODEL_LEN:+--max-model-len "$BENCH_MAX_MODEL_LEN"} \
         ${BENCH_LONG_CONTEXTS:+--long-contexts "$BENCH_LONG_CONTEXTS"} \
         ${BENCH_LONG_OUTPUT:+--long-output "$BENCH_LONG_OUTPUT"} \
-        ${BENCH_LONG_WAVES:+--long-waves "$BENCH_LONG_WAVES"} --out "$OUT/bench_serve" "$@"
+        ${BENCH_LONG_WAVES:+--long-waves "$BENCH_LONG_WAVES"} \
+        ${BENCH_LONG_CAPACITY:+--long-capacity "$BENCH_LONG_CAPACITY"} --out "$OUT/bench_serve" "$@"
     }
     compare_greedy() {  # the greedy agreement of the servers run by separate processes
       python3 -c "from pathlib import Path; \
@@ -450,6 +455,14 @@ compare_greedy(Path('$OUT/bench_serve'), '$layout', '$servers'.split(','))"
       # runs on one server at a time (dsv4_attn.e2e.turns), after BENCH_AFTER (a file, e.g.
       # another batch's done) exists.
       kv_bytes=$(python3 -c "print(int(float('${BENCH_KV_GIB:-16}') * 2**30))")
+      if [ "${BENCH_LONG_CAPACITY:-}" = planned ]; then
+        BENCH_LONG_CAPACITY=$(python3 -c "
+from dsv4_attn.vllm_glue.capacity import SCHEDULES, requests_at_once
+contexts = [int(c) for c in '${BENCH_LONG_CONTEXTS:-131072}'.split(',')]
+print(','.join(str(requests_at_once(SCHEDULES['V4-Flash'], 'vllm', $kv_bytes, c,
+                                    ${BENCH_MAX_MODEL_LEN:-131072})) for c in contexts))")
+        echo "set d: vLLM's requests at once, planned: $BENCH_LONG_CAPACITY" | tee "$OUT/long_capacity.txt"
+      fi
       gpus=${BENCH_GPUS:-$([ "$layout" = tp1 ] && echo 0 || nvidia-smi --query-gpu=index \
         --format=csv,noheader | paste -sd,)}
       if [ "${BENCH_FIRST:-0}" = 1 ]; then

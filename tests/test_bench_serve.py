@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 from pathlib import Path
 
@@ -186,6 +187,7 @@ def _args(**overrides) -> argparse.Namespace:
         long_output=2048,
         long_waves=1,
         probe_requests=0,
+        long_capacity=[],
     )
     return argparse.Namespace(**{**fields, **overrides})
 
@@ -304,6 +306,21 @@ def test_profiled_case_is_bracketed_and_summarized(tmp_path: Path, monkeypatch):
     assert "profile" not in record["cases"]["a_8k_c1"]
 
 
+def test_a_trace_that_cannot_be_read_leaves_the_cases_figures(tmp_path: Path, monkeypatch):
+    """A profile the summary cannot read (a trace cut short) is noted in its case; the case's
+    figures and the cases after it still land in the record."""
+    _StandIns(monkeypatch)
+
+    def unreadable(directory):
+        raise json.JSONDecodeError("Unterminated string", "{", 1)
+
+    monkeypatch.setattr(bench_serve, "profile_summary", unreadable)
+    record = bench_serve.run_server(_args(profile="a_8k_c16"), "vllm", tmp_path)
+    entry = record["cases"]["a_8k_c16"]
+    assert entry["profile_error"].startswith("JSONDecodeError: Unterminated string")
+    assert entry["output_throughput"] == 99.0 and "a_8k_c64" in record["cases"]
+
+
 def _serve_in_threads(tmp_path: Path, ports: dict[str, int], **overrides) -> list[Exception]:
     """``run_server`` for each server (name: port) sharing one GPU through turn files under
     ``tmp_path``, each in its own thread (its own process in use), started in the dict's order;
@@ -414,6 +431,61 @@ def test_set_d_measures_vllms_capacity_first_and_every_server_plans_from_it(
         assert entry["requests_at_once"]["samples"] == 0  # the stand-in has no /metrics
 
 
+def test_set_d_with_a_given_capacity_probes_nothing(tmp_path: Path, monkeypatch):
+    """--long-capacity (the planner's prediction) replaces the probe: no server is probed, no
+    capacity step is taken, and every server runs the case at 1.5x the given figure."""
+    world = _StandIns(monkeypatch)
+    concurrency = []
+    run = world._run
+
+    def run_case(command, **kwargs):
+        concurrency.append(command[command.index("--max-concurrency") + 1])
+        return run(command, **kwargs)
+
+    def probe(*args, **kwargs):
+        raise AssertionError("probed although the capacity was given")
+
+    monkeypatch.setattr(bench_serve.subprocess, "run", run_case)
+    monkeypatch.setattr(bench_serve, "find_capacity", probe)
+    ports = {"vllm": 1, "nvfp4": 2}
+    errors = _serve_in_threads(
+        tmp_path, ports, cases=["d"], turn_order="vllm,nvfp4", long_capacity=[13]
+    )
+    assert not errors and concurrency == ["20", "20"]
+    assert "capacity" not in json.loads((tmp_path / "tp1_vllm.json").read_text())
+    taken = sorted(p.name for p in (tmp_path / "turns").glob("d_*"))
+    assert taken == ["d_128k.nvfp4", "d_128k.vllm"]
+    assert not list((tmp_path / "turns").glob("capacity_*"))
+
+
+def test_a_case_with_failed_requests_keeps_their_errors(tmp_path: Path, monkeypatch):
+    """vllm bench serve's result file counts failed requests only; the errors it printed are
+    kept in the case's entry (a 128K case once failed in 0.01 s with no trace of why)."""
+    world = _StandIns(monkeypatch)
+    printed = "".join(
+        f"Error {i}: This model's maximum context length is 131072 tokens ({i})\n" for i in range(5)
+    )
+
+    def failing(command, **kwargs):
+        result_dir = Path(command[command.index("--result-dir") + 1])
+        result_dir.mkdir(parents=True, exist_ok=True)
+        name = command[command.index("--result-filename") + 1]
+        (result_dir / name).write_text(json.dumps({"completed": 0, "failed": 5}))
+        return subprocess.CompletedProcess(command, 0, "ok\n" + printed, "warned")
+
+    monkeypatch.setattr(bench_serve.subprocess, "run", failing)
+    record = bench_serve.run_server(_args(only={"a_8k_c1"}), "vllm", tmp_path)
+    entry = record["cases"]["a_8k_c1"]
+    assert entry["failed"] == 5 and entry["stderr"] == "warned"
+    assert entry["request_errors"] == [
+        f"Error {i}: This model's maximum context length is 131072 tokens ({i})" for i in range(3)
+    ]
+    world.results = True
+    monkeypatch.setattr(bench_serve.subprocess, "run", world._run)
+    clean = bench_serve.run_server(_args(only={"a_8k_c1"}), "vllm", tmp_path)
+    assert "request_errors" not in clean["cases"]["a_8k_c1"]
+
+
 def test_each_case_draws_prompts_no_other_case_shares(tmp_path: Path):
     """vLLM's random dataset, seeded as bench_command seeds it: one seed for every case would
     give b_64k_c6 the prompts of b_64k_c4 (found in the prefix cache); each case's own seed
@@ -451,12 +523,12 @@ def _run_shared_real(tmp_path: Path, layout: str, **env: str):
     checkpoint = tmp_path / "flash"
     checkpoint.mkdir()
     (checkpoint / "tokenizer.json").write_text("{}")
+    env = {"BENCH_KV_GIB": "1", **env}
     return run_gpu_serve(
         ["real", layout],
         tmp_path,
         FLASH_CKPT=str(checkpoint),
         BENCH_SHARED="1",
-        BENCH_KV_GIB="1",
         STAND_IN_BENCH_LOG=str(tmp_path / "bench_runs.log"),
         **env,
     )
@@ -534,6 +606,33 @@ def test_the_shared_real_part_runs_every_server_on_the_same_gpus_in_turns(
     cases = ["b_64k_c11", "b_64k_c17", "a_8k_c1"]
     assert runs == [(case, name) for case in cases for name in ("vllm", "fp8", "nvfp4")]
     assert [kind for _, kind, _, _ in starts] == ["start", "end"] * len(runs)  # never two at once
+
+
+def test_the_shared_real_part_plans_set_d_from_the_planners_capacity(tmp_path: Path):
+    """BENCH_LONG_CAPACITY=planned: set d's concurrency is 1.5x what vLLM's own KV planning
+    says BENCH_KV_GIB holds of 128K requests while they decode (13 in 7 GiB), with no probe."""
+    pytest.importorskip("vllm")
+    from dsv4_attn.vllm_glue.capacity import SCHEDULES, requests_at_once
+    from tests.serve_stand_in import free_port
+
+    planned = requests_at_once(SCHEDULES["V4-Flash"], "vllm", 7 * 2**30, 131072)
+    run = _run_shared_real(
+        tmp_path,
+        "tp1",
+        BENCH_CASES="d",
+        BENCH_KV_GIB="7",
+        BENCH_LONG_CAPACITY="planned",
+        BENCH_SERVERS="vllm,nvfp4",
+        BENCH_PORT=str(free_port(0, 20)),
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = tmp_path / "out"
+    assert (out / "long_capacity.txt").read_text().split()[-1] == str(planned)
+    for name in ("vllm", "nvfp4"):
+        record = json.loads((out / "bench_serve" / f"tp1_{name}.json").read_text())
+        case = record["cases"]["d_128k"]["case"]
+        assert case["concurrency"] == math.ceil(1.5 * planned) and case["input_len"] == 129024
+        assert "capacity" not in record
 
 
 def test_a_turn_order_without_the_server_is_refused_before_any_server_starts(tmp_path: Path):

@@ -128,6 +128,20 @@ def test_word_tokenizer_round_trips_through_vllms_deepseek_v4_tokenizer(tmp_path
     assert len(tokenizer) == 129280
 
 
+def test_a_prompt_that_fits_the_context_passes_vllms_character_bound(tmp_path):
+    """vLLM refuses, before tokenizing, text longer than its token budget times the longest
+    token's length: a prompt of exactly the budget's tokens (as set d sends at 128K) must pass."""
+    from vllm.tokenizers import get_tokenizer
+
+    real_shapes.write_word_tokenizer(tmp_path, 129280)
+    tokenizer = get_tokenizer(str(tmp_path), tokenizer_mode="deepseek_v4")
+    rng = random.Random(2)
+    ids = [rng.randrange(100000, 129280) for _ in range(4096)]  # the longest words
+    text = tokenizer.decode(ids)
+    assert tokenizer.encode(text, add_special_tokens=False) == ids
+    assert len(text) <= len(ids) * tokenizer.max_chars_per_token
+
+
 def test_sharded_checkpoint_loads_through_vllms_loader(tmp_path):
     """The writer the V4-Flash checkpoint uses, on the tiny model cut into shards of 1 MB: every
     shard renamed and the index with it; vLLM's own loader takes every weight."""

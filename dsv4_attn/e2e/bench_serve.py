@@ -241,6 +241,15 @@ def summarize(result: dict) -> dict:
     return {k: result.get(k) for k in keys}
 
 
+_REQUEST_ERROR = re.compile(r"^Error \d+: .*$", re.M)
+
+
+def request_errors(bench_stdout: str, keep: int = 3) -> list[str]:
+    """The first ``keep`` failed requests' errors that ``vllm bench serve`` printed (its result
+    file keeps only the count)."""
+    return [line[:500] for line in _REQUEST_ERROR.findall(bench_stdout)[:keep]]
+
+
 def profiler_config(directory: Path, args: argparse.Namespace) -> dict:
     """vLLM's ``--profiler-config``: torch's profiler on the workers only, no Python stacks
     (they inflate host time), ``args.profile_iterations`` engine steps after skipping
@@ -369,8 +378,10 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
             if not args.only or long_case_name(context) in args.only
         ]
         steps = (["greedy"] if args.greedy else []) + [case.name for case in cases]
+        given = dict(zip(args.long_contexts, args.long_capacity, strict=False))
         for context in long_contexts:
-            steps += [f"capacity_{long_case_name(context)}", long_case_name(context)]
+            probe = [] if context in given else [f"capacity_{long_case_name(context)}"]
+            steps += [*probe, long_case_name(context)]
         if args.greedy:  # before the load: a fresh server, nothing cached
             with _turn(turns, steps, "greedy", name):
                 greedy = {
@@ -403,11 +414,15 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
                 entry["requests_at_once"] = summarize_samples(samples)
                 if profiling:
                     server.post("/stop_profile")
-                    entry["profile"] = profile_summary(profile_dir)
+                    try:
+                        entry["profile"] = profile_summary(profile_dir)
+                    except Exception as error:  # the case's figures stand without it
+                        entry["profile_error"] = f"{type(error).__name__}: {error}"
             result_file = result_dir / f"{case.name}.json"
             if result_file.exists():
                 entry.update(summarize(json.loads(result_file.read_text())))
-            else:
+            if not result_file.exists() or entry.get("failed"):
+                entry["request_errors"] = request_errors(run.stdout)
                 entry["stderr"] = run.stderr[-2000:]
             if before is not None and after is not None:
                 entry["preemptions"] = after - before
@@ -436,8 +451,14 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
 def _long_case(args, name: str, context: int, out: Path, turns, steps, record) -> Case:
     """Set d's case at ``context`` for server ``name``: vLLM's backend first measures how many
     requests of that length it holds at once (its turn at ``capacity_<case>``; the figure goes
-    into its record, ``capacity``); every server plans the case from that figure."""
+    into its record, ``capacity``); every server plans the case from that figure. A figure given
+    in ``--long-capacity`` replaces the probe."""
     case_name = long_case_name(context)
+    given = dict(zip(args.long_contexts, args.long_capacity, strict=False)).get(context)
+    if given is not None:
+        # Known beforehand (the planner's prediction): no probe; the case's own gauges show what
+        # each server held (requests_at_once).
+        return plan_long_case(context, args.long_output, given, args.long_waves)
     measured = None
     with _turn(turns, steps, f"capacity_{case_name}", name):
         if name == "vllm":
@@ -527,11 +548,24 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="set d: requests offered to measure vLLM's capacity (0: 16x its token line's)",
     )
+    parser.add_argument(
+        "--long-capacity",
+        default="",
+        help="set d: vLLM's requests at once at each long context, comma-separated in their "
+        "order, when known (e.g. dsv4_attn.vllm_glue.capacity.requests_at_once): no probe; "
+        "the cases' own gauges show what each server held (empty: probe)",
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("serve_args", nargs="*", help="more `vllm serve` flags (after --)")
     args = parser.parse_args(argv)
     args.cases = [c for c in args.cases.split(",") if c]
     args.long_contexts = [int(c) for c in args.long_contexts.split(",") if c]
+    args.long_capacity = [int(c) for c in args.long_capacity.split(",") if c]
+    if args.long_capacity and len(args.long_capacity) != len(args.long_contexts):
+        raise SystemExit(
+            f"--long-capacity {args.long_capacity} needs one figure per --long-contexts "
+            f"{args.long_contexts}"
+        )
     too_long = [c for c in args.long_contexts if c > args.max_model_len]
     if "d" in args.cases and too_long:
         raise SystemExit(

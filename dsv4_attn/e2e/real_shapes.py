@@ -86,25 +86,35 @@ def flash_config(
     return DeepseekV4Config(**fields)
 
 
+_SEPARATOR = "\u2581"  # SentencePiece's word boundary, a space in the text
+
+
 def write_word_tokenizer(path: str | Path, vocab_size: int) -> None:
-    """A word-level tokenizer of ``vocab_size`` tokens (``w0``, ``w1``, ...; words split on
-    whitespace, unknown words to ``w0``) in ``path``: ``tokenizer.json`` and its config, which
+    """A word-level tokenizer of ``vocab_size`` tokens (``▁w0``, ``▁w1``, ...: text ``w0 w1``;
+    unknown words to ``▁w0``) in ``path``: ``tokenizer.json`` and its config, which
     transformers' ``AutoTokenizer`` and vLLM read offline. Any token ids decode to text that
-    encodes back to the same ids."""
+    encodes back to the same ids.
+
+    Each token carries its separator (``▁``, a space in the text), as a real tokenizer's do:
+    vLLM refuses, before tokenizing, a prompt of more characters than its token budget times
+    the longest token's length, and text of separate words would exceed that bound by one
+    space per token (a 129,024-token prompt: 921,341 characters against 903,168).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {f"w{i}": i for i in range(vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with " "
+    unknown = f"{_SEPARATOR}w0"
+    vocab = {f"{_SEPARATOR}w{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unknown))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(_SEPARATOR, prepend_scheme="always")
+    tokenizer.decoder = decoders.Metaspace(_SEPARATOR, prepend_scheme="always")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": "w0",
-        "bos_token": "w0",
-        "pad_token": "w0",
+        "unk_token": unknown,
+        "bos_token": unknown,
+        "pad_token": unknown,
         "model_max_length": 1048576,
         "clean_up_tokenization_spaces": False,
     }
