@@ -371,7 +371,7 @@ def _check_cache(cache: torch.Tensor, layout: PageLayout) -> None:
     if not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8 or cache.dim() != 2:
         got = f"{cache.dtype} {tuple(cache.shape)}" if isinstance(cache, torch.Tensor) else cache
         raise ValueError(f"cache must be a uint8 tensor [num_blocks, page_bytes], got {got}")
-    if cache.shape[1] < layout.page_bytes or cache.stride(1) != 1:
+    if cache.shape[1] < layout.page_bytes or cache.stride()[1] != 1:
         raise ValueError(
             f"cache rows must hold a page of {layout.page_bytes} contiguous bytes "
             f"(block_size={layout.block_size}), got shape {tuple(cache.shape)} "

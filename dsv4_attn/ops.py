@@ -47,6 +47,7 @@ __all__ = [
 logger = get_logger(__name__)
 
 BACKENDS = ("auto", "cutedsl", "sdpa", "reference")
+_Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class Dispatch(NamedTuple):
@@ -94,10 +95,10 @@ def _checked_scope(
 
 def _validate(q, window, sink, scale, extra, out, lse, check_values):
     """The validated ``(window, extra)``; ValueError naming the first bad argument."""
-    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != HEAD_DIM:
+    if not isinstance(q, torch.Tensor) or len(q.shape) != 3 or q.shape[2] != HEAD_DIM:
         got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
         raise ValueError(f"q must be [T, H, {HEAD_DIM}], got {got}")
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if q.dtype not in _Q_DTYPES:
         raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
     T, H, _ = q.shape
     window = _checked_scope("window", window, T, q.device, check_values)

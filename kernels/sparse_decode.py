@@ -93,13 +93,15 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 
 def _cache_reason(name: str, cache: torch.Tensor, block_size: int) -> str | None:
-    if cache.shape[0] == 0:
+    pages = cache.shape[0]  # a validated uint8 [num_blocks, page_bytes] cache
+    if pages == 0:
         # The kernel reads slot 0 in place of a key without a slot (and discards it).
         return f"{name}.cache has no pages"
-    if cache.stride(1) != 1 or cache.stride(0) % 16 or cache.data_ptr() % 16:
+    page_stride, byte_stride = cache.stride()  # one call: ~half the cost of two stride(i)
+    if byte_stride != 1 or page_stride % 16 or cache.data_ptr() % 16:
         return f"{name}.cache pages must be 16-byte aligned with contiguous bytes"
-    if cache.shape[0] * block_size >= _MAX_PACKED_SLOTS:
-        return f"{name}.cache holds {cache.shape[0] * block_size} slots; the kernel handles < 2^30"
+    if pages * block_size >= _MAX_PACKED_SLOTS:
+        return f"{name}.cache holds {pages * block_size} slots; the kernel handles < 2^30"
     return None
 
 
@@ -107,39 +109,45 @@ def unsupported_reason(q, window, sink, extra) -> str | None:
     """None if the kernel runs this (already validated) case, else a one-line reason.
 
     ``window`` and ``extra`` are :class:`dsv4_attn.scope.KVScope` (``extra`` may be None).
+    Every eager call asks this, so the checks are flat (a few us of host time).
     """
     if not q.is_cuda:
         return "q is not on a CUDA device"
     major, minor = _capability(q.get_device())  # a CUDA tensor's device always has an index
-    if (major, minor) != (9, 0):
+    if major != 9 or minor != 0:
         return f"the kernel targets sm_90a (H100/H200); this GPU is sm_{major}{minor}"
     if window.fmt not in _FORMATS:
         fmt = KVFormat(window.fmt).value
         return f"KV-cache format {fmt} has no kernel (fp8_ds_mla and nvfp4 do)"
-    if q.dtype != torch.bfloat16:
+    if q.dtype is not torch.bfloat16:
         return f"q must be bfloat16 for the kernel, got {q.dtype}"
     if not q.is_contiguous() or q.data_ptr() % 16:
         return "q must be contiguous and 16-byte aligned for the kernel"
     if q.shape[1] not in SUPPORTED_HEAD_COUNTS:
         return f"{q.shape[1]} query heads; the kernel supports {SUPPORTED_HEAD_COUNTS}"
-    scopes = (("window", window), ("extra", extra))
-    for name, scope in scopes:
-        if scope is not None and (reason := _cache_reason(name, scope.cache, scope.block_size)):
-            return reason
-    idx_dtypes = {scope.indices.dtype for _, scope in scopes if scope is not None}
-    len_dtypes = {scope.lens.dtype for _, scope in scopes if scope is not None}
-    if len(idx_dtypes) != 1 or len(len_dtypes) != 1:
-        return "window and extra indices (and lens) must share one dtype"
-    for name, scope in scopes:
-        if scope is None:
-            continue
-        if scope.capacity > 0 and scope.indices.stride(1) != 1:
-            return f"{name}.indices rows must be contiguous"
-        if scope.lens.shape[0] > 1 and scope.lens.stride(0) != 1:
-            return f"{name}.lens must be contiguous"
-    if sink is not None and (sink.dtype != torch.float32 or not sink.is_contiguous()):
+    reason = _scope_reason("window", window)
+    if reason is None and extra is not None:
+        if extra.indices.dtype != window.indices.dtype or extra.lens.dtype != window.lens.dtype:
+            return "window and extra indices (and lens) must share one dtype"
+        reason = _scope_reason("extra", extra)
+    if reason is not None:
+        return reason
+    if sink is not None and (sink.dtype is not torch.float32 or not sink.is_contiguous()):
         return f"sink must be a contiguous float32 tensor for the kernel, got {sink.dtype}"
     return kernel_stack_error()
+
+
+def _scope_reason(name: str, scope) -> str | None:
+    """Why the kernel cannot read this scope's cache and lists, or None."""
+    reason = _cache_reason(name, scope.cache, scope.block_size)
+    if reason is not None:
+        return reason
+    indices, lens = scope.indices, scope.lens
+    if indices.shape[1] > 0 and indices.stride()[1] != 1:
+        return f"{name}.indices rows must be contiguous"
+    if lens.shape[0] > 1 and lens.stride()[0] != 1:
+        return f"{name}.lens must be contiguous"
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
