@@ -460,7 +460,9 @@ compare_greedy(Path('$OUT/bench_serve'), '$layout', '$servers'.split(','))"
 from dsv4_attn.vllm_glue.capacity import SCHEDULES, requests_at_once
 contexts = [int(c) for c in '${BENCH_LONG_CONTEXTS:-131072}'.split(',')]
 print(','.join(str(requests_at_once(SCHEDULES['V4-Flash'], 'vllm', $kv_bytes, c,
-                                    ${BENCH_MAX_MODEL_LEN:-131072})) for c in contexts))")
+                                    output_len=${BENCH_LONG_OUTPUT:-2048},
+                                    max_model_len=${BENCH_MAX_MODEL_LEN:-131072}))
+               for c in contexts))")
         echo "set d: vLLM's requests at once, planned: $BENCH_LONG_CAPACITY" | tee "$OUT/long_capacity.txt"
       fi
       gpus=${BENCH_GPUS:-$([ "$layout" = tp1 ] && echo 0 || nvidia-smi --query-gpu=index \

@@ -609,18 +609,18 @@ def test_the_shared_real_part_runs_every_server_on_the_same_gpus_in_turns(
 
 
 def test_the_shared_real_part_plans_set_d_from_the_planners_capacity(tmp_path: Path):
-    """BENCH_LONG_CAPACITY=planned: set d's concurrency is 1.5x what vLLM's own KV planning
-    says BENCH_KV_GIB holds of 128K requests while they decode (13 in 7 GiB), with no probe."""
+    """BENCH_LONG_CAPACITY=planned: set d's concurrency is 1.5x the 128K requests (2048 tokens
+    generated) the planner says vLLM's backend runs at once in BENCH_KV_GIB, with no probe."""
     pytest.importorskip("vllm")
     from dsv4_attn.vllm_glue.capacity import SCHEDULES, requests_at_once
     from tests.serve_stand_in import free_port
 
-    planned = requests_at_once(SCHEDULES["V4-Flash"], "vllm", 7 * 2**30, 131072)
+    planned = requests_at_once(SCHEDULES["V4-Flash"], "vllm", 8 * 2**30, 131072, 2048)
     run = _run_shared_real(
         tmp_path,
         "tp1",
         BENCH_CASES="d",
-        BENCH_KV_GIB="7",
+        BENCH_KV_GIB="8",
         BENCH_LONG_CAPACITY="planned",
         BENCH_SERVERS="vllm,nvfp4",
         BENCH_PORT=str(free_port(0, 20)),

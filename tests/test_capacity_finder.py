@@ -24,6 +24,11 @@ vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.9
 vllm:num_preemptions_total{engine="0",model_name="m"} 7.0
 vllm:num_preemptions_total{engine="1",model_name="m"} 1.0
 vllm:num_requests_running_histogram_bucket{le="1"} 99.0
+vllm:generation_tokens_total{engine="0",model_name="m"} 100.0
+vllm:generation_tokens_total{engine="1",model_name="m"} 20.0
+vllm:prompt_tokens_total{engine="0",model_name="m"} 4096.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 3.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0
 """
 
 
@@ -33,19 +38,29 @@ def test_gauges_are_summed_over_engines_and_usage_averaged():
         "waiting": 4.0,
         "kv_usage": pytest.approx(0.7),
         "preemptions": 8.0,
+        "generated": 120.0,
+        "prompted": 4096.0,
+        "finished": 4.0,
     }
 
 
 def test_summary_of_samples():
-    samples = [
-        cf.Sample(0.0, 1, 5, 0.2, 3.0),
-        cf.Sample(0.5, 4, 2, 0.95, 3.0),
-        cf.Sample(1.0, 5, 1, 1.0, 4.0),
-        cf.Sample(1.5, 4, 2, 0.91, 5.0),
-        cf.Sample(2.0, 4, 0, 0.9, 5.0),
-        cf.Sample(2.5, 6, 0, 0.9, 5.0),
+    samples = [  # t, running, waiting, usage, preemptions, generated, prompted, finished
+        cf.Sample(0.0, 1, 5, 0.2, 3.0, 0, 8192, 0),
+        cf.Sample(0.5, 4, 2, 0.95, 3.0, 50, 16384, 0),
+        cf.Sample(1.0, 5, 1, 1.0, 4.0, 110, 16384, 1),
+        cf.Sample(1.5, 4, 2, 0.91, 5.0, 200, 20480, 2),
+        cf.Sample(2.0, 4, 0, 0.9, 5.0, 320, 20480, 3),
+        cf.Sample(2.5, 6, 0, 0.9, 5.0, 500, 20480, 4),
     ]
     summary = cf.summarize(samples)
+    # while waiting: samples 0 to 3, 1.5 s: 200 tokens out, 12288 prompt tokens, 2 finished
+    assert summary["while_waiting"] == {
+        "seconds": 1.5,
+        "output_tok_s": 133.3,
+        "prompt_tok_s": 8192.0,
+        "finished": 2,
+    }
     assert summary["max_running"] == 6 and summary["max_waiting"] == 5
     assert summary["held_while_waiting"] == 4  # 4 twice while some waited; 1 and 5 once
     assert summary["running_while_waiting_min_max"] == [1, 5]

@@ -4,6 +4,8 @@ the breakdown against the specs of real attention layers built through vLLM's mo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -218,3 +220,240 @@ def test_breakdown_bytes_are_the_real_layers_spec_page_sizes(backend, kv_cache_d
         held = [part.split(" x ") for part in group.holds.split(" + ")]
         assert group.page_bytes == tuple(sorted({real[kind] for _, kind in held})), group
         assert group.bytes_per_block == sum(int(n) * real[kind] for n, kind in held), group
+
+
+# vLLM's scheduler-side KV cache manager (vllm.v1.core.kv_cache_manager.KVCacheManager, pure
+# Python), over the KVCacheConfig the planner computes, driven the way vLLM 0.33's scheduler drives
+# it: the admission and decode-time block counts of capacity.py are checked against what that
+# manager asks for and holds, not against a re-derivation of their formulas.
+HEADLINE_MEMORY = 7 * 2**30
+HEADLINE_PROMPT = 129024  # + 2,048 outputs: a 131,072-token context
+BATCHED_TOKENS = 8192
+
+
+def planned_kv_config(schedule: list[int], backend: str, memory_bytes: int, max_model_len: int):
+    """The planner config, vLLM's KV cache groups, and the scheduler's ``KVCacheConfig`` (one
+    spec per group, as the engine core hands it to the scheduler) for ``memory_bytes`` of KV."""
+    from vllm.v1.core import kv_cache_planning, kv_cache_utils
+
+    config, groups = cap._groups(schedule, backend, max_model_len, BATCHED_TOKENS)
+    kv_config = kv_cache_planning.get_kv_cache_config_from_groups(config, groups, memory_bytes)
+    return config, groups, kv_cache_utils.generate_scheduler_kv_cache_config([kv_config])
+
+
+def bytes_per_block(schedule: list[int], backend: str, max_model_len: int = 131072) -> int:
+    """What one block id costs in vLLM's planning (the widest group's bytes), in bytes."""
+    from vllm.v1.core import kv_cache_planning
+
+    config, groups = cap._groups(schedule, backend, max_model_len, BATCHED_TOKENS)
+    layout = config.cache_config.get_resolved_kv_cache_layout()
+    return kv_cache_planning._get_kv_cache_bytes_per_block(groups, layout)
+
+
+def kv_manager(schedule: list[int], backend: str, memory_bytes: int, max_model_len: int = 131072):
+    """vLLM's ``KVCacheManager`` as its scheduler builds it (no prefix caching, the planner's
+    ``max_in_flight_tokens``: two batches in flight with async scheduling)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    config, _, kv_config = planned_kv_config(schedule, backend, memory_bytes, max_model_len)
+    engine = SimpleNamespace(
+        cache_config=SimpleNamespace(
+            block_size=config.cache_config.block_size,
+            enable_prefix_caching=False,
+            prefix_match_unit=None,
+        ),
+        parallel_config=config.parallel_config,
+        kv_transfer_config=None,
+    )
+    block_size, hash_block_size = kv_cache_utils.resolve_kv_cache_block_sizes(kv_config, engine)
+    return KVCacheManager(
+        kv_config,
+        max_model_len,
+        block_size,
+        hash_block_size,
+        max_in_flight_tokens=config.max_in_flight_tokens,
+        enable_caching=False,
+    )
+
+
+def new_request(index: int, prompt_len: int, output_len: int):
+    """A waiting vLLM ``Request`` of ``prompt_len`` tokens that generates ``output_len``."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=output_len)
+    return Request(f"req-{index}", [index] * prompt_len, params, None, arrival_time=0.0)
+
+
+@dataclass
+class Served:
+    """What vLLM's manager did with a burst of identical requests."""
+
+    num_blocks: int  # the pool, null block included
+    most_running: int  # most requests running (admitted, unfinished) at once
+    decode_blocks: int  # most block ids in use while all running requests decode, frees caught up
+    preempted: bool  # a running request's allocation failed (vLLM would preempt there)
+
+
+def serve(
+    schedule: list[int],
+    backend: str,
+    memory_bytes: int,
+    prompt_len: int,
+    output_len: int,
+    num_requests: int,
+    max_model_len: int = 131072,
+) -> Served:
+    """Requests of ``prompt_len`` tokens arriving at once, scheduled as vLLM 0.33's
+    ``AsyncScheduler`` does with chunked prefill (``BATCHED_TOKENS`` a step) and the default
+    admission gate, until one has all its ``output_len`` tokens scheduled (before any finishes),
+    nothing is admitted, or a running request cannot get its blocks.
+
+    Each step (``Scheduler.schedule``): running requests first, in order, each its next prefill
+    chunk or one decode token within the token budget (``allocate_slots(request, n)``), then
+    waiting requests in order while ``allocate_slots(..., full_sequence_must_fit=True)`` admits
+    them and budget remains; then ``_update_after_schedule`` (computed and in-flight tokens
+    advance; a request past its prompt gets an output placeholder). The engine's batch queue holds
+    two steps, so a step's output is processed (``update_from_output``: in-flight tokens settle,
+    the sampled token is appended) only after the next step is scheduled: the sliding-window
+    frees, which ``allocate_slots`` makes on the settled tokens, lag as on the server. Preemption
+    is not mirrored: the run stops at the first failed running allocation and says so. Prefix
+    caching is off: the requests stand for prompts that share no block."""
+    from vllm.v1.request import RequestStatus
+
+    manager = kv_manager(schedule, backend, memory_bytes, max_model_len)
+    waiting = [new_request(i, prompt_len, output_len) for i in range(num_requests)]
+    running: list = []
+    in_flight: list = []  # the previous step's (request, tokens, sampled a token)
+    most_running = decode_blocks = 0
+
+    def result(preempted: bool = False) -> Served:
+        num_blocks = manager.block_pool.num_gpu_blocks
+        return Served(num_blocks, most_running, decode_blocks, preempted)
+
+    while True:
+        manager.new_step_starts()
+        budget, scheduled = BATCHED_TOKENS, []
+        for request in running:
+            if budget == 0:
+                break
+            new = request.num_tokens_with_spec + request.num_output_placeholders
+            new = min(new - request.num_computed_tokens, budget)
+            assert new > 0
+            if manager.allocate_slots(request, new) is None:
+                return result(preempted=True)
+            scheduled.append((request, new))
+            budget -= new
+        if running and all(r.num_output_tokens for r in running):  # the last chunks' frees done
+            in_use = (
+                manager.block_pool.num_gpu_blocks - 1 - manager.block_pool.get_num_free_blocks()
+            )
+            decode_blocks = max(decode_blocks, in_use)  # the null block is never free
+        while budget > 0 and waiting:
+            request = waiting[0]
+            new = min(request.num_tokens, budget)
+            blocks = manager.allocate_slots(
+                request, new, full_sequence_must_fit=True, has_scheduled_reqs=bool(running)
+            )
+            if blocks is None:
+                break
+            running.append(waiting.pop(0))
+            request.status = RequestStatus.RUNNING
+            scheduled.append((request, new))
+            budget -= new
+        if not running:
+            return result()
+        most_running = max(most_running, len(running))
+        for request, new in scheduled:
+            request.num_computed_tokens += new
+            request.num_in_flight_tokens += new
+            request.is_prefill_chunk = request.num_computed_tokens < (
+                request.num_tokens + request.num_output_placeholders
+            )
+            if not request.is_prefill_chunk:
+                request.num_output_placeholders += 1
+        if any(r.num_output_tokens + r.num_output_placeholders >= output_len for r in running):
+            return result()
+        for request, new, sampled in in_flight:
+            request.num_in_flight_tokens -= new
+            if sampled:
+                request.append_output_token_ids(0)
+                request.num_output_placeholders -= 1
+        in_flight = [(r, new, not r.is_prefill_chunk) for r, new in scheduled]
+
+
+def admits(schedule: list[int], backend: str, prompt_len: int, free: int) -> bool:
+    """Whether vLLM's manager, with exactly ``free`` free blocks (a pool with blocks taken out of
+    it), admits a fresh request of ``prompt_len`` tokens: its first chunk's
+    ``allocate_slots(..., full_sequence_must_fit=True)``, as the scheduler's waiting loop calls
+    it."""
+    manager = kv_manager(schedule, backend, (free + 2) * bytes_per_block(schedule, backend))
+    manager.block_pool.get_new_blocks(manager.block_pool.get_num_free_blocks() - free)
+    assert manager.block_pool.get_num_free_blocks() == free
+    request = new_request(0, prompt_len, 16)
+    new = min(prompt_len, BATCHED_TOKENS)
+    return manager.allocate_slots(request, new, full_sequence_must_fit=True) is not None
+
+
+@pytest.mark.parametrize("backend", ["vllm", "dsv4_nvfp4-nvfp4"])
+@pytest.mark.parametrize(
+    ("schedule", "prompt_len"),
+    [("V4-Flash", 10001), ("V4-Flash", HEADLINE_PROMPT), ("V4-Pro", 100003)],
+    ids=["flash-10001", "flash-129024", "pro-100003"],
+)
+def test_admission_blocks_are_what_vllms_manager_asks(backend, schedule, prompt_len):
+    """vLLM's manager admits a fresh request with exactly :func:`capacity.admission_blocks` free
+    blocks and refuses it with one fewer: every block of the prompt in the compressed caches'
+    group, and in the sliding-window groups up to their cap (a 10,001-token prompt is below every
+    cap, 100,003 and 129,024 tokens above them all; 10,001 and 100,003 end mid-block)."""
+    layers = cap.SCHEDULES[schedule]
+    need = cap.admission_blocks(layers, backend, prompt_len)
+    assert admits(layers, backend, prompt_len, need)
+    assert not admits(layers, backend, prompt_len, need - 1)
+
+
+@pytest.mark.parametrize(("backend", "measured"), [("vllm", 1), ("dsv4_nvfp4-nvfp4", 7)])
+def test_requests_at_once_is_what_vllms_manager_runs_at_7_gib(backend, measured):
+    """7 GiB of KV, V4-Flash, 129,024-token prompts and 2,048 outputs: vLLM's manager, driven as
+    its scheduler drives it, runs as many requests at once as the H200 server did (1 with vLLM's
+    backend, whose admission takes 96% of its pool; 7 with NVFP4), never preempting, and
+    :func:`capacity.requests_at_once` says so."""
+    layers = cap.SCHEDULES["V4-Flash"]
+    served = serve(layers, backend, HEADLINE_MEMORY, HEADLINE_PROMPT, 2048, measured + 3)
+    assert not served.preempted
+    assert served.most_running == measured
+    predicted = cap.requests_at_once(
+        layers, backend, HEADLINE_MEMORY, HEADLINE_PROMPT + 2048, output_len=2048
+    )
+    assert predicted == served.most_running
+
+
+@pytest.mark.parametrize("backend", ["vllm", "dsv4_nvfp4-nvfp4"])
+@pytest.mark.parametrize("spare", [0, 1])
+def test_requests_at_once_is_exact_at_the_block_boundary(backend, spare):
+    """A pool of ``R + k D + spare`` blocks (R: what admitting the prompt takes; D: what vLLM's
+    manager holds for one decoding request) runs ``k + spare`` requests at once: with none spare,
+    the null block leaves the request after k decoding ones one block short. 256 outputs keep a
+    decoding 129,024-token request in one 256-token block of its compressed caches, so from its
+    second decode step on it holds D, whenever the next request is tried."""
+    layers, prompt_len, output_len, k = cap.SCHEDULES["V4-Flash"], HEADLINE_PROMPT, 256, 3
+    need = cap.admission_blocks(layers, backend, prompt_len)  # vLLM's: see the test above
+    price = bytes_per_block(layers, backend)
+    alone = serve(layers, backend, 2 * need * price, prompt_len, output_len, 1)
+    assert not alone.preempted and alone.most_running == 1
+    # what decode_blocks_per_request counts for the whole context
+    assert alone.decode_blocks == cap.decode_blocks_per_request(
+        layers, backend, prompt_len + output_len
+    )
+    num_blocks = need + k * alone.decode_blocks + spare
+    served = serve(layers, backend, num_blocks * price, prompt_len, output_len, k + 3)
+    assert served.num_blocks == num_blocks
+    assert not served.preempted
+    assert served.most_running == k + spare
+    predicted = cap.requests_at_once(
+        layers, backend, num_blocks * price, prompt_len + output_len, output_len=output_len
+    )
+    assert predicted == served.most_running

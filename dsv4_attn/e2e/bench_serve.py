@@ -23,12 +23,15 @@ end. The cases (:func:`plan_cases`):
   tokens), ``--long-waves`` waves of 1.5x the requests vLLM's backend holds at once at that
   context, *measured*: before the case, vLLM's server is offered more requests of that length
   than it can hold (:func:`dsv4_attn.e2e.capacity_finder.find_capacity`, step
-  ``capacity_<case>``), and the others read its figure from its record. vLLM's "KV cache size"
-  line does not tell it (see :mod:`dsv4_attn.e2e.capacity_finder`).
+  ``capacity_<case>``), and the others read its figure from its record; or given
+  (``--long-capacity``, e.g. :func:`dsv4_attn.vllm_glue.capacity.requests_at_once`'s
+  prediction), which the case's own samples then check. vLLM's "KV cache size" line does not
+  tell it (see :mod:`dsv4_attn.e2e.capacity_finder`).
 
 During every case each server's ``/metrics`` is sampled (requests running and waiting, KV
-usage, preemptions): ``requests_at_once`` in its record, where ``held_while_waiting`` is what
-the server ran while others waited.
+usage, preemptions, tokens generated and prefilled): ``requests_at_once`` in its record, where
+``held_while_waiting`` is what the server ran while others waited and ``while_waiting`` its
+output and prompt tokens per second meanwhile (beyond capacity, without the ramp and the tail).
 
 With ``--greedy`` each fresh server first answers the greedy-agreement set
 (:func:`dsv4_attn.e2e.serve_check.greedy_plan`: prompts of 4K, 32K and the longest that fits,

@@ -1,11 +1,12 @@
 """How many requests of a given context a running ``vllm serve`` holds at once: measured.
 
 vLLM's "GPU KV cache size" line counts each request's admission reservation at
-``max_model_len`` (its window groups sized for two batches of tokens in flight), which
-understates what a DeepSeek-V4 cache holds while requests decode about threefold at 36K tokens
-and more at longer contexts (``dsv4_attn.vllm_glue.capacity.requests_at_once`` predicts the
-decode-time figure from the bytes). Benchmarks that mean to run "beyond capacity" therefore
-measure it:
+``max_model_len`` (its window groups sized for two batches of tokens in flight). What a
+DeepSeek-V4 cache runs at once is neither that nor what its requests hold while they decode: a
+new request waits until the free blocks hold its own admission reservation, while those running
+hold only their windows and compressed rows
+(:func:`dsv4_attn.vllm_glue.capacity.requests_at_once` predicts it). Benchmarks that mean to
+run "beyond capacity" therefore measure it:
 
 * :class:`MetricsSampler` polls the server's ``/metrics`` (requests running and waiting, KV
   usage, preemptions) in a thread while a benchmark runs; :func:`summarize` says how many ran
@@ -49,6 +50,9 @@ GAUGES = {
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
     "vllm:num_preemptions_total": "preemptions",
+    "vllm:generation_tokens_total": "generated",
+    "vllm:prompt_tokens_total": "prompted",
+    "vllm:request_success_total": "finished",
 }
 """The /metrics series read, by the field of :class:`Sample` each fills (summed over engines)."""
 
@@ -58,13 +62,17 @@ _LINE = re.compile(r"^(vllm:[a-z_]+)(?:\{.*\})? (\S+)$")
 @dataclass(frozen=True)
 class Sample:
     """One look at a server: seconds since sampling began, requests running and waiting, the
-    KV cache's used fraction (0-1, the mean over engines), preemptions so far."""
+    KV cache's used fraction (0-1, the mean over engines), preemptions so far, and the server's
+    counters so far: output tokens generated, prompt tokens computed, requests finished."""
 
     t: float
     running: int
     waiting: int
     kv_usage: float
     preemptions: float
+    generated: float = 0.0
+    prompted: float = 0.0
+    finished: float = 0.0
 
 
 def parse_gauges(text: str) -> dict[str, float]:
@@ -110,6 +118,9 @@ class MetricsSampler:
             int(values.get("waiting", 0)),
             values.get("kv_usage", 0.0),
             values.get("preemptions", 0.0),
+            values.get("generated", 0.0),
+            values.get("prompted", 0.0),
+            values.get("finished", 0.0),
         )
         self.samples.append(sample)
         return sample
@@ -137,22 +148,38 @@ def summarize(samples: list[Sample]) -> dict:
     """What a run's samples say about requests at once: the most running, the most waiting,
     the running count while some waited (``held_while_waiting``: its most frequent value, the
     cache's bound; ``None`` if none ever waited), the KV usage peak, preemptions during the run
-    and the number of samples."""
+    and the number of samples; and ``while_waiting``, the server's rates from the first to the
+    last sample with requests waiting (beyond capacity, the ramp and the tail left out:
+    seconds, output and prompt tokens per second, requests finished)."""
     if not samples:
         return {"samples": 0}
-    waiting = [s.running for s in samples if s.waiting > 0]
+    waiting = [s for s in samples if s.waiting > 0]
     held = None
     if waiting:
-        counts = Counter(waiting)
+        counts = Counter(s.running for s in waiting)
         held = max(counts, key=lambda n: (counts[n], n))  # ties: the larger count
     return {
         "samples": len(samples),
         "max_running": max(s.running for s in samples),
         "max_waiting": max(s.waiting for s in samples),
         "held_while_waiting": held,
-        "running_while_waiting_min_max": [min(waiting), max(waiting)] if waiting else None,
+        "running_while_waiting_min_max": (
+            [min(s.running for s in waiting), max(s.running for s in waiting)] if waiting else None
+        ),
         "peak_kv_usage": round(max(s.kv_usage for s in samples), 4),
         "preemptions": samples[-1].preemptions - samples[0].preemptions,
+        "while_waiting": _rates(waiting[0], waiting[-1]) if len(waiting) > 1 else None,
+    }
+
+
+def _rates(first: Sample, last: Sample) -> dict:
+    """The server's rates between two samples."""
+    seconds = last.t - first.t
+    return {
+        "seconds": round(seconds, 1),
+        "output_tok_s": round((last.generated - first.generated) / seconds, 1),
+        "prompt_tok_s": round((last.prompted - first.prompted) / seconds, 1),
+        "finished": last.finished - first.finished,
     }
 
 

@@ -9,6 +9,13 @@ layer's KV spec as a server of each backend would (vLLM's own FlashMLA path, ``D
 fp8_ds_mla rows, ``DSV4_NVFP4`` with NVFP4 rows and its compressor-state rule of
 :mod:`.compressor_state`) and runs vLLM's planning functions on them.
 
+How many requests of a given length a server *runs* at once is another figure
+(:func:`requests_at_once`): vLLM admits a new request only while the free blocks hold its
+admission reservation (:func:`admission_blocks`, nearly all of it the compressor states' window
+groups sized for two batches in flight), and a running request then holds only its windows and
+compressed rows (:func:`decode_blocks_per_request`). Near one reservation's worth of memory the
+1.40x blocks of NVFP4 run several times the requests (7 against 1 at 7 GiB and 128K tokens).
+
 ``python -m dsv4_attn.vllm_glue.capacity`` prints the V4-Flash and V4-Pro figures; with
 ``--breakdown`` also, per cache group, what it holds, its bytes per block, the blocks a
 ``max_model_len`` request takes and the bytes that costs against the bytes it holds
@@ -39,6 +46,7 @@ __all__ = [
     "SCHEDULES",
     "Capacity",
     "GroupCost",
+    "admission_blocks",
     "breakdown",
     "capacity",
     "decode_blocks_per_request",
@@ -203,6 +211,12 @@ def capacity(
     )
 
 
+def _window_spec(group):
+    """The group's per-layer spec and its sliding window (None for a full-length group)."""
+    spec = kv_cache_planning._get_per_layer_spec(group, group.layer_names[0])
+    return spec, getattr(spec, "sliding_window", None)
+
+
 def decode_blocks_per_request(
     schedule: list[int],
     backend: str,
@@ -213,18 +227,11 @@ def decode_blocks_per_request(
     """Block ids one decoding request of ``context_len`` tokens holds, all groups: a
     sliding-window group (window rows, compressor states) only the blocks its window spans
     (vLLM frees the blocks behind it), ``cdiv(window - 1 + retained, block) + 1``; a full
-    group (compressed rows, indexer keys) every block of the context.
-
-    vLLM's "GPU KV cache size" line counts instead each request's admission reservation at
-    ``max_model_len``, where every window group reserves room for two batches of tokens in
-    flight (``2 x max_num_batched_tokens`` more positions: 4,099 blocks for the CSA states
-    alone at 8192), about 13x what a 128K-token request holds while it decodes. A prefill
-    chunk holds its window groups' blocks for the chunk's tokens too, for that step."""
+    group (compressed rows, indexer keys) every block of the context."""
     _, groups = _groups(schedule, backend, max_model_len, max_num_batched_tokens)
     blocks = 0
     for group in groups:
-        spec = kv_cache_planning._get_per_layer_spec(group, group.layer_names[0])
-        window = getattr(spec, "sliding_window", None)
+        spec, window = _window_spec(group)
         if window:
             retained = window - 1 + getattr(spec, "extra_retained_tokens", 0)
             blocks += -(-retained // spec.block_size) + 1
@@ -233,22 +240,69 @@ def decode_blocks_per_request(
     return blocks
 
 
+def admission_blocks(
+    schedule: list[int],
+    backend: str,
+    prompt_len: int,
+    max_model_len: int = 131072,
+    max_num_batched_tokens: int = 8192,
+) -> int:
+    """Free block ids vLLM's scheduler needs to admit a new request of ``prompt_len`` tokens.
+
+    By default (``scheduler_reserve_full_isl``) a waiting request is admitted only if the free
+    blocks hold its whole prompt now: every block of it in a full group, and in a
+    sliding-window group up to that group's admission cap, its window plus two batches of
+    tokens in flight (``max_admission_blocks_per_request``: 4,099 blocks for the CSA
+    compressor states at 8192 batched tokens, whatever the prompt beyond 16K tokens). Running
+    requests are not held to it."""
+    config, groups = _groups(schedule, backend, max_model_len, max_num_batched_tokens)
+    blocks = 0
+    for group in groups:
+        spec, window = _window_spec(group)
+        need = -(-min(prompt_len, max_model_len) // spec.block_size)
+        if window:
+            cap = spec.max_admission_blocks_per_request(config.max_in_flight_tokens, max_model_len)
+            need = min(need, cap)
+        blocks += need
+    return blocks
+
+
 def requests_at_once(
     schedule: list[int],
     backend: str,
     memory_bytes: int,
     context_len: int,
+    output_len: int = 0,
     max_model_len: int = 131072,
     max_num_batched_tokens: int = 8192,
 ) -> int:
-    """Requests of ``context_len`` tokens that ``memory_bytes`` of KV cache holds while they
-    decode (:func:`decode_blocks_per_request` each, of the blocks :func:`capacity` counts): a
-    prediction, which ``dsv4_attn.e2e.capacity_finder`` measures on a server."""
+    """Requests of ``context_len`` tokens (``output_len`` of them generated) that
+    ``memory_bytes`` of KV cache runs at once on a vLLM server: a prediction, which
+    ``dsv4_attn.e2e.capacity_finder`` measures.
+
+    A request is admitted while the free blocks hold its prompt's :func:`admission_blocks`
+    (R), and then holds :func:`decode_blocks_per_request` (D) while it decodes; vLLM keeps one
+    block of its pool as the null block. With N blocks, ``k`` decoding requests leave room
+    for one more while ``N - 1 - k * D >= R``: at most ``1 + (N - 1 - R) // D`` run at once
+    (``(N - 1) // D`` if R were no bound). At 7 GiB and 128K tokens this is 1 for vLLM's
+    backend (R takes 96% of its 7,499 blocks) and 7 for NVFP4 (68% of 10,523), what vLLM's own
+    KV cache manager runs (tests/test_vllm_glue_capacity.py) and what the servers ran.
+
+    A lower bound by at most one where the margin is a few blocks: requests still early in
+    their decode hold a few blocks less than D (vLLM's manager runs 10 NVFP4 requests at 8 GiB
+    where this says 9). Where R < D (short prompts, long outputs) vLLM admits more than
+    ``(N - 1) // D`` and preempts later: this counts those that fit without preemption."""
     total = capacity(schedule, backend, memory_bytes, max_model_len, max_num_batched_tokens)
+    admission = admission_blocks(
+        schedule, backend, context_len - output_len, max_model_len, max_num_batched_tokens
+    )
     per_request = decode_blocks_per_request(
         schedule, backend, context_len, max_model_len, max_num_batched_tokens
     )
-    return total.num_blocks // per_request
+    free = total.num_blocks - 1  # the null block
+    if free < admission:
+        return 0
+    return min(1 + (free - admission) // per_request, free // per_request)
 
 
 def _cache_kind(name: str, schedule: list[int]) -> str:
@@ -329,15 +383,17 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 for context in args.context:
                     held = requests_at_once(
-                        schedule, backend, memory, context, length, args.max_num_batched_tokens
+                        schedule,
+                        backend,
+                        memory,
+                        context,
+                        max_model_len=length,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
                     )
                     blocks = decode_blocks_per_request(
                         schedule, backend, context, length, args.max_num_batched_tokens
                     )
-                    print(
-                        f"    {context:>9}-token requests decoding: {held} at once "
-                        f"({blocks} blocks each)"
-                    )
+                    print(f"    {context:>9}-token requests: {held} at once ({blocks} blocks each)")
                 if args.breakdown:
                     for g in breakdown(schedule, backend, length, args.max_num_batched_tokens):
                         print(
