@@ -203,6 +203,32 @@ def test_host_time_is_the_median_of_calls_on_an_idle_device(monkeypatch, duratio
     assert events[warmup:] == ["sync", "call"] * len(durations) + ["sync"]
 
 
+def test_host_times_in_turns_charge_a_drift_to_every_column(monkeypatch):
+    """host_us_interleaved times one call of each column per round, in order, each after a
+    synchronize: when the host slows down halfway through the run (every call 4x longer once
+    the clock passes 6 ms), both columns' medians move alike and their ratio stays the calls'
+    own 2x (timed one column after the other, a would be all fast and b all slow: 8x)."""
+    from dsv4_attn.bench import host
+
+    clock = _FakeClock()
+    monkeypatch.setattr(host, "_clock", clock)
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+
+    def timed(name: str, seconds: float):
+        def call() -> None:
+            events.append(name)
+            clock.advance(seconds * (4.0 if clock.now >= 6 * 2**-10 else 1.0))
+
+        return call
+
+    calls = {"a": timed("a", 2**-10), "b": timed("b", 2**-9)}
+    times = host.host_us_interleaved(calls, reps=4, warmup=0)
+    # rounds take 3, 3, 12, 12 ms (2**-10 s units): a is 1, 1, 4, 4 and b 2, 2, 8, 8 units
+    assert times == {"a": 1e6 * 2.5 * 2**-10, "b": 1e6 * 5 * 2**-10}
+    assert events == ["sync", "a", "sync", "b"] * 4 + ["sync"]
+
+
 def test_host_bench_needs_cuda(monkeypatch):
     from dsv4_attn.bench import host
 

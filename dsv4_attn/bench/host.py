@@ -7,7 +7,8 @@ that runs outside CUDA graphs (every mixed prefill + decode step, layer by layer
 V4-Flash's decode shape (64 heads, a 128-slot window + 512 compressed entries, one token per
 request), the split-KV partials in a caller's workspace as the serving layer passes them. Per
 row, the CPU time from a call's start to its return (the GPU idle before each call, so no launch
-waits on a full queue), median of ``--reps`` calls, for:
+waits on a full queue), median of ``--reps`` calls, the columns timed in turns (one call of
+each per round), for:
 
 * ``ops_us`` — :func:`dsv4_attn.ops.sparse_attention` (``check_values=False``): the public entry,
   which validates every argument and picks the kernel; a serving layer's first decode call;
@@ -45,7 +46,7 @@ from dsv4_attn.bench.timing import format_table, write_json
 from dsv4_attn.kv_cache import KVFormat
 from dsv4_attn.testing import make_decode_case
 
-__all__ = ["COLUMNS", "host_us", "main"]
+__all__ = ["COLUMNS", "host_us", "host_us_interleaved", "main"]
 
 HEADS, WINDOW, EXTRA = 64, 128, 512  # V4-Flash
 COLUMNS = [
@@ -56,6 +57,7 @@ COLUMNS = [
     ("launch_us", "launch (us)", ".1f"),
     ("flashmla_us", "FlashMLA (us)", ".1f"),
     ("direct_vs_flashmla", "FlashMLA/direct", ".2f"),
+    ("ops_vs_flashmla", "FlashMLA/ops", ".2f"),
 ]
 
 # The clock host_us reads (seconds); a module global so tests can substitute a fake one.
@@ -65,16 +67,27 @@ _clock: Callable[[], float] = time.perf_counter
 def host_us(call: Callable[[], object], reps: int, warmup: int = 50) -> float:
     """Median CPU time of ``call`` in microseconds, the device synchronized before each call
     (an empty queue: the time is the host's own work and its launches, not a wait)."""
-    for _ in range(warmup):
-        call()
-    times = []
+    return host_us_interleaved({"call": call}, reps, warmup)["call"]
+
+
+def host_us_interleaved(
+    calls: dict[str, Callable[[], object]], reps: int, warmup: int = 50
+) -> dict[str, float]:
+    """:func:`host_us` of each of ``calls``, timed in turns (one call of each per round, in
+    order): a drift of the host's speed over the run (its clock, its neighbours) falls on every
+    column alike instead of on whichever ran last."""
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(reps):
-        torch.cuda.synchronize()
-        start = _clock()
-        call()
-        times.append(_clock() - start)
+        for name, call in calls.items():
+            torch.cuda.synchronize()
+            start = _clock()
+            call()
+            times[name].append(_clock() - start)
     torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
 def _launch_only(case, out, lse, workspace):
@@ -146,22 +159,27 @@ def _row(fmt: KVFormat, batch: int, reps: int, flash_mla, profile: Path | None =
     public()
     if ops.last_dispatch() != ops.Dispatch("cutedsl", None):
         raise SystemExit(f"the kernel does not run this case: {ops.last_dispatch()}")
+    calls = {
+        "ops_us": public,
+        "direct_us": direct,
+        "launch_us": _launch_only(case, out, lse, workspace),
+    }
+    if flash_mla is not None and fmt is KVFormat.FP8_DS_MLA:
+        calls["flashmla_us"] = anchors.flashmla_sparse_decode(flash_mla, case, 1)
     row = {
         "fmt": fmt.value,
         "batch": batch,
         "heads": HEADS,
         "window": WINDOW,
         "extra": EXTRA,
-        "ops_us": host_us(public, reps),
-        "direct_us": host_us(direct, reps),
-        "launch_us": host_us(_launch_only(case, out, lse, workspace), reps),
+        **host_us_interleaved(calls, reps),
     }
     if profile is not None:
         _profile(direct, reps, profile / f"host_{fmt.value}_b{batch}_direct.txt")
         _profile(public, reps, profile / f"host_{fmt.value}_b{batch}_ops.txt")
-    if flash_mla is not None and fmt is KVFormat.FP8_DS_MLA:
-        row["flashmla_us"] = host_us(anchors.flashmla_sparse_decode(flash_mla, case, 1), reps)
+    if "flashmla_us" in row:
         row["direct_vs_flashmla"] = row["flashmla_us"] / row["direct_us"]
+        row["ops_vs_flashmla"] = row["flashmla_us"] / row["ops_us"]
     return row
 
 
