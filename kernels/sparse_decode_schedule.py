@@ -159,10 +159,8 @@ def build_schedule(
 
 
 @functools.cache
-@functools.cache
 def num_sms(device_index: int) -> int:
-    """Streaming multiprocessors of CUDA device ``device_index`` (asked once per process: torch's
-    property query costs microseconds of host time, every eager call)."""
+    """Streaming multiprocessors of CUDA device ``device_index``."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
