@@ -187,7 +187,7 @@ def _args(**overrides) -> argparse.Namespace:
         long_output=2048,
         long_waves=1,
         probe_requests=0,
-        long_capacity=[],
+        long_capacity={},
     )
     return argparse.Namespace(**{**fields, **overrides})
 
@@ -449,7 +449,7 @@ def test_set_d_with_a_given_capacity_probes_nothing(tmp_path: Path, monkeypatch)
     monkeypatch.setattr(bench_serve, "find_capacity", probe)
     ports = {"vllm": 1, "nvfp4": 2}
     errors = _serve_in_threads(
-        tmp_path, ports, cases=["d"], turn_order="vllm,nvfp4", long_capacity=[13]
+        tmp_path, ports, cases=["d"], turn_order="vllm,nvfp4", long_capacity={131072: 13}
     )
     assert not errors and concurrency == ["20", "20"]
     assert "capacity" not in json.loads((tmp_path / "tp1_vllm.json").read_text())

@@ -381,9 +381,9 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
             if not args.only or long_case_name(context) in args.only
         ]
         steps = (["greedy"] if args.greedy else []) + [case.name for case in cases]
-        given = dict(zip(args.long_contexts, args.long_capacity, strict=False))
         for context in long_contexts:
-            probe = [] if context in given else [f"capacity_{long_case_name(context)}"]
+            given = context in args.long_capacity
+            probe = [] if given else [f"capacity_{long_case_name(context)}"]
             steps += [*probe, long_case_name(context)]
         if args.greedy:  # before the load: a fresh server, nothing cached
             with _turn(turns, steps, "greedy", name):
@@ -457,7 +457,7 @@ def _long_case(args, name: str, context: int, out: Path, turns, steps, record) -
     into its record, ``capacity``); every server plans the case from that figure. A figure given
     in ``--long-capacity`` replaces the probe."""
     case_name = long_case_name(context)
-    given = dict(zip(args.long_contexts, args.long_capacity, strict=False)).get(context)
+    given = args.long_capacity.get(context)
     if given is not None:
         # Known beforehand (the planner's prediction): no probe; the case's own gauges show what
         # each server held (requests_at_once).
@@ -563,12 +563,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.cases = [c for c in args.cases.split(",") if c]
     args.long_contexts = [int(c) for c in args.long_contexts.split(",") if c]
-    args.long_capacity = [int(c) for c in args.long_capacity.split(",") if c]
-    if args.long_capacity and len(args.long_capacity) != len(args.long_contexts):
+    capacities = [int(c) for c in args.long_capacity.split(",") if c]
+    if capacities and len(capacities) != len(args.long_contexts):
         raise SystemExit(
-            f"--long-capacity {args.long_capacity} needs one figure per --long-contexts "
+            f"--long-capacity {capacities} needs one figure per --long-contexts "
             f"{args.long_contexts}"
         )
+    # context: vLLM's requests at once (none given: every context probed)
+    args.long_capacity = dict(zip(args.long_contexts, capacities, strict=False))
     too_long = [c for c in args.long_contexts if c > args.max_model_len]
     if "d" in args.cases and too_long:
         raise SystemExit(
