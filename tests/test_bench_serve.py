@@ -105,10 +105,12 @@ class _StandIns:
     """run_server's outside world stood in for: the server process (``launched`` commands),
     ``vllm bench serve`` (``ran`` case names; a result file unless ``results`` is False), the
     server's POSTs (``posts``, with ``bench`` marking each bench run) and greedy queries
-    (``sent`` plans)."""
+    (``sent`` plans); :meth:`bench_flag` reads a flag of every ``vllm bench serve`` run, in
+    order."""
 
     def __init__(self, monkeypatch) -> None:
         self.launched: list[list[str]] = []
+        self.benched: list[list[str]] = []
         self.ran: list[str] = []
         self.posts: list[str] = []
         self.sent: list = []
@@ -138,6 +140,7 @@ class _StandIns:
         monkeypatch.setattr(bench_serve, "query", self._query)
 
     def _run(self, command, **kwargs):
+        self.benched.append(command)
         name = command[command.index("--result-filename") + 1]
         self.ran.append(name.removesuffix(".json"))
         self.posts.append("bench")
@@ -156,6 +159,10 @@ class _StandIns:
     def _query(self, server, plan):
         self.sent.append(plan)
         return {"results": {}, "errors": {"long_4096": "HTTP 500"}, "phases": {}}
+
+    def bench_flag(self, name: str) -> list[str]:
+        """The value of a flag of each ``vllm bench serve`` run so far, in order."""
+        return [command[command.index(name) + 1] for command in self.benched]
 
     def flag(self, name: str) -> str:
         """The value of a flag of the (first) launched server."""
@@ -349,14 +356,6 @@ def test_servers_sharing_a_gpu_take_each_case_in_turn(tmp_path: Path, monkeypatc
     the greedy set and then each case server by server in turn order, case after case."""
 
     world = _StandIns(monkeypatch)
-    order = []
-    run = world._run
-
-    def run_in_turn(command, **kwargs):
-        order.append(command[command.index("--port") + 1])
-        return run(command, **kwargs)
-
-    monkeypatch.setattr(bench_serve.subprocess, "run", run_in_turn)
     queried = []
     monkeypatch.setattr(
         bench_serve, "query", lambda server, plan: queried.append(server.base) or {"errors": {}}
@@ -364,7 +363,7 @@ def test_servers_sharing_a_gpu_take_each_case_in_turn(tmp_path: Path, monkeypatc
     errors = _serve_in_threads(tmp_path, {"nvfp4": 3, "fp8": 2, "vllm": 1}, greedy=True)
     assert not errors
     assert [base.rsplit(":", 1)[1] for base in queried] == ["1", "2", "3"]
-    assert order == ["1", "2", "3"] * 3
+    assert world.bench_flag("--port") == ["1", "2", "3"] * 3
     assert world.ran == [c for c in ("a_8k_c1", "a_8k_c16", "a_8k_c64") for _ in range(3)]
     summary = bench_serve.write_summary(tmp_path, "tp1")  # as the last process to end does
     assert sorted(summary) == ["fp8", "nvfp4", "vllm"]
@@ -435,23 +434,16 @@ def test_set_d_with_a_given_capacity_probes_nothing(tmp_path: Path, monkeypatch)
     """--long-capacity (the planner's prediction) replaces the probe: no server is probed, no
     capacity step is taken, and every server runs the case at 1.5x the given figure."""
     world = _StandIns(monkeypatch)
-    concurrency = []
-    run = world._run
-
-    def run_case(command, **kwargs):
-        concurrency.append(command[command.index("--max-concurrency") + 1])
-        return run(command, **kwargs)
 
     def probe(*args, **kwargs):
         raise AssertionError("probed although the capacity was given")
 
-    monkeypatch.setattr(bench_serve.subprocess, "run", run_case)
     monkeypatch.setattr(bench_serve, "find_capacity", probe)
     ports = {"vllm": 1, "nvfp4": 2}
     errors = _serve_in_threads(
         tmp_path, ports, cases=["d"], turn_order="vllm,nvfp4", long_capacity={131072: 13}
     )
-    assert not errors and concurrency == ["20", "20"]
+    assert not errors and world.bench_flag("--max-concurrency") == ["20", "20"]
     assert "capacity" not in json.loads((tmp_path / "tp1_vllm.json").read_text())
     taken = sorted(p.name for p in (tmp_path / "turns").glob("d_*"))
     assert taken == ["d_128k.nvfp4", "d_128k.vllm"]
