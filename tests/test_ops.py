@@ -153,3 +153,91 @@ def test_last_dispatch_reports_what_ran():
     ops.sparse_attention(*case.args())  # auto on CPU: the fallback, with its reason
     backend, reason = ops.last_dispatch()
     assert backend == "sdpa" and "cuda" in reason.lower()
+
+
+def _kernel_on_cpu(monkeypatch) -> list:
+    """The kernel made reachable on CPU: its flat test and support check without their device
+    tests, the kernel stood in for by the torch fallback writing into the given outputs. Returns the
+    list of calls the stand-in received."""
+    from dsv4_attn import fallback
+    from dsv4_attn.kernels import sparse_decode
+
+    calls = []
+
+    def kernel(q, window, sink, scale, extra=None, *, out=None, lse=None, workspace, plan):
+        calls.append(window)
+        result = fallback.sparse_attention(q, window, sink, scale, extra)
+        return ops._into(out, lse, result)
+
+    monkeypatch.setattr(sparse_decode, "is_common_case", sparse_decode._common_layout)
+    monkeypatch.setattr(ops, "_cutedsl_unsupported_reason", sparse_decode._layout_reason)
+    monkeypatch.setattr(sparse_decode, "sparse_attention", kernel)
+    return calls
+
+
+def test_the_kernels_common_case_skips_only_the_shape_checks(monkeypatch):
+    """A call of the serving layer's kind goes straight to the kernel (ops' flat test), its
+    result that of the float64 reference; slot values are still checked when asked."""
+    calls = _kernel_on_cpu(monkeypatch)
+    case = make_decode_case(3, 64, KVFormat.NVFP4, 128, 512, lens="random", hole_rate=0.2)
+    out, lse = ops.sparse_attention(*case.args())
+    assert ops.last_dispatch() == ops.Dispatch("cutedsl", None) and len(calls) == 1
+    assert_matches_reference(out, lse, *reference_on_rows(case))
+
+    num_slots = case.window.cache.shape[0] * case.window.block_size
+    indices = case.window.indices.clone()
+    indices[1, 0] = num_slots
+    bad = dataclasses.replace(case.window, indices=indices)
+    args = (case.q, bad, case.sink, case.scale, case.extra)
+    with pytest.raises(ValueError, match=f"window.indices hold slot {num_slots}: slots must lie"):
+        ops.sparse_attention(*args)
+    lens = case.extra.lens.clone()
+    lens[0] = case.extra.capacity + 1
+    bad = dataclasses.replace(case.extra, lens=lens)
+    with pytest.raises(ValueError, match=r"extra.lens must lie in \[0, K=512\]"):
+        ops.sparse_attention(case.q, case.window, case.sink, case.scale, bad)
+    assert len(calls) == 1
+    ops.sparse_attention(*args, check_values=False)  # unchecked values are the kernel's rule
+    assert len(calls) == 2
+
+
+def test_a_call_outside_the_common_case_takes_the_full_checks(monkeypatch):
+    """What the flat test refuses still gets the message that names the bad value, or runs
+    where it can (a format given by name)."""
+    calls = _kernel_on_cpu(monkeypatch)
+    case = make_decode_case(3, 64, KVFormat.FP8_DS_MLA, 128, 512)
+    q, window, sink, scale, extra = case.args()
+    with pytest.raises(ValueError, match=r"sink must be \[H=64\] or None, got \(63,\)"):
+        ops.sparse_attention(q, window, sink[:63], scale, extra)
+    named = dataclasses.replace(window, fmt="fp8_ds_mla")
+    out, lse = ops.sparse_attention(q, named, sink, scale, extra)
+    assert ops.last_dispatch() == ops.Dispatch("cutedsl", None) and len(calls) == 1
+    assert calls[0].fmt is KVFormat.FP8_DS_MLA  # parsed by the full checks
+    assert_matches_reference(out, lse, *reference_on_rows(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs a Hopper (sm_90) GPU",
+)
+@pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
+@pytest.mark.parametrize("T", [1, 64])
+def test_gpu_auto_runs_the_kernel_on_the_serving_layers_calls(fmt, T):
+    """On an sm_90 GPU the serving layer's call takes the flat test straight to the kernel
+    (poisoned outputs written in place), matching the float64 reference; a bad slot is still
+    named when values are checked."""
+    from dsv4_attn.kernels import sparse_decode
+
+    case = make_decode_case(T, 64, fmt, 128, 512, device="cuda", seed=T, lens="random")
+    assert sparse_decode.is_common_case(*case.args(), None, None)
+    out = torch.full((T, 64, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((T, 64), float("nan"), device="cuda")
+    ops.sparse_attention(*case.args(), out=out, lse=lse)
+    assert ops.last_dispatch() == ops.Dispatch("cutedsl", None)
+    assert_matches_reference(out, lse, *reference_on_rows(case))
+    indices = case.window.indices.clone()
+    indices[-1, 0] = -2
+    bad = dataclasses.replace(case.window, indices=indices)
+    with pytest.raises(ValueError, match=r"window\.indices hold slot -2"):
+        ops.sparse_attention(case.q, bad, case.sink, case.scale, case.extra)

@@ -8,6 +8,8 @@ the four kinds of sink, extra-scope widths 0..8192 and token counts 1..256.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import zlib
 from types import SimpleNamespace
@@ -15,11 +17,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsv4_attn import kv_cache, reference
+from dsv4_attn import kv_cache, ops, reference
 from dsv4_attn.kernels import sparse_decode, sparse_decode_schedule
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
 from dsv4_attn.scope import KVScope
-from dsv4_attn.testing import assert_rows_close
+from dsv4_attn.testing import assert_rows_close, make_decode_case
 
 # ----------------------------------------------------------------------------------------------
 # CPU tests
@@ -63,6 +65,128 @@ def test_unsupported_reason_on_cpu_tensors():
     window = KVScope(cache, KVFormat.FP8_DS_MLA, 64, idx, lens)
     reason = sparse_decode.unsupported_reason(q, window, None, None)
     assert reason is not None and "CUDA" in reason
+
+
+def _common_case(fmt: KVFormat, sink: bool, extra: bool, outs: bool):
+    """A call of the serving layer's kind (CPU tensors): (q, window, sink, scale, extra, out,
+    lse)."""
+    case = make_decode_case(
+        3, 64, fmt, 128, 512 if extra else None, sink="finite" if sink else None
+    )
+    q, window, sink_t, scale, extra_s = case.args()
+    out = torch.empty(3, 64, HEAD_DIM, dtype=torch.bfloat16) if outs else None
+    lse = torch.empty(3, 64, dtype=torch.float32) if outs else None
+    return [q, window, sink_t, float(scale), extra_s, out, lse]
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a tensor whose storage starts 8 bytes past a 16-byte boundary."""
+    raw = torch.empty(t.numel() * t.element_size() + 32, dtype=torch.uint8)
+    start = (16 - raw.data_ptr() % 16) % 16 + 8
+    view = raw[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    return view.copy_(t)
+
+
+def _odd_page_stride(cache: torch.Tensor) -> torch.Tensor:
+    """``cache``'s bytes as pages 8 bytes further apart (the first page still aligned)."""
+    pages, page_bytes = cache.shape
+    return cache.view(-1).as_strided((pages - 1, page_bytes), (page_bytes + 8, 1))
+
+
+def _scope(args, which: int, **changes):
+    args[which] = dataclasses.replace(args[which], **changes)
+    return args
+
+
+# Each breaks one condition of the kernel's common case (some leave a valid call the kernel
+# cannot run, some an invalid call): the flat test must refuse every one.
+_NOT_COMMON = {
+    "q fp16": lambda a: [a[0].half(), *a[1:]],
+    "q 48 heads": lambda a: [a[0][:, :48].contiguous(), *a[1:]],
+    "q head dim 256": lambda a: [a[0][..., :256].contiguous(), *a[1:]],
+    "q 2-dim": lambda a: [a[0][0], *a[1:]],
+    "q strided": lambda a: [a[0].transpose(0, 1).contiguous().transpose(0, 1), *a[1:]],
+    "q misaligned": lambda a: [_misaligned(a[0]), *a[1:]],
+    "scale int": lambda a: [*a[:3], 1, *a[4:]],
+    "scale 0": lambda a: [*a[:3], 0.0, *a[4:]],
+    "scale nan": lambda a: [*a[:3], float("nan"), *a[4:]],
+    "scale inf": lambda a: [*a[:3], math.inf, *a[4:]],
+    "fmt as text": lambda a: _scope(a, 1, fmt=a[1].fmt.value),
+    "fmt bf16": lambda a: _scope(a, 1, fmt=KVFormat.BF16),
+    "block_size 0": lambda a: _scope(a, 1, block_size=0),
+    "block_size bool": lambda a: _scope(a, 1, block_size=True),
+    "cache no pages": lambda a: _scope(a, 1, cache=a[1].cache[:0]),
+    "cache short pages": lambda a: _scope(a, 1, cache=a[1].cache[:, :-16]),
+    "cache int8": lambda a: _scope(a, 1, cache=a[1].cache.view(torch.int8)),
+    "cache 1-dim": lambda a: _scope(a, 1, cache=a[1].cache.view(-1)),
+    "cache odd page stride": lambda a: _scope(a, 1, cache=_odd_page_stride(a[1].cache)),
+    "cache misaligned": lambda a: _scope(a, 1, cache=_misaligned(a[1].cache)),
+    "cache strided bytes": lambda a: _scope(a, 1, cache=a[1].cache[:, ::2]),
+    "cache of 2^30 slots": lambda a: _scope(
+        a, 1, cache=a[1].cache[:1].expand((1 << 30) // a[1].block_size, -1)
+    ),
+    "cache on meta": lambda a: _scope(a, 1, cache=a[1].cache.to("meta")),
+    "block_size past the pages": lambda a: _scope(a, 1, block_size=1 << 30),
+    "indices float": lambda a: _scope(a, 1, indices=a[1].indices.float()),
+    "indices int16": lambda a: _scope(a, 1, indices=a[1].indices.short()),
+    "indices 1-dim": lambda a: _scope(a, 1, indices=a[1].indices[:, 0]),
+    "indices rows": lambda a: _scope(a, 1, indices=a[1].indices[:2]),
+    "indices strided": lambda a: _scope(a, 1, indices=a[1].indices.t().contiguous().t()),
+    "lens rows": lambda a: _scope(a, 1, lens=a[1].lens[:2]),
+    "lens strided": lambda a: _scope(a, 1, lens=torch.stack([a[1].lens] * 2, 1)[:, 0]),
+    "lens on meta": lambda a: _scope(a, 1, lens=a[1].lens.to("meta")),
+    "scope a tuple": lambda a: [a[0], tuple(dataclasses.astuple(a[1])), *a[2:]],
+    "extra other format": lambda a: _scope(
+        a,
+        4,
+        fmt=next(f for f in (KVFormat.FP8_DS_MLA, KVFormat.NVFP4) if f is not a[1].fmt),
+    ),
+    "extra int64 indices": lambda a: _scope(a, 4, indices=a[4].indices.long()),
+    "extra int64 lens": lambda a: _scope(a, 4, lens=a[4].lens.long()),
+    "extra strided": lambda a: _scope(a, 4, indices=a[4].indices.t().contiguous().t()),
+    "sink fp16": lambda a: [*a[:2], a[2].half(), *a[3:]],
+    "sink 32 heads": lambda a: [*a[:2], a[2][:32], *a[3:]],
+    "sink strided": lambda a: [*a[:2], torch.stack([a[2]] * 2, 1)[:, 0], *a[3:]],
+    "sink a list": lambda a: [*a[:2], a[2].tolist(), *a[3:]],
+    "out fp32": lambda a: [*a[:5], a[5].float(), a[6]],
+    "out strided": lambda a: [*a[:5], a[5].transpose(0, 1).contiguous().transpose(0, 1), a[6]],
+    "out 2 tokens": lambda a: [*a[:5], a[5][:2], a[6]],
+    "out on meta": lambda a: [*a[:5], a[5].to("meta"), a[6]],
+    "lse bf16": lambda a: [*a[:6], a[6].bfloat16()],
+    "lse 3-dim": lambda a: [*a[:6], a[6][..., None]],
+}
+
+
+@pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
+def test_the_flat_check_takes_the_serving_layers_calls(fmt):
+    """The common case's flat test accepts what the serving layer passes (with and without
+    sink, extra scope and given outputs), each of them valid and supported."""
+    for sink, extra, outs in itertools.product([True, False], repeat=3):
+        args = _common_case(fmt, sink, extra, outs)
+        assert sparse_decode._common_layout(*args), (sink, extra, outs)
+        q, window, sink_t, scale, extra_s, out, lse = args
+        ops._validate(q, window, sink_t, scale, extra_s, out, lse, check_values=True)
+        assert sparse_decode._layout_reason(q, window, sink_t, extra_s) is None
+
+
+@pytest.mark.parametrize("fmt", [KVFormat.FP8_DS_MLA, KVFormat.NVFP4])
+@pytest.mark.parametrize("change", list(_NOT_COMMON))
+def test_the_flat_check_refuses_what_the_checks_would_question(fmt, change):
+    """A call the flat test accepts skips ops' validation and the kernel's support check, so it
+    must refuse every call that either would reject or send elsewhere (and each change here
+    does change the call: the serving layer's own is accepted, above)."""
+    args = _NOT_COMMON[change](_common_case(fmt, sink=True, extra=True, outs=True))
+    assert not sparse_decode._common_layout(*args)
+    q, window, sink, scale, extra, out, lse = args
+    try:
+        window, extra = ops._validate(q, window, sink, scale, extra, out, lse, False)
+    except (ValueError, AttributeError, TypeError):
+        return  # the full checks reject it
+    # A valid call the kernel cannot run, or one the flat test leaves to the full checks
+    # (a format given as its name, an int scale): it still runs, through the full path.
+    assert change in ("fmt as text", "scale int") or (
+        sparse_decode._layout_reason(q, window, sink, extra) is not None
+    )
 
 
 @pytest.mark.parametrize("balanced", [False, True])
