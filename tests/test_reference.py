@@ -356,6 +356,8 @@ def compressor_inputs(name: str, L: int, ratio: int, D: int, rope_dim: int = 64)
         (4, 96, 4),  # one entry: entry 0 alone
         (8, 96, 8 * 3 + 7),  # a non-overlapping ratio, 7 trailing positions dropped
         (128, 64, 2 * 128 + 37),  # HCA: all 64 values rotated; 37 trailing dropped
+        (2, 512, 2 * 6 + 1),  # V4.1's pairs, a softmax gate per channel; 1 trailing dropped
+        (1, 512, 5),  # V4.1's ratio 1: each position its own entry (a softmax of one)
     ],
 )
 def test_compressed_entries_match_a_loop_by_loop_derivation(ratio, D, L):

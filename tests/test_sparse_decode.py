@@ -859,3 +859,35 @@ def test_more_tokens_than_one_grid_holds(fmt):
         part = KVScope(cache, fmt, 64, window.indices[rows], window.lens[rows])
         ref_out, ref_lse = _reference(q[rows], part, sink, HEAD_DIM**-0.5, None)
         _check(out[rows], lse[rows], ref_out, ref_lse)
+
+
+def test_split_partials_are_views_of_the_exact_shapes():
+    """The kernel writes its partials as contiguous tensors of the exact split shapes: a
+    workspace of those shapes is used as it is, a larger one through views at its start, and
+    one of another dtype or layout is refused (never handed to the kernel as it is)."""
+    o_shape, lse_shape = sparse_decode.workspace_shape(3, 5, 64)
+    o_dtype, lse_dtype = sparse_decode.WORKSPACE_DTYPES
+    exact = (torch.empty(o_shape, dtype=o_dtype), torch.empty(lse_shape, dtype=lse_dtype))
+    got = sparse_decode._workspace_views(exact, o_shape, lse_shape)
+    assert got[0] is exact[0] and got[1] is exact[1]
+
+    larger = (
+        torch.empty(2 * math.prod(o_shape), dtype=o_dtype),
+        torch.empty(2 * math.prod(lse_shape) + 1, dtype=lse_dtype),
+    )
+    o, lse = sparse_decode._workspace_views(larger, o_shape, lse_shape)
+    assert o.shape == o_shape and lse.shape == lse_shape and o.is_contiguous()
+    assert o.data_ptr() == larger[0].data_ptr() and lse.data_ptr() == larger[1].data_ptr()
+
+    _, lse = sparse_decode._workspace_views((exact[0], larger[1]), o_shape, lse_shape)
+    assert lse.shape == lse_shape  # each tensor on its own
+
+    wider = (torch.empty((*o_shape[:-1], 2 * o_shape[-1]), dtype=o_dtype), exact[1])
+    o, _ = sparse_decode._workspace_views(wider, o_shape, lse_shape)
+    assert o.shape == o_shape and o.is_contiguous()  # the start of its storage, reshaped
+
+    transposed = exact[1].transpose(-1, -2).contiguous().transpose(-1, -2)
+    with pytest.raises(ValueError, match="not contiguous"):
+        sparse_decode._workspace_views((exact[0], transposed), o_shape, lse_shape)
+    with pytest.raises(ValueError, match="workspace tensors must be contiguous"):
+        sparse_decode._workspace_views((exact[0].float(), exact[1]), o_shape, lse_shape)
