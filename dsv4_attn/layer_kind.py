@@ -45,6 +45,31 @@ _NAMES = {Family.V4: "DeepSeek-V4", Family.V41: "DeepSeek-V4.1"}
 
 
 @dataclass(frozen=True)
+class Compressed:
+    """A layer's compressed entries as its query tokens see them.
+
+    Attributes:
+        ratio: positions per entry; entry ``e`` is complete at position ``(e + 1) * ratio - 1``.
+        top_k: a token attends to the indexer's picks among the entries complete at its
+            position (V4's CSA, V4.1's ratios 1 and 2); else to every one of them (V4's HCA).
+    """
+
+    ratio: int
+    top_k: bool
+
+
+def compressed_of(family: Family, compress_ratio: int) -> Compressed | None:
+    """The compressed entries of a layer of ``family`` and ratio, None for a window-only one."""
+    if compress_ratio not in RATIOS[family]:
+        raise ValueError(
+            f"compress ratio {compress_ratio}: {_NAMES[family]} layers have one of {RATIOS[family]}"
+        )
+    if compress_ratio <= (1 if family is Family.V4 else 0):
+        return None
+    return Compressed(compress_ratio, top_k=family is Family.V41 or compress_ratio == 4)
+
+
+@dataclass(frozen=True)
 class LayerKind:
     """One attention layer's kind.
 
@@ -65,9 +90,14 @@ class LayerKind:
     index_source: int | None
 
     @property
+    def compressed(self) -> Compressed | None:
+        """The compressed entries the layer attends to besides its window (None: window only)."""
+        return compressed_of(self.family, self.compress_ratio)
+
+    @property
     def has_compressed(self) -> bool:
         """Whether the layer attends to compressed entries besides its window."""
-        return self.compress_ratio > (1 if self.family is Family.V4 else 0)
+        return self.compressed is not None
 
     @property
     def overlapping(self) -> bool:

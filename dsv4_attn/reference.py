@@ -283,10 +283,10 @@ def compressed_entries(
     Each position carries ``C * D`` kv values and ``C * D`` scores (the compressor's projections,
     the scores with V4's positional bias added; V4.1 has none); ``C = 2`` for the overlapping
     compressor (V4's ratio 4, CSA), 1 otherwise (V4's 128; V4.1's 2, and its 1, where an entry
-    is its position's kv: the softmax of one score is 1). Entry ``e`` is complete at position ``p = (e + 1) * ratio - 1`` and
-    covers the ``C * ratio`` positions ``p - C * ratio + 1 .. p`` that exist (``>= 0``): the
-    positions of its own block with their last ``D`` columns, with ``C = 2`` those of the block
-    before with their first ``D``. Per column ``j``:
+    is its position's kv: the softmax of one score is 1). Entry ``e`` is complete at position
+    ``p = (e + 1) * ratio - 1`` and covers the ``C * ratio`` positions ``p - C * ratio + 1 ..
+    p`` that exist (``>= 0``): the positions of its own block with their last ``D`` columns,
+    with ``C = 2`` those of the block before with their first ``D``. Per column ``j``:
 
         x_j = sum_i softmax_i(score[i, j]) kv[i, j]
 

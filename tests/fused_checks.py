@@ -20,6 +20,7 @@ import torch
 
 from dsv4_attn import kv_cache
 from dsv4_attn.kv_cache import KVFormat
+from dsv4_attn.layer_kind import Compressed, Family, compressed_of
 from tests import vllm_glue_testing as vt
 
 # ----------------------------------------------------------------------------------------------
@@ -296,25 +297,28 @@ def check_prefill_index(fused, device, seed: int) -> None:
     first_token = int(torch.randint(0, 9, (1,), generator=gen))  # decode tokens before
     query_start = torch.cat([torch.zeros(1), query_lens.cumsum(0)]).int() + first_token
     T = int(query_lens.sum())
-    for ratio in (1, 4, 128):
+    # Window only; V4's CSA and HCA; V4.1's top-k of ratio 1 and 2.
+    kinds = [None, Compressed(4, True), Compressed(128, False), Compressed(1, True)]
+    for kind in [*kinds, Compressed(2, True)]:
         (chunk,) = prefill.plan_chunks(
-            query_start.cpu() - first_token, seq_lens, 0, C, ratio, vt.WINDOW, 1 << 30
+            query_start.cpu() - first_token, seq_lens, 0, C, kind, vt.WINDOW, 1 << 30
         )
         chunk = prefill.PrefillChunk(0, C, first_token, first_token + T, chunk.entries, chunk.rows)
         topk = None
-        if ratio == 4:  # picks with holes, some past the cached entries
-            topk = torch.randint(-1, int(seq_lens.max()) // 4 + 3, (T, 24), generator=gen).int()
-            # The last three on the visibility bound (pos + 1) // 4: the last complete entry,
-            # the first incomplete one, the next.
-            bound = torch.tensor([(p + 1) // 4 for p in positions], dtype=torch.int32)
+        if kind is not None and kind.top_k:  # picks with holes, some past the cached entries
+            r = kind.ratio
+            topk = torch.randint(-1, int(seq_lens.max()) // r + 3, (T, 24), generator=gen).int()
+            # The last three on the visibility bound (pos + 1) // ratio: the last complete
+            # entry, the first incomplete one, the next.
+            bound = torch.tensor([(p + 1) // r for p in positions], dtype=torch.int32)
             topk[:, -3:] = bound[:, None] + torch.tensor([-1, 0, 1], dtype=torch.int32)
-        width = prefill.index_width(ratio, 24, chunk.entries, vt.WINDOW)
+        width = prefill.index_width(kind, 24, chunk.entries, vt.WINDOW)
         want = (
             torch.full((T, width + 3), 777, dtype=torch.int32),
             torch.full((T,), 777, dtype=torch.int32),
         )
         prefill._index_lists_torch(
-            chunk, query_start, seq_lens, vt.WINDOW, ratio, topk, want[0][:, :width], want[1]
+            chunk, query_start, seq_lens, vt.WINDOW, kind, topk, want[0][:, :width], want[1]
         )
         got = (
             torch.full((T, width + 3), 777, dtype=torch.int32, device=device),
@@ -327,14 +331,14 @@ def check_prefill_index(fused, device, seed: int) -> None:
             T,
             chunk.entries,
             chunk.rows,
-            ratio,
+            kind,
             vt.WINDOW,
             topk.to(device) if topk is not None else None,
             got[0][:, :width],
             got[1],
         )
-        assert torch.equal(got[0].cpu(), want[0]), ratio
-        assert torch.equal(got[1].cpu(), want[1]), ratio
+        assert torch.equal(got[0].cpu(), want[0]), kind
+        assert torch.equal(got[1].cpu(), want[1]), kind
 
 
 def check_metadata(fused, device, seed: int) -> None:
@@ -838,16 +842,17 @@ class ServingStand:
         if not prefills:
             return
         for ratio in (1, 4, 128):
-            budget = prefill.rows_budget(self.MAX_LEN, ratio, self.WINDOW, self.MAX_TOKENS)
+            kind = compressed_of(Family.V4, ratio)
+            budget = prefill.rows_budget(self.MAX_LEN, kind, self.WINDOW, self.MAX_TOKENS)
             chunks = prefill.plan_chunks(
-                query_start_cpu, seq_cpu, decodes, R - decodes, ratio, self.WINDOW, budget
+                query_start_cpu, seq_cpu, decodes, R - decodes, kind, self.WINDOW, budget
             )
             for chunk in chunks:
                 reqs = slice(chunk.first_req, chunk.end_req)
                 C, N, M = chunk.end_req - chunk.first_req, chunk.entries, chunk.rows
                 chunk_tokens = chunk.end_token - chunk.first_token
                 topk = self.TOPK if ratio == 4 else 0
-                columns = prefill.index_width(ratio, topk, N, self.WINDOW)
+                columns = prefill.index_width(kind, topk, N, self.WINDOW)
                 rows_ws, indices_ws, lens_ws, _ = self._scratch(
                     prefill.chunk_workspace_shapes(C * M, chunk_tokens, columns, self.HEADS)
                 )
@@ -886,7 +891,7 @@ class ServingStand:
                     chunk_tokens,
                     N,
                     M,
-                    ratio,
+                    kind,
                     self.WINDOW,
                     self.topk[tokens] if ratio == 4 else None,
                     indices_ws[:chunk_tokens, :columns],

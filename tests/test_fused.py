@@ -512,14 +512,16 @@ def test_the_profiling_runs_gather_warm_up_covers_serving(monkeypatch):
     another page count, chunks of every shape): a user's first prefill with earlier context
     compiles nothing. The gathers take their GPU path here (keys recorded, nothing run)."""
     from dsv4_attn.kv_cache import KVFormat
+    from dsv4_attn.layer_kind import Family, compressed_of
     from dsv4_attn.vllm_glue import prefill
 
     keys = _record_launch_keys(monkeypatch)
     monkeypatch.setattr(prefill, "_runs_fused", lambda device: True)
     stand = ServingStand("cpu")
     for ratio in (1, 4, 128):
+        kind = compressed_of(Family.V4, ratio)
         prefill.warm_gather(
-            KVFormat.NVFP4, ratio, stand.WINDOW, stand.SWA_BLOCK, stand.CACHE_BLOCK, "cpu"
+            KVFormat.NVFP4, kind, stand.WINDOW, stand.SWA_BLOCK, stand.CACHE_BLOCK, "cpu"
         )
     warm = set(keys.pop("_gather_nvfp4_kernel"))
     assert len(warm) == KERNEL_VARIANTS["_gather_nvfp4_kernel"]

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from dsv4_attn.layer_kind import Family, compressed_of
 from dsv4_attn.testing import assert_rows_close
 from tests import vllm_glue_testing as vt
 
@@ -777,7 +778,8 @@ def test_warm_gather_leaves_no_gather_to_compile_in_serving(kv_dtype):
     fp8_gather._compiled_cache.clear()
     kv_gather._gather_nvfp4_kernel.device_caches.clear()
     for ratio in (1, 4, 128):
-        prefill.warm_gather(fmt, ratio, window, swa_block, cache_block, device)
+        kind = compressed_of(Family.V4, ratio)
+        prefill.warm_gather(fmt, kind, window, swa_block, cache_block, device)
     torch.cuda.synchronize()
     warm_fp8 = set(fp8_gather._compiled_cache)
     assert bool(warm_fp8) == (fmt is KVFormat.FP8_DS_MLA)
@@ -821,8 +823,9 @@ def _gather_with_context(fmt, ratio, window, swa_block, cache_block, gen) -> Non
     device = torch.device("cuda")
     seq_cpu = torch.tensor(seq, dtype=torch.int32)
     query_start_cpu = torch.tensor(starts, dtype=torch.int32)
-    budget = prefill.rows_budget(max(seq), ratio, window, starts[-1])
-    (chunk,) = prefill.plan_chunks(query_start_cpu, seq_cpu, 0, C, ratio, window, budget * C)
+    kind = compressed_of(Family.V4, ratio)
+    budget = prefill.rows_budget(max(seq), kind, window, starts[-1])
+    (chunk,) = prefill.plan_chunks(query_start_cpu, seq_cpu, 0, C, kind, window, budget * C)
 
     def caches(block: int):
         count = draw(50, 90)

@@ -452,29 +452,10 @@ def test_block_lists_equal_vllms_builder_kernel():
     assert "blocks compared: 3" in result.stdout
 
 
-def _vllm_block_kernel():
-    """vLLM's non-causal SWA kernel body, jitted with Triton itself: on a host without a GPU
-    driver vLLM binds its module to a Triton placeholder (whose ``jit`` is a no-op)."""
-    import types
-
-    import triton
-    import triton.language as tl
+def check_vllm_block_kernel() -> None:
     from vllm.v1.attention.backends.mla import sparse_swa
 
-    body = sparse_swa.ComputeDSparkNoncausalSWAIndicesKernel.__dict__["kernel"].__func__
-    body = getattr(body, "fn", body)
-    rebound = types.FunctionType(
-        body.__code__,
-        {**body.__globals__, "tl": tl, "triton": triton},
-        body.__name__,
-        body.__defaults__,
-        body.__closure__,
-    )
-    return triton.jit(rebound)
-
-
-def check_vllm_block_kernel() -> None:
-    kernel = _vllm_block_kernel()
+    kernel = vt.vllm_triton_kernel(sparse_swa.ComputeDSparkNoncausalSWAIndicesKernel)
 
     for name, (seq_lens, query_lens) in DRAFT_BLOCKS.items():
         gen = torch.Generator().manual_seed(len(name))

@@ -469,3 +469,25 @@ def spawn_child(config, results) -> None:
             "config": config,
         }
     )
+
+
+def vllm_triton_kernel(kernel_class: type):
+    """The Triton body of one of vLLM's kernel classes (``kernel_class.kernel``), jitted with
+    Triton itself: on a host without a GPU driver vLLM binds its modules to a Triton
+    placeholder (whose ``jit`` is a no-op). Run it with ``TRITON_INTERPRET=1`` set before Triton
+    is imported (a child process)."""
+    import types
+
+    import triton
+    import triton.language as tl
+
+    body = kernel_class.__dict__["kernel"].__func__
+    body = getattr(body, "fn", body)
+    rebound = types.FunctionType(
+        body.__code__,
+        {**body.__globals__, "tl": tl, "triton": triton},
+        body.__name__,
+        body.__defaults__,
+        body.__closure__,
+    )
+    return triton.jit(rebound)

@@ -28,6 +28,7 @@ import torch
 from dsv4_attn import ops
 from dsv4_attn.bench.timing import measure_ceilings, report, time_cuda_us
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+from dsv4_attn.layer_kind import Family, compressed_of
 from dsv4_attn.scope import KVScope
 from dsv4_attn.testing import random_cache
 
@@ -63,6 +64,7 @@ class _Prompt:
         self.extra = None
         self.local_topk = None
         self.compressed = None
+        self.entries = compressed_of(Family.V4, ratio)
         if ratio > 1:
             per_page = CACHE_BLOCK // ratio
             cache = random_cache(max(1, P // ratio), per_page, fmt, gen, dev)
@@ -89,11 +91,11 @@ class _Prompt:
         self.steps = []
         for t0 in range(0, P, step_tokens):
             t1 = min(P, t0 + step_tokens)
-            budget = prefill.rows_budget(P, ratio, WINDOW, step_tokens)
+            budget = prefill.rows_budget(P, self.entries, WINDOW, step_tokens)
             (chunk,) = prefill.plan_chunks(
-                torch.tensor([t0, t1]), torch.tensor([t1]), 0, 1, ratio, WINDOW, budget
+                torch.tensor([t0, t1]), torch.tensor([t1]), 0, 1, self.entries, WINDOW, budget
             )
-            shapes = prefill.peak_workspace_shapes(P, ratio, WINDOW, topk, t1 - t0, heads)
+            shapes = prefill.peak_workspace_shapes(P, self.entries, WINDOW, topk, t1 - t0, heads)
             self.steps.append(
                 {
                     "tokens": slice(t0, t1),
@@ -153,7 +155,7 @@ class _Prompt:
                 step["query_start"],
                 step["seq_lens"],
                 WINDOW,
-                self.ratio,
+                self.entries,
                 topk,
                 step["index_ws"],
             )

@@ -5,10 +5,10 @@
 requests, its rows in the chunk's gather workspace (request ``c`` owns rows ``c * M ..``:
 compressed entries at ``0 .. N``, window positions ``seq_len - gather_len ..`` at ``N ..``).
 
-* CSA (``ratio == 4``): the indexer's request-local entries (-1, or one the token does not see
-  yet, ``>= (pos + 1) // ratio``: -1) in columns ``0 .. K``, the window in ``K .. K + window``;
-  ``lens = K + window length``.
-* HCA (``ratio > 1``): every entry the token sees (``(pos + 1) // ratio``), then its window,
+* top-k layers (V4's CSA, V4.1's compressed layers): the indexer's request-local entries (-1,
+  or one the token does not see yet, ``>= (pos + 1) // ratio``: -1) in columns ``0 .. K``, the
+  window in ``K .. K + window``; ``lens = K + window length``.
+* V4's HCA: every entry the token sees (``(pos + 1) // ratio``), then its window,
   packed; -1 after.
 * SWA-only: the window.
 """
@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from dsv4_attn.layer_kind import Compressed
 
 __all__ = ["fill_prefill_index"]
 
@@ -110,7 +112,7 @@ def fill_prefill_index(
     num_tokens: int,
     entries: int,
     rows: int,
-    compress_ratio: int,
+    compressed: Compressed | None,
     window: int,
     local_topk: torch.Tensor | None,
     indices: torch.Tensor,
@@ -123,7 +125,7 @@ def fill_prefill_index(
         return
     if window & (window - 1):
         raise ValueError(f"the window must be a power of two, got {window}")
-    mode = 1 if compress_ratio == 4 else 2 if compress_ratio > 1 else 0
+    mode = 0 if compressed is None else 1 if compressed.top_k else 2
     topk = local_topk if local_topk is not None else indices  # a placeholder pointer
     _prefill_index_kernel[(num_tokens,)](
         query_start,
@@ -140,7 +142,7 @@ def fill_prefill_index(
         lens,
         entries,
         rows,
-        max(compress_ratio, 1),
+        compressed.ratio if compressed is not None else 1,
         WINDOW=window,
         MODE=mode,
         BLOCK_REQS=_BLOCK_REQS,

@@ -43,6 +43,7 @@ from dsv4_attn import ops
 from dsv4_attn.kernels import sparse_decode_schedule
 from dsv4_attn.kernels.sparse_decode_schedule import DecodeSchedule
 from dsv4_attn.kv_cache import KVFormat
+from dsv4_attn.layer_kind import Family, compressed_of
 from dsv4_attn.log import LOGGER_PREFIX
 from dsv4_attn.vllm_glue import BACKEND_NAME, kv_spec, prefill
 from dsv4_attn.vllm_glue.backend import DSV4NVFP4Backend, DSV4NVFP4SWABackend
@@ -133,6 +134,8 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         # Known before the base __init__, which asks _uses_fp8_ds_mla_layout() for the layout.
         self.kv_format = kv_spec.resolve_kv_format(vllm_config.cache_config.cache_dtype)
         super().__init__(vllm_config, prefix, topk_indices_buffer, aux_stream_list)
+        # The compressed entries the layer's tokens attend to besides their window.
+        self.compressed_entries = compressed_of(Family.V4, self.compress_ratio)
         self.cache_config = vllm_config.cache_config
         self.device = torch.device(vllm_config.device_config.device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -355,7 +358,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         topk = self.topk_indices_buffer.shape[1] if self.compress_ratio == CSA_RATIO else 0
         return prefill.peak_workspace_shapes(
             self.max_model_len,
-            self.compress_ratio,
+            self.compressed_entries,
             self.window_size,
             topk,
             self.max_num_batched_tokens,
@@ -402,7 +405,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         )
         prefill.warm_gather(
             self.kv_format,
-            self.compress_ratio,
+            self.compressed_entries,
             self.window_size,
             self.swa_cache_layer.block_size,
             self.cache_config.block_size,
@@ -497,7 +500,10 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
 
     def _prefill_budget(self) -> int:
         return prefill.rows_budget(
-            self.max_model_len, self.compress_ratio, self.window_size, self.max_num_batched_tokens
+            self.max_model_len,
+            self.compressed_entries,
+            self.window_size,
+            self.max_num_batched_tokens,
         )
 
     def _forward_prefill(
@@ -511,7 +517,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         chunk (:mod:`.prefill`). Returns the end of the step's real tokens."""
         assert swa.query_start_loc_cpu is not None and swa.seq_lens_cpu is not None
         assert swa.query_start_loc is not None and swa.seq_lens is not None
-        plan_key = (self.compress_ratio, self.window_size, self._prefill_budget())
+        plan_key = (self.compressed_entries, self.window_size, self._prefill_budget())
         chunks = swa.prefill_plans.get(plan_key)
         if chunks is None:
             chunks = swa.prefill_plans[plan_key] = prefill.plan_chunks(
@@ -536,7 +542,9 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             query_start = swa.query_start_loc[chunk.first_req : chunk.end_req + 1]
             seq_lens = swa.seq_lens[reqs]
             C, T = chunk.end_req - chunk.first_req, chunk.end_token - chunk.first_token
-            width = prefill.index_width(self.compress_ratio, topk, chunk.entries, self.window_size)
+            width = prefill.index_width(
+                self.compressed_entries, topk, chunk.entries, self.window_size
+            )
             rows_ws, indices_ws, lens_ws, lse_ws = self._scratch(
                 prefill.chunk_workspace_shapes(C * chunk.rows, T, width, q.shape[1]), "prefill"
             )
@@ -568,7 +576,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
                 query_start,
                 seq_lens,
                 self.window_size,
-                self.compress_ratio,
+                self.compressed_entries,
                 local_topk,
                 (indices_ws, lens_ws),
             )

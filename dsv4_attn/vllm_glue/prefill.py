@@ -10,9 +10,10 @@ prefill requests is handled as vLLM's FlashMLA layer does:
    min(prefix, window - 1)``) at rows ``N .. M``. FP8 uses vLLM's own gather-dequant op on CUDA,
    NVFP4 :func:`dsv4_attn.fused.kv_gather.gather_nvfp4_rows`; elsewhere :func:`dsv4_attn.kv_cache.
    read_unchecked`.
-2. **index** — each token's list of workspace rows: its compressed entries (CSA: the indexer's
-   top-k, -1 holes kept and picks the token does not see yet, ``>= (pos + 1) // ratio``, made
-   holes, as in decode; HCA: every entry it sees, ``(pos + 1) // ratio``) then its window
+2. **index** — each token's list of workspace rows: its compressed entries (top-k layers, V4's
+   CSA and V4.1's compressed layers: the indexer's picks, -1 holes kept and picks the token does
+   not see yet, ``>= (pos + 1) // ratio``, made holes, as in decode; V4's HCA: every entry it
+   sees, ``(pos + 1) // ratio``) then its window
    (``max(0, pos - window + 1) .. pos``), the same rows the decode path would read.
 3. **attend** — :func:`dsv4_attn.fmha_ops.sparse_prefill` with the sink, written into vLLM's
    output rows.
@@ -31,6 +32,7 @@ import torch
 
 from dsv4_attn import fmha_ops, kv_cache
 from dsv4_attn.kv_cache import HEAD_DIM, KVFormat
+from dsv4_attn.layer_kind import Compressed
 
 __all__ = [
     "PrefillChunk",
@@ -64,19 +66,28 @@ class PrefillChunk:
     rows: int
 
 
-def rows_budget(max_model_len: int, compress_ratio: int, window: int, max_tokens: int) -> int:
+def _entries(seq_len: int, compressed: Compressed | None, ceil: bool = False) -> int:
+    """Compressed entries of a sequence of ``seq_len`` positions (complete ones, or every
+    started one with ``ceil``); 0 for a window-only layer."""
+    if compressed is None:
+        return 0
+    return -(-seq_len // compressed.ratio) if ceil else seq_len // compressed.ratio
+
+
+def rows_budget(
+    max_model_len: int, compressed: Compressed | None, window: int, max_tokens: int
+) -> int:
     """Workspace rows a chunk may use: enough for any single request (all its compressed entries
     plus a whole step of query tokens and the window before them)."""
-    entries = -(-max_model_len // compress_ratio) if compress_ratio > 1 else 0
-    return entries + window - 1 + max_tokens
+    return _entries(max_model_len, compressed, ceil=True) + window - 1 + max_tokens
 
 
-def index_width(compress_ratio: int, topk: int, entries: int, window: int) -> int:
+def index_width(compressed: Compressed | None, topk: int, entries: int, window: int) -> int:
     """Columns of a token's list: its compressed candidates (top-k, or every entry of the chunk's
     longest request) then the window."""
-    if compress_ratio == 4:
+    if compressed is not None and compressed.top_k:
         return topk + window
-    return (entries if compress_ratio > 1 else 0) + window
+    return (entries if compressed is not None else 0) + window
 
 
 def chunk_workspace_shapes(
@@ -95,16 +106,16 @@ def chunk_workspace_shapes(
 
 def peak_workspace_shapes(
     max_model_len: int,
-    compress_ratio: int,
+    compressed: Compressed | None,
     window: int,
     topk: int,
     max_tokens: int,
     heads: int,
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """The largest :func:`chunk_workspace_shapes` any chunk of a step asks for."""
-    entries = -(-max_model_len // compress_ratio) if compress_ratio > 1 else 0
-    width = index_width(compress_ratio, topk, entries, window)
-    rows = rows_budget(max_model_len, compress_ratio, window, max_tokens)
+    entries = _entries(max_model_len, compressed, ceil=True)
+    width = index_width(compressed, topk, entries, window)
+    rows = rows_budget(max_model_len, compressed, window, max_tokens)
     return chunk_workspace_shapes(rows, max_tokens, width, heads)
 
 
@@ -113,7 +124,7 @@ def plan_chunks(
     seq_lens_cpu: torch.Tensor,
     first_req: int,
     num_reqs: int,
-    compress_ratio: int,
+    compressed: Compressed | None,
     window: int,
     budget: int,
 ) -> list[PrefillChunk]:
@@ -130,7 +141,7 @@ def plan_chunks(
         while last < end:
             query_len = starts[last + 1] - starts[last]
             seq_len = int(seqs[last])
-            e = seq_len // compress_ratio if compress_ratio > 1 else 0
+            e = _entries(seq_len, compressed)
             g = query_len + min(max(seq_len - query_len, 0), window - 1)
             wider = (max(entries, e), max(gather, g))
             if last > r and (last + 1 - r) * (wider[0] + wider[1]) > budget:
@@ -263,7 +274,7 @@ def token_rows_view(pages: torch.Tensor, fmt: KVFormat, block_size: int) -> torc
 
 def warm_gather(
     fmt: KVFormat,
-    compress_ratio: int,
+    compressed: Compressed | None,
     window: int,
     swa_block: int,
     cache_block: int,
@@ -271,18 +282,19 @@ def warm_gather(
 ) -> None:
     """Run :func:`gather_rows` once on a one-request chunk over small caches of their own, so
     that every gather variant a layer of this kind launches (window rows; compressed entries,
-    where the ratio is above 1) is compiled now and not in a user's first prefill with earlier
+    where the layer has them) is compiled now and not in a user's first prefill with earlier
     context. vLLM's mixed warm-up batch has none: its prompts start at position 0, so no
     request gathers compressed entries. Called in the profiling run, before the KV caches
     exist; the values written are not used.
 
     Args:
-        compress_ratio: 1 (window only), 4 (CSA) or 128 (HCA).
+        compressed: the layer's compressed entries (None: window only).
         swa_block: tokens per window page; cache_block: tokens per compressed block
-            (``cache_block // compress_ratio`` entries per page).
+            (``cache_block // ratio`` entries per page).
     """
-    seq_len = 2 * max(compress_ratio, 1) + 1  # at least two entries and one window row
-    entries = seq_len // compress_ratio if compress_ratio > 1 else 0
+    ratio = compressed.ratio if compressed is not None else 1
+    seq_len = 2 * ratio + 1  # at least two entries and one window row
+    entries = _entries(seq_len, compressed)
     rows = entries + seq_len
     chunk = PrefillChunk(0, 1, 0, seq_len, entries, rows)
     i32 = torch.int32
@@ -298,10 +310,10 @@ def warm_gather(
 
     swa_pages, swa_table, swa_view = pages(swa_block)
     extra, extra_view = None, None
-    if compress_ratio > 1:
-        per_page = cache_block // compress_ratio
+    if compressed is not None:
+        per_page = cache_block // ratio
         extra_pages, extra_table, extra_view = pages(per_page)
-        extra = (extra_pages, extra_table, per_page, compress_ratio)
+        extra = (extra_pages, extra_table, per_page, ratio)
     vllm_caches = (swa_view, extra_view) if fmt is KVFormat.FP8_DS_MLA else None
     workspace = torch.empty(rows, HEAD_DIM, dtype=torch.bfloat16, device=device)
     gather_rows(
@@ -322,7 +334,7 @@ def index_lists(
     query_start: torch.Tensor,
     seq_lens: torch.Tensor,
     window: int,
-    compress_ratio: int,
+    compressed: Compressed | None,
     local_topk: torch.Tensor | None,
     out: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,7 +343,9 @@ def index_lists(
     Args:
         query_start: ``int32 [C + 1]`` the chunk's slice of ``query_start_loc`` (absolute).
         seq_lens: ``int32 [C]``.
-        local_topk: CSA: ``int32 [T_chunk, K]`` the indexer's request-local entries (-1 = none).
+        compressed: the layer's compressed entries (None: window only).
+        local_topk: top-k layers: ``int32 [T_chunk, K]`` the indexer's request-local entries
+            (-1 = none).
         out: ``int32`` buffers ``[>= T_chunk, >= width]`` and ``[>= T_chunk]``.
 
     Returns:
@@ -341,7 +355,7 @@ def index_lists(
     N, M = chunk.entries, chunk.rows
     T = chunk.end_token - chunk.first_token
     topk = local_topk.shape[1] if local_topk is not None else 0
-    width = index_width(compress_ratio, topk, N, window)
+    width = index_width(compressed, topk, N, window)
     indices, lens = out[0][:T, :width], out[1][:T]
     if device.type == "cuda":
         from dsv4_attn.fused.prefill_index import fill_prefill_index
@@ -353,7 +367,7 @@ def index_lists(
             T,
             N,
             M,
-            compress_ratio,
+            compressed,
             window,
             local_topk[:T] if local_topk is not None else None,
             indices,
@@ -361,13 +375,11 @@ def index_lists(
         )
         return indices, lens
     return _index_lists_torch(
-        chunk, query_start, seq_lens, window, compress_ratio, local_topk, indices, lens
+        chunk, query_start, seq_lens, window, compressed, local_topk, indices, lens
     )
 
 
-def _index_lists_torch(
-    chunk, query_start, seq_lens, window, compress_ratio, local_topk, indices, lens
-):
+def _index_lists_torch(chunk, query_start, seq_lens, window, compressed, local_topk, indices, lens):
     """:func:`index_lists` in torch ops (any device; the reference of the Triton kernel)."""
     device = seq_lens.device
     C, N, M = query_start.shape[0] - 1, chunk.entries, chunk.rows
@@ -387,15 +399,15 @@ def _index_lists_torch(
     offsets = torch.arange(window, device=device)
     window_rows = base[:, None] + N + (start - (seq - glen))[:, None] + offsets[None, :]
     window_rows = torch.where(offsets[None, :] < wlen[:, None], window_rows, -1)
-    if compress_ratio == 4:
+    if compressed is not None and compressed.top_k:
         assert local_topk is not None
         entries = local_topk[:T].long()
-        usable = (entries >= 0) & (entries < ((pos + 1) // compress_ratio)[:, None])
+        usable = (entries >= 0) & (entries < ((pos + 1) // compressed.ratio)[:, None])
         indices[:, :topk] = torch.where(usable, base[:, None] + entries, -1)
         indices[:, topk:] = window_rows
         lens.copy_(topk + wlen)
-    elif compress_ratio > 1:
-        count = (pos + 1) // compress_ratio
+    elif compressed is not None:
+        count = (pos + 1) // compressed.ratio
         e = torch.arange(N + window, device=device)[None, :]
         from_window = e - count[:, None]
         indices.copy_(
