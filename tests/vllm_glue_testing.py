@@ -491,3 +491,25 @@ def vllm_triton_kernel(kernel_class: type):
         body.__closure__,
     )
     return triton.jit(rebound)
+
+
+def run_in_triton_interpreter(call: str) -> str:
+    """Run the Python statement ``call`` from the repository root in a child process with
+    Triton's CPU interpreter on (``TRITON_INTERPRET`` must be set before Triton is imported) and
+    vLLM on its CPU platform; its stdout. The child's failure fails the caller, with its
+    output."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-c", call],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result.stdout
