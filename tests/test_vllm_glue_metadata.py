@@ -8,6 +8,7 @@ decode), requests shorter than the window, positions on block boundaries, paddin
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from dsv4_attn.vllm_glue import balanced, kv_spec, metadata
 from dsv4_attn.vllm_glue.metadata import (
     DSV4CompressedMetadataBuilder,
     DSV4SWAMetadataBuilder,
+    DSV41CompressedMetadataBuilder,
     layer_scopes,
 )
 
@@ -248,6 +250,73 @@ def test_csa_picks_the_token_does_not_see_are_never_read(config, batch):
     _, extra = layer_scopes(swa, csa, KVFormat.NVFP4, pages, pages, T, local_topk=poisoned)
     rows, lens = vt.brute_local(batch, torch.where(poisoned >= visible, -1, poisoned))
     assert extra.indices.tolist() == rows and extra.lens.tolist() == lens
+
+
+def _v41_picks(gen: torch.Generator, batch: vt.Batch, ratio: int, k: int) -> torch.Tensor:
+    """V4.1's indexer output at decode: per token ``min((pos + 1) // ratio, k)`` distinct
+    entries it sees, packed first, -1 after (padding rows: garbage)."""
+    out = torch.randint(-1, 50, (batch.num_tokens, k), generator=gen, dtype=torch.int32)
+    for t, (_, pos) in enumerate(batch.positions()):
+        visible = (pos + 1) // ratio
+        count = min(visible, k)
+        out[t] = -1
+        out[t, :count] = torch.randperm(visible, generator=gen)[:count].int()
+    return out
+
+
+def test_v41_top_k_scopes_read_the_slots_vllms_v41_decode_reads():
+    """A V4.1 layer of ratio 1 or 2 (the V4.1 builder): each token's compressed scope holds,
+    as a multiset, the slots vLLM's own V4.1 decode path reads for the same picks and block
+    table (``compute_global_topk_indices_and_lens``, Triton, in its CPU interpreter in a child
+    process)."""
+    code = "from tests.test_vllm_glue_metadata import check_v41_global_topk as c; c()"
+    assert "V4.1 batches compared: 8" in vt.run_in_triton_interpreter(code)
+
+
+def check_v41_global_topk() -> None:
+    from vllm.models.deepseek_v41.common.ops import cache_utils
+
+    kernel = vt.vllm_triton_kernel_fn(cache_utils._compute_global_topk_indices_and_lens_kernel)
+    config = vt.engine_config()
+    compared = 0
+    for ratio, param in itertools.product((1, 2), BATCHES[:4]):
+        (batch,) = param.values
+        gen = torch.Generator().manual_seed(ratio * 100 + len(batch.positions()))
+        swa = swa_builder(config).build(0, batch.swa_cm)
+        spec = kv_spec.compressed_cache_spec(vt.CACHE_BLOCK, ratio)
+        builder = DSV41CompressedMetadataBuilder(spec, ["l"], config, torch.device("cpu"))
+        md = builder.build(0, batch.cache_cm)
+        assert md.top_k and md.rows_per_block == vt.CACHE_BLOCK // ratio
+        picks = _v41_picks(gen, batch, ratio, vt.INDEX_TOPK)
+        pages = torch.zeros(1, 1, dtype=torch.uint8)
+        T = batch.num_tokens
+        _, extra = layer_scopes(swa, md, KVFormat.FP8_DS_MLA, pages, pages, T, local_topk=picks)
+        real = len(batch.positions())
+        token_req = torch.tensor([r for r, _ in batch.positions()] + [0] * (T - real))
+        valid = torch.arange(T) < real
+        theirs = torch.full_like(picks, 7)
+        their_lens = torch.full((T,), 7, dtype=torch.int32)
+        table = batch.cache_block_table
+        kernel[(T,)](
+            theirs,
+            theirs.stride(0),
+            their_lens,
+            picks,
+            picks.stride(0),
+            picks.shape[1],
+            token_req.int(),
+            table,
+            table.stride(0),
+            vt.CACHE_BLOCK // ratio,
+            valid,
+            TRITON_BLOCK_SIZE=1024,
+        )
+        for t in range(T):
+            ours = sorted(int(x) for x in extra.indices[t, : int(extra.lens[t])] if x >= 0)
+            vllm = sorted(int(x) for x in theirs[t, : int(their_lens[t])] if x >= 0)
+            assert ours == vllm, (ratio, t, ours, vllm)
+        compared += 1
+    print(f"V4.1 batches compared: {compared}")
 
 
 def test_rows_past_the_block_table_get_no_slot(config):

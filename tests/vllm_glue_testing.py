@@ -476,13 +476,17 @@ def vllm_triton_kernel(kernel_class: type):
     Triton itself: on a host without a GPU driver vLLM binds its modules to a Triton
     placeholder (whose ``jit`` is a no-op). Run it with ``TRITON_INTERPRET=1`` set before Triton
     is imported (a child process)."""
+    return vllm_triton_kernel_fn(kernel_class.__dict__["kernel"].__func__)
+
+
+def vllm_triton_kernel_fn(function):
+    """:func:`vllm_triton_kernel` of a module-level Triton function of vLLM's."""
     import types
 
     import triton
     import triton.language as tl
 
-    body = kernel_class.__dict__["kernel"].__func__
-    body = getattr(body, "fn", body)
+    body = getattr(function, "fn", function)
     rebound = types.FunctionType(
         body.__code__,
         {**body.__globals__, "tl": tl, "triton": triton},

@@ -50,7 +50,6 @@ from dsv4_attn.vllm_glue.backend import DSV4NVFP4Backend, DSV4NVFP4SWABackend
 from dsv4_attn.vllm_glue.balanced import balanced_capable, decode_schedule_choice
 from dsv4_attn.vllm_glue.compressor_state import state_dtype
 from dsv4_attn.vllm_glue.metadata import (
-    CSA_RATIO,
     DSV4CompressedMetadata,
     DSV4SWAMetadata,
     dspark_window_width,
@@ -134,8 +133,10 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         # Known before the base __init__, which asks _uses_fp8_ds_mla_layout() for the layout.
         self.kv_format = kv_spec.resolve_kv_format(vllm_config.cache_config.cache_dtype)
         super().__init__(vllm_config, prefix, topk_indices_buffer, aux_stream_list)
-        # The compressed entries the layer's tokens attend to besides their window.
+        # The compressed entries the layer's tokens attend to besides their window, and whether
+        # they are the indexer's top-k of them (else every entry seen).
         self.compressed_entries = compressed_of(Family.V4, self.compress_ratio)
+        self._top_k = self.compressed_entries is not None and self.compressed_entries.top_k
         self.cache_config = vllm_config.cache_config
         self.device = torch.device(vllm_config.device_config.device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -270,10 +271,10 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         entries."""
         if window_width is None:
             window_width = self._max_window_width
-        if self.compress_ratio == CSA_RATIO:
+        if self._top_k:
             assert self.topk_indices_buffer is not None
             return window_width + self.topk_indices_buffer.shape[1]
-        if self.compress_ratio > 1:
+        if self.compressed_entries is not None:
             return window_width + hca_width
         return window_width
 
@@ -281,7 +282,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         """Whether this layer's decode steps may run on the balanced schedule (an HCA layer
         whose lists are long enough, :func:`~dsv4_attn.vllm_glue.balanced.balanced_capable`):
         its workspace and kernels are then reserved and compiled in the profiling run."""
-        if self.compress_ratio <= CSA_RATIO:
+        if self.compressed_entries is None or self._top_k:
             return False
         max_hca_width = -(-self.max_model_len // self.compress_ratio)
         return balanced_capable(self.device, self._key_capacity(max_hca_width))
@@ -300,7 +301,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         its own maximum, the balanced schedule's included where the layer may run it)."""
         shapes: Shapes = []
         heads = self.padded_heads
-        if self.compress_ratio == CSA_RATIO:
+        if self._top_k:
             assert self.topk_indices_buffer is not None
             topk = self.topk_indices_buffer.shape[1]
             shapes += [((num_tokens, topk), torch.int32), ((num_tokens,), torch.int32)]
@@ -355,7 +356,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
 
     def _peak_prefill_scratch(self) -> Shapes:
         """The largest workspace a prefill chunk of this layer asks for."""
-        topk = self.topk_indices_buffer.shape[1] if self.compress_ratio == CSA_RATIO else 0
+        topk = self.topk_indices_buffer.shape[1] if self._top_k else 0
         return prefill.peak_workspace_shapes(
             self.max_model_len,
             self.compressed_entries,
@@ -467,7 +468,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         capacity = self._key_capacity(hca_width, swa.decode_swa_width)
         scratch = self._scratch(self._scratch_shapes(n, capacity, plan=plan), "decode")
         entry_slots = None
-        if self.compress_ratio == CSA_RATIO:
+        if self._top_k:
             entry_slots, scratch = (scratch[0], scratch[1]), scratch[2:]
         lse, partials = scratch[0], scratch[1:]
         window, extra = layer_scopes(
@@ -535,7 +536,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
                 self.swa_cache_layer.kv_cache,
                 self.kv_cache if compressed is not None else None,
             )
-        topk = self.topk_indices_buffer.shape[1] if self.compress_ratio == CSA_RATIO else 0
+        topk = self.topk_indices_buffer.shape[1] if self._top_k else 0
         for chunk in chunks:
             reqs = slice(chunk.first_req, chunk.end_req)
             tokens = slice(chunk.first_token, chunk.end_token)
@@ -568,7 +569,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
                 vllm_caches,
             )
             local_topk = None
-            if self.compress_ratio == CSA_RATIO:
+            if self._top_k:
                 assert self.topk_indices_buffer is not None
                 local_topk = self.topk_indices_buffer[tokens]
             indices, lens = prefill.index_lists(

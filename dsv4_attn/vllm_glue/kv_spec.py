@@ -110,9 +110,10 @@ class NVFP4SWACache(DeepseekV4SWACache):
 def compressed_cache_spec(block_size: int, compress_ratio: int) -> MLAAttentionSpec:
     """vLLM spec of an NVFP4 compressed cache: ``block_size / compress_ratio`` rows of 384 B per
     page (``block_size`` in tokens, as vLLM counts it)."""
-    if compress_ratio < 2 or block_size % compress_ratio:
+    if compress_ratio < 1 or block_size % compress_ratio:
         raise ValueError(
-            f"compress_ratio must be >= 2 and divide block_size={block_size}, got {compress_ratio}"
+            f"compress_ratio must be a positive divisor of block_size={block_size}, got "
+            f"{compress_ratio}"
         )
     return MLAAttentionSpec(
         block_size=block_size,

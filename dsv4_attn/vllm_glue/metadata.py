@@ -53,16 +53,17 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from dsv4_attn.kernels.sparse_decode_schedule import DecodeSchedule
 from dsv4_attn.kv_cache import KVFormat
+from dsv4_attn.layer_kind import Family, compressed_of
 from dsv4_attn.scope import KVScope
 from dsv4_attn.vllm_glue.balanced import BalancedDecodePlanner, balanced_capable
 from dsv4_attn.vllm_glue.support import padded_num_heads
 
 __all__ = [
-    "CSA_RATIO",
     "DSV4CompressedMetadata",
     "DSV4CompressedMetadataBuilder",
     "DSV4SWAMetadata",
     "DSV4SWAMetadataBuilder",
+    "DSV41CompressedMetadataBuilder",
     "TokenMap",
     "block_window_slots",
     "compressed_write_slots",
@@ -79,10 +80,6 @@ __all__ = [
     "window_lengths",
     "window_slots",
 ]
-
-CSA_RATIO = 4
-"""Compression ratio of the CSA layers, whose entries the indexer picks (top-k)."""
-
 
 # ----------------------------------------------------------------------------------------------
 # Vectorized constructions (any device, no host sync)
@@ -456,13 +453,16 @@ class DSV4CompressedMetadata(DeepseekV4FlashMLAMetadata):
     ``block_size`` counts tokens, as in vLLM."""
 
     compress_ratio: int = 1
+    # Whether a token reads the indexer's top-k entries (V4's CSA, V4.1's compressed layers),
+    # else every entry it sees (V4's HCA).
+    top_k: bool = False
     rows_per_block: int = 0  # compressed entries per block
     is_valid_token: torch.Tensor | None = None  # bool [T]
     staging_rows: torch.Tensor | None = None  # int64 [T] token index or -1 (NVFP4 staging)
     hca_indices: torch.Tensor | None = None  # int32 [T, W], HCA only
     hca_lens: torch.Tensor | None = None  # int32 [T], HCA only
-    # int32 [T], CSA only: entries each token sees, (pos + 1) // ratio; the indexer's picks at
-    # or past it are dropped (never read), whatever the indexer wrote.
+    # int32 [T], top-k layers only: entries each token sees, (pos + 1) // ratio; the indexer's
+    # picks at or past it are dropped (never read), whatever the indexer wrote.
     visible_counts: torch.Tensor | None = None
     # The balanced decode schedule (HCA, :mod:`.balanced`): the plan of the step's first
     # decode_plan.token_plan.shape[0] tokens, and the window lengths it counted (the layer's
@@ -637,6 +637,8 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # The model family whose layer kinds this builder serves (the ratio's meaning).
+    family: ClassVar[Family] = Family.V4
 
     def __init__(
         self,
@@ -648,9 +650,14 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
         ratio = kv_cache_spec.tokens_per_state
-        if not isinstance(ratio, int) or ratio < 2:
-            raise ValueError(f"a compressed cache needs an int compress ratio >= 2, got {ratio}")
+        entries = compressed_of(self.family, ratio) if isinstance(ratio, int) else None
+        if entries is None:
+            raise ValueError(
+                f"a compressed cache needs the int compress ratio of a compressed layer, got "
+                f"{ratio!r}"
+            )
         self.compress_ratio = ratio
+        self.top_k = entries.top_k
         self.rows_per_block = kv_cache_spec.num_states
         self.topk_tokens = vllm_config.model_config.hf_config.index_topk
         self.decode_threshold = max_decode_query_len(vllm_config)
@@ -662,7 +669,7 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
         self.hca_indices = self.hca_lens = self.visible_counts = None
         self.window_size = vllm_config.model_config.hf_config.sliding_window
         self.planner: BalancedDecodePlanner | None = None
-        if ratio == CSA_RATIO:
+        if self.top_k:
             self.visible_counts = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         else:
             self.max_entries = -(-vllm_config.model_config.max_model_len // ratio)
@@ -740,6 +747,7 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
             block_size=self.kv_cache_spec.block_size,
             topk_tokens=self.topk_tokens,
             compress_ratio=self.compress_ratio,
+            top_k=self.top_k,
             rows_per_block=self.rows_per_block,
             is_valid_token=valid,
             staging_rows=staging_rows,
@@ -749,6 +757,13 @@ class DSV4CompressedMetadataBuilder(AttentionMetadataBuilder[DSV4CompressedMetad
             decode_plan=decode_plan,
             window_lens=window_lens,
         )
+
+
+class DSV41CompressedMetadataBuilder(DSV4CompressedMetadataBuilder):
+    """:class:`DSV4CompressedMetadataBuilder` for DeepSeek-V4.1's compressed caches: ratios 1
+    and 2, both read through the indexer's top-k."""
+
+    family: ClassVar[Family] = Family.V41
 
 
 # ----------------------------------------------------------------------------------------------
@@ -784,9 +799,9 @@ def layer_scopes(
         return window, None
     assert compressed_pages is not None
     rows_per_block = compressed.rows_per_block
-    if compressed.compress_ratio == CSA_RATIO:
+    if compressed.top_k:
         if local_topk is None:
-            raise ValueError("a CSA layer needs the indexer's top-k entries (local_topk)")
+            raise ValueError("a top-k layer needs the indexer's top-k entries (local_topk)")
         local = local_topk[:n]
         if entry_slots is None:
             entry_slots = (
