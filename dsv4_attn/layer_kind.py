@@ -155,6 +155,13 @@ def layer_kinds(
         elif kind.has_compressed:
             kv = _newest_at_or_below(layer, kv_source_layer_ids, "kv_source_layer_ids")
             index = _newest_at_or_below(layer, index_source_layer_ids, "index_source_layer_ids")
+            if layer in index_source_layer_ids and kv not in index_source_layer_ids:
+                # Its indexer keeps its keys in the indexer cache of its KV source.
+                raise ValueError(
+                    f"layer {layer} is an index source whose KV source, layer {kv}, is not one: "
+                    f"index_source_layer_ids = {list(index_source_layer_ids)} must hold every "
+                    f"KV source an index source reads"
+                )
             kind = LayerKind(family, layer, ratio, kv, index)
         kinds.append(kind)
     return kinds

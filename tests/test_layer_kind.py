@@ -90,6 +90,9 @@ def test_a_config_the_family_cannot_have_is_refused_by_name(family, ratios, sour
 def test_v41_index_sources_are_checked_apart_from_kv_sources():
     with pytest.raises(ValueError, match=r"index_source_layer_ids = \[3\] holds no layer at or"):
         layer_kinds(Family.V41, [0, 0, 1, 1], 4, [2], [3])
+    # An index source that is no KV source keeps its keys in its KV source's indexer cache.
+    with pytest.raises(ValueError, match=r"layer 3 is an index source whose KV source, layer 2,"):
+        layer_kinds(Family.V41, [0, 0, 1, 1], 4, [2], [0, 3])
 
 
 def test_kinds_of_a_v41_config():
@@ -122,3 +125,50 @@ def test_compress_ratios_read_as_vllm_reads_them():
     for config in (upstream, listed, neither):
         assert compress_ratios_of(config) == list(get_compress_ratios(config))
     assert compress_ratios_of(upstream) == [0, 4, 128, 4, 0, 0]
+
+
+def test_kinds_are_the_ones_vllms_own_v41_layers_take():
+    """vLLM's DeepSeek-V4.1 attention layers, built on the CPU from a tiny V4.1 config (each
+    reading its ratio, cache source and indexer source as vLLM does): the same kind per layer."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.models.deepseek_v41.attention import DeepseekV4Attention
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from tests import vllm_glue_testing as vt
+
+    class Layer(DeepseekV4Attention):  # vLLM's base with its abstract compute left out
+        @classmethod
+        def get_padded_num_q_heads(cls, num_heads: int) -> int:
+            return 64
+
+        def forward_mqa(self, *args):
+            raise NotImplementedError
+
+        def _o_proj(self, *args):
+            raise NotImplementedError
+
+    vt._distributed_ready()
+    config = vt.engine_args(model=vt.tiny_v41_checkpoint()).create_engine_config()
+    hf_config = config.model_config.hf_config
+    kinds = layer_kinds_of(hf_config)
+    assert [k.compress_ratio for k in kinds] == list(vt.V41_RATIOS)
+    tokens = config.scheduler_config.max_num_batched_tokens
+    topk = torch.full((tokens, hf_config.index_topk), -1, dtype=torch.int32)
+    with (
+        set_current_vllm_config(config),
+        vt._cpu_events(),
+        set_default_torch_dtype(torch.bfloat16),
+        torch.device("cpu"),
+    ):
+        for kind in kinds:
+            layer = Layer(
+                config, prefix=f"model.layers.{kind.layer_id}.attn", topk_indices_buffer=topk
+            )
+            assert layer.compress_ratio == kind.compress_ratio
+            assert layer.kv_source_layer_id == kind.kv_source, kind
+            assert layer.index_source_layer_id == kind.index_source, kind
+            assert layer.is_kv_source == kind.owns_compressed, kind
+    # The index sources are not the KV sources: some layer reads one of each kind of source.
+    assert any(k.kv_source is not None and k.kv_source != k.index_source for k in kinds)

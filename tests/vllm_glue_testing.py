@@ -81,6 +81,47 @@ def tiny_checkpoint() -> str:
     return str(path)
 
 
+# A tiny DeepSeek-V4.1: window-only, ratio-2 and ratio-1 layers, two KV sources (layers 1 and 3)
+# and index sources 1, 3 and 4, so layer 5 reads the compressed cache of one source and the
+# indexer of another (an index source that is no KV source keeps its keys in its KV source's
+# indexer cache, so every KV source is an index source too).
+V41_RATIOS = (0, 2, 1, 2, 1, 1)
+V41_KV_SOURCES = (1, 3)
+V41_INDEX_SOURCES = (1, 3, 4)
+
+
+def tiny_v41_config_dict() -> dict:
+    """A DeepSeek-V4.1 ``config.json`` (text model nested, no vision tower) of the tiny V4's
+    sizes."""
+    text = {
+        key: value
+        for key, value in tiny_config_dict().items()
+        if key not in ("architectures", "model_type", "layer_types", "compress_rates")
+    }
+    text.update(
+        num_hidden_layers=len(V41_RATIOS),
+        compress_ratios=list(V41_RATIOS),
+        kv_source_layer_ids=list(V41_KV_SOURCES),
+        index_source_layer_ids=list(V41_INDEX_SOURCES),
+        mlp_layer_types=["hash_moe"] + ["moe"] * (len(V41_RATIOS) - 1),
+    )
+    return {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "text_config": text,
+        "vision_config": {"num_hidden_layers": 0},
+        "torch_dtype": "bfloat16",
+    }
+
+
+@functools.cache
+def tiny_v41_checkpoint() -> str:
+    """Directory holding the tiny V4.1 checkpoint's ``config.json`` (load_format dummy)."""
+    path = temp_dir("dsv41_tiny_")
+    (path / "config.json").write_text(json.dumps(tiny_v41_config_dict(), indent=1))
+    return str(path)
+
+
 def engine_args(**overrides):
     from vllm.engine.arg_utils import EngineArgs
 
