@@ -46,8 +46,26 @@ can bulk-copy the data rows of a tile and, separately, their scales.
 ``BF16`` (1024 B/token): 512 x bfloat16, no scale rows; a lossless format for tests and for
     checking a model path without quantization.
 
+DeepSeek-V4.1's own records (vLLM's ``nvfp4_ds_mla`` cache mode, written by its SM100 kernels):
+each quantizes all 512 values, RoPE values included (the writer rotates them first), and keeps
+its scales at the end of its own row (no scale rows; a page is ``block_size`` records).
+
+``MXFP8_DS`` (528 B/token) — V4.1's window record:
+    [0, 512)    512 x float8_e4m3fn, value i / 2^(e_{i//32} - 127)
+    [512, 528)  16 x UE8M0 exponent byte per 32-value block b:
+                e_b = ceil(log2(max(amax_b, 1e-4) / 448)) + 127 (clamped to [0, 255])
+    Values are x / 2^(e_b - 127) rounded to nearest-even e4m3 (never beyond +-448).
+
+``NVFP4_DS`` (288 B/token) — V4.1's compressed record:
+    [0, 256)    512 x e2m1 packed two per byte, value 2j in the low nibble (as ``NVFP4``)
+    [256, 288)  32 x float8_e4m3fn scale s_b per 16-value block b, no token scale:
+                s_b = amax_b * f32(1/6) clamped to [2^-9, 448], rounded to nearest-even e4m3
+    e2m1_i = the float32 quotient x_i / s_b (rounded to nearest), then rounded to the nearest
+    e2m1 value, ties to the even code, saturating at 6 (PTX ``cvt.rn.satfinite``: the quotient
+    is rounded twice, as vLLM's writer rounds it); decoded value i = e2m1_i * s_{i//16}.
+
 FP8_DS_MLA round-trip error bound per nope value: |x - x_hat| <= 2^-4 |x| + 2^-10 * 2^(e_b - 127).
-RoPE values round-trip exactly in every format.
+RoPE values round-trip exactly in every format of this backend (not in V4.1's records).
 
 The codecs here are the reference implementation of the formats (vectorized torch, CPU or CUDA);
 ``write`` and ``read`` validate their inputs and are not meant for a serving hot path.
@@ -85,7 +103,8 @@ ROPE_DIM = 64
 FP8_MAX = 448.0  # largest float8_e4m3fn
 FP8_QUANT_BLOCK = 64  # nope values per UE8M0 scale in fp8_ds_mla
 FP8_AMAX_FLOOR = 1e-4  # vLLM/FlashMLA clamp amax before taking the scale
-NVFP4_QUANT_BLOCK = 16  # nope values per e4m3 scale in NVFP4
+NVFP4_QUANT_BLOCK = 16  # nope values per e4m3 scale in NVFP4 (all values in NVFP4_DS)
+MXFP8_QUANT_BLOCK = 32  # values per UE8M0 scale in MXFP8_DS
 E2M1_MAX = 6.0
 UE8M0_BIAS = 127
 
@@ -96,6 +115,8 @@ class KVFormat(enum.Enum):
     FP8_DS_MLA = "fp8_ds_mla"
     NVFP4 = "nvfp4"
     BF16 = "bf16"
+    MXFP8_DS = "mxfp8_ds"  # DeepSeek-V4.1's window record
+    NVFP4_DS = "nvfp4_ds"  # DeepSeek-V4.1's compressed record
 
     # Members are singletons compared by identity, so the identity hash (in C) is theirs: every
     # cache keyed on a format in an eager call skips Enum's Python __hash__ (~0.25 us each).
@@ -135,6 +156,8 @@ _GEOMETRY: dict[KVFormat, tuple[int, int, int]] = {
     KVFormat.FP8_DS_MLA: (NOPE_DIM + 2 * ROPE_DIM, 8, 576),
     KVFormat.NVFP4: (NOPE_DIM // 2 + 2 * ROPE_DIM, 32, 128),
     KVFormat.BF16: (2 * HEAD_DIM, 0, 1),
+    KVFormat.MXFP8_DS: (HEAD_DIM + HEAD_DIM // 32, 0, 1),
+    KVFormat.NVFP4_DS: (HEAD_DIM // 2 + HEAD_DIM // 16, 0, 1),
 }
 
 
@@ -314,6 +337,50 @@ def _decode_nvfp4(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.cat([nope.view(n, NOPE_DIM).to(torch.bfloat16), rope], dim=1)
 
 
+def _encode_mxfp8_ds(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = rows.shape[0]
+    x = rows.float().view(n, HEAD_DIM // MXFP8_QUANT_BLOCK, MXFP8_QUANT_BLOCK)
+    amax = x.abs().amax(dim=-1).clamp(min=FP8_AMAX_FLOOR)
+    exponent = _ceil_log2(amax / FP8_MAX)
+    scaled = (x / _pow2(exponent)[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    fp8 = scaled.to(torch.float8_e4m3fn).view(torch.uint8).view(n, HEAD_DIM)
+    scales = (exponent + UE8M0_BIAS).clamp(0, 255).to(torch.uint8)
+    return torch.cat([fp8, scales], dim=1), rows.new_zeros((n, 0), dtype=torch.uint8)
+
+
+def _decode_mxfp8_ds(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    n = data.shape[0]
+    blocks = HEAD_DIM // MXFP8_QUANT_BLOCK
+    fp8 = data[:, :HEAD_DIM].contiguous().view(torch.float8_e4m3fn).float()
+    scale = _pow2(data[:, HEAD_DIM:].to(torch.int32) - UE8M0_BIAS)
+    values = fp8.view(n, blocks, MXFP8_QUANT_BLOCK) * scale[..., None]
+    return values.view(n, HEAD_DIM).to(torch.bfloat16)
+
+
+def _encode_nvfp4_ds(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = rows.shape[0]
+    x = rows.float().view(n, HEAD_DIM // NVFP4_QUANT_BLOCK, NVFP4_QUANT_BLOCK)
+    sixth = torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32, device=rows.device)
+    amax = x.abs().amax(dim=-1)
+    scale = (amax * sixth).clamp(2.0**-9, FP8_MAX).to(torch.float8_e4m3fn)
+    quotient = x / scale.float()[..., None]  # rounded once here, again to e2m1 (as vLLM)
+    one = torch.ones((), dtype=torch.float32, device=rows.device)
+    nibbles = _e2m1_encode(quotient, one).view(n, HEAD_DIM // 2, 2)
+    packed = nibbles[..., 0] | (nibbles[..., 1] << 4)
+    scales = scale.view(torch.uint8)
+    return torch.cat([packed, scales], dim=1), rows.new_zeros((n, 0), dtype=torch.uint8)
+
+
+def _decode_nvfp4_ds(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    n = data.shape[0]
+    blocks = HEAD_DIM // NVFP4_QUANT_BLOCK
+    packed = data[:, : HEAD_DIM // 2]
+    nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(n, HEAD_DIM)
+    values = _e2m1_decode(nibbles).view(n, blocks, NVFP4_QUANT_BLOCK)
+    scale = data[:, HEAD_DIM // 2 :].contiguous().view(torch.float8_e4m3fn).float()
+    return (values * scale[..., None]).view(n, HEAD_DIM).to(torch.bfloat16)
+
+
 def _encode_bf16(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     data = rows.contiguous().view(torch.uint8)
     return data, data.new_zeros(rows.shape[0], 0)
@@ -327,11 +394,15 @@ _ENCODERS = {
     KVFormat.FP8_DS_MLA: _encode_fp8_ds_mla,
     KVFormat.NVFP4: _encode_nvfp4,
     KVFormat.BF16: _encode_bf16,
+    KVFormat.MXFP8_DS: _encode_mxfp8_ds,
+    KVFormat.NVFP4_DS: _encode_nvfp4_ds,
 }
 _DECODERS = {
     KVFormat.FP8_DS_MLA: _decode_fp8_ds_mla,
     KVFormat.NVFP4: _decode_nvfp4,
     KVFormat.BF16: _decode_bf16,
+    KVFormat.MXFP8_DS: _decode_mxfp8_ds,
+    KVFormat.NVFP4_DS: _decode_nvfp4_ds,
 }
 
 

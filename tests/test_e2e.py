@@ -436,7 +436,7 @@ def test_gpu_end_to_end(heads, record_property):
     model, oracle = _oracle(CASE_SEED, device="cuda", heads=heads)
     results: dict = {"heads": heads, "device": torch.cuda.get_device_name()}
     failures = []
-    for fmt in KVFormat:
+    for fmt in (KVFormat.FP8_DS_MLA, KVFormat.NVFP4, KVFormat.BF16):  # the decode kernel's
         report = harness.run_format(model, oracle, fmt)
         results[fmt.value] = _agreements(report)
         record_property(f"h{heads}_{fmt.value}", report.vs_sim.describe())

@@ -448,3 +448,132 @@ def test_write_unchecked_places_rows_and_leaves_holes_harmless(fmt, slot_list):
             expected[b, s0 : s0 + layout.scale_row_bytes] = scales[i]
     kv_cache.write_unchecked(cache, slots, rows, fmt, 4)
     assert torch.equal(cache, expected)
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSeek-V4.1's records, against vLLM's own V4.1 readers and writer
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", [KVFormat.MXFP8_DS, KVFormat.NVFP4_DS], ids=lambda f: f.value)
+def test_v41_records_round_trip_within_their_error_bound(fmt):
+    """Decoded values lie within the record's quantization step of the input, per 32 (MXFP8)
+    or 16 (NVFP4) value block; an all-zero row decodes to zeros."""
+    gen = torch.Generator().manual_seed(41)
+    rows = torch.cat([random_rows(gen, 64, "normal"), torch.zeros(1, 512, dtype=torch.bfloat16)])
+    data, scales = kv_cache.encode_rows(rows, fmt)
+    assert data.shape == (65, kv_cache.bytes_per_token(fmt)) and scales.shape == (65, 0)
+    got = kv_cache.decode_rows(data, scales, fmt).double()
+    x = rows.double()
+    assert torch.equal(got[-1], x[-1])
+    block = 32 if fmt is KVFormat.MXFP8_DS else 16
+    xb, gb = x.view(65, -1, block), got.view(65, -1, block)
+    amax = xb.abs().amax(-1, keepdim=True)
+    if fmt is KVFormat.MXFP8_DS:
+        # e4m3 keeps 3 mantissa bits; its smallest step at the block's scale 2^e is 2^(e - 9).
+        scale = 2.0 ** torch.ceil(torch.log2(amax.clamp(min=1e-4) / 448))
+        bound = xb.abs() / 16 + scale * 2.0**-10
+    else:
+        # e2m1 steps are at most 1/4 of the value or 1/4 of the scale; the e4m3 scale is
+        # amax / 6 rounded (at most 1/16 off), so a value at amax may saturate by that much.
+        scale = (amax / 6).clamp(min=2.0**-9)
+        bound = torch.maximum(xb.abs() / 4, scale * 17 / 64) + amax / 16
+    assert bool(((gb - xb).abs() <= bound + 1e-30).all())
+
+
+def test_v41_records_read_by_vllms_v41_readers():
+    """Pages of V4.1 records written here, read back by vLLM's own V4.1 gather kernels (Triton,
+    in its CPU interpreter in a child process): the same bf16 rows as this codec decodes. (Its
+    writers' bytes are compared on the GPU, below: the interpreter converts to e4m3 rounding
+    ties away from zero, the GPU to the nearest even, as this codec does.)"""
+    pytest.importorskip("vllm")
+    from tests import vllm_glue_testing as vt
+
+    code = "from tests.test_kv_cache import check_v41_records as c; c()"
+    assert "V4.1 records compared: 2" in vt.run_in_triton_interpreter(code)
+
+
+def check_v41_records() -> None:
+    from vllm.models.deepseek_v41.common.ops import cache_utils
+
+    from tests import vllm_glue_testing as vt
+
+    gen = torch.Generator().manual_seed(4101)
+    block, pages, n = 4, 5, 14
+    rows = random_rows(gen, n, "normal")
+    rows[3] = 0
+    rows[5] *= 1e-6
+    table = torch.randperm(pages, generator=gen).int()[None]
+    compared = 0
+    for fmt, name, scale_dim, quant_block in (
+        (KVFormat.MXFP8_DS, "_dequantize_and_gather_k_mxfp8_kernel", 16, 32),
+        (KVFormat.NVFP4_DS, "_dequantize_and_gather_k_nvfp4_kernel", 32, 16),
+    ):
+        layout = kv_cache.page_layout(fmt, block)
+        cache = torch.zeros(pages, layout.page_bytes + 16, dtype=torch.uint8)
+        slots = torch.tensor([int(table[0, t // block]) * block + t % block for t in range(n)])
+        kv_cache.write(cache, slots, rows, fmt, block)
+        out = torch.full((1, n, 512), float("nan"), dtype=torch.bfloat16)
+        kernel = vt.vllm_triton_kernel_fn(getattr(cache_utils, name))
+        kernel[(1, 4)](
+            out,
+            out.stride(0),
+            out.stride(1),
+            cache,
+            torch.tensor([n], dtype=torch.int32),
+            table,
+            0,
+            None,
+            max_blocks_per_seq=table.shape[1],
+            head_dim=512,
+            scale_dim=scale_dim,
+            quant_block=quant_block,
+            cache_block_size=block,
+            block_stride=cache.stride(0),
+        )
+        assert torch.equal(out[0], kv_cache.read(cache, slots, fmt, block)), fmt
+        compared += 1
+
+    print(f"V4.1 records compared: {compared}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("fmt", "writer"),
+    [
+        (KVFormat.MXFP8_DS, "_rope_quant_insert_mxfp8_kernel"),
+        (KVFormat.NVFP4_DS, "_rope_quant_insert_nvfp4_kernel"),
+    ],
+    ids=["mxfp8_ds", "nvfp4_ds"],
+)
+def test_gpu_v41_records_are_the_bytes_vllms_v41_writers_write(fmt, writer):
+    """vLLM's own V4.1 record writers (compiled, on the GPU; cos 1 / sin 0 makes their RoPE the
+    identity, ratio 1 writes every token) and this codec lay down the same bytes."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    fused = pytest.importorskip("vllm.models.deepseek_v41.common.ops.fused_compress_quant_cache")
+    gen = torch.Generator().manual_seed(4102)
+    block, pages, n = 4, 9, 33
+    rows = random_rows(gen, n, "normal")
+    rows[3] = 0
+    rows[5] *= 1e-6
+    rows[7] *= 1e4
+    slots = torch.randperm(pages * block, generator=gen)[:n]
+    layout = kv_cache.page_layout(fmt, block)
+    theirs = torch.zeros(pages, layout.page_bytes, dtype=torch.uint8, device="cuda")
+    cos_sin = torch.cat([torch.ones(n, 32), torch.zeros(n, 32)], dim=1).cuda()
+    getattr(fused, writer)[(n,)](
+        rows.cuda(),
+        torch.arange(n, device="cuda"),
+        cos_sin,
+        theirs,
+        slots.cuda(),
+        COS_STRIDE=64,
+        CACHE_STRIDE=theirs.stride(0),
+        CACHE_BLOCK=block,
+        COMPRESS_RATIO=1,
+        SANITIZE_CACHE_NANS=False,
+    )
+    ours = torch.zeros(pages, layout.page_bytes, dtype=torch.uint8)
+    kv_cache.write(ours, slots, rows, fmt, block)
+    assert torch.equal(theirs.cpu(), ours)

@@ -30,6 +30,17 @@ def test_backends_agree_with_reference(backend):
     assert_matches_reference(out, lse, *reference_on_rows(case))
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8_ds", "nvfp4_ds"])
+def test_v41_records_are_read_by_the_fallback(fmt):
+    """Caches of DeepSeek-V4.1's records (no kernel reads them yet): the fallback reads their
+    rows as the codec decodes them, against the float64 reference; ``auto`` says why."""
+    case = small_case(fmt=fmt, lens="random", hole_rate=0.2)
+    out, lse = ops.sparse_attention(*case.args())
+    ran, reason = ops.last_dispatch()
+    assert ran == "sdpa" and reason is not None
+    assert_matches_reference(out, lse, *reference_on_rows(case))
+
+
 def test_reference_backend_runs_the_reference_on_the_cache():
     """``backend="reference"`` runs the float64 reference on the rows the lists touch (no
     fallback reason), and its bf16 output is the attention of those rows: checked against

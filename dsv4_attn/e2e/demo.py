@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-format",
         default="all",
-        choices=["all"] + [f.value for f in KVFormat],
+        choices=["all"] + [f.value for f in _FORMAT_ORDER],
         help="KV-cache format(s) to run through the backend (default: all three)",
     )
     parser.add_argument(
