@@ -273,6 +273,13 @@ def _e2m1_encode(x: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     return code | ((x < 0).to(torch.uint8) << 3)
 
 
+def _e2m1_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """float32 ``[n, 2 * bytes]`` values of e2m1 pairs packed ``[n, bytes]`` (value 2j in the low
+    nibble of byte j)."""
+    nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1)
+    return _e2m1_decode(nibbles).view(packed.shape[0], 2 * packed.shape[1])
+
+
 def _e2m1_decode(nibbles: torch.Tensor) -> torch.Tensor:
     lut = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=nibbles.device)
     values = lut[(nibbles & 7).long()]
@@ -327,9 +334,7 @@ def _encode_nvfp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _decode_nvfp4(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     n = data.shape[0]
     blocks = NOPE_DIM // NVFP4_QUANT_BLOCK
-    packed = data[:, : NOPE_DIM // 2]
-    nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(n, NOPE_DIM)
-    values = _e2m1_decode(nibbles).view(n, blocks, NVFP4_QUANT_BLOCK)
+    values = _e2m1_unpack(data[:, : NOPE_DIM // 2]).view(n, blocks, NVFP4_QUANT_BLOCK)
     block_scale = scales[:, :blocks].contiguous().view(torch.float8_e4m3fn).float()
     token_scale = _pow2(scales[:, blocks].to(torch.int32) - UE8M0_BIAS)
     nope = values * (block_scale * token_scale[:, None])[..., None]
@@ -374,9 +379,7 @@ def _encode_nvfp4_ds(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _decode_nvfp4_ds(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     n = data.shape[0]
     blocks = HEAD_DIM // NVFP4_QUANT_BLOCK
-    packed = data[:, : HEAD_DIM // 2]
-    nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(n, HEAD_DIM)
-    values = _e2m1_decode(nibbles).view(n, blocks, NVFP4_QUANT_BLOCK)
+    values = _e2m1_unpack(data[:, : HEAD_DIM // 2]).view(n, blocks, NVFP4_QUANT_BLOCK)
     scale = data[:, HEAD_DIM // 2 :].contiguous().view(torch.float8_e4m3fn).float()
     return (values * scale[..., None]).view(n, HEAD_DIM).to(torch.bfloat16)
 
