@@ -88,7 +88,11 @@ def check_staged_rows(fused, device, kind: str, seed: int) -> None:
     assert torch.equal(cache.cpu(), expected)
 
 
-def check_insert(fused, device, heads: int, padded_heads: int, seed: int) -> None:
+def check_insert(
+    fused, device, heads: int, padded_heads: int, seed: int, q_norm: bool = True
+) -> None:
+    """The fused SWA insert = the torch path (``q_norm``: DeepSeek-V4's per-head q norm; V4.1
+    has none)."""
     from dsv4_attn.vllm_glue.writers import qnorm_rope
 
     gen = torch.Generator().manual_seed(seed)
@@ -103,7 +107,7 @@ def check_insert(fused, device, heads: int, padded_heads: int, seed: int) -> Non
     slots[1] = -1
     cache = _poisoned_cache(gen, num_blocks, block_size, device)
     expected = cache.cpu().clone()
-    q_ref, kv_ref = qnorm_rope(q, kv, positions, cos_sin, 1e-6, padded_heads)
+    q_ref, kv_ref = qnorm_rope(q, kv, positions, cos_sin, 1e-6, padded_heads, q_norm)
     kv_cache.write(expected, slots, kv_ref[: T - 1], KVFormat.NVFP4, block_size)
 
     def dev(t):
@@ -119,6 +123,7 @@ def check_insert(fused, device, heads: int, padded_heads: int, seed: int) -> Non
         dev(slots),
         cache,
         block_size,
+        q_norm,
     )
     assert torch.equal(cache.cpu(), expected), "KV bytes differ from the torch path"
     q_out = q_out.cpu()
@@ -1044,9 +1049,10 @@ def test_staged_rows_interpreted(kind):
     check_staged_rows(fused_modules(), "cpu", kind, seed=KINDS.index(kind))
 
 
+@pytest.mark.parametrize("q_norm", [True, False], ids=["v4", "v41"])
 @pytest.mark.parametrize(("heads", "padded"), [(6, 8), (8, 8)])
-def test_insert_interpreted(heads, padded):
-    check_insert(fused_modules(), "cpu", heads, padded, seed=heads)
+def test_insert_interpreted(heads, padded, q_norm):
+    check_insert(fused_modules(), "cpu", heads, padded, seed=heads, q_norm=q_norm)
 
 
 @pytest.mark.parametrize("kind", KINDS)

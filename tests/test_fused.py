@@ -81,6 +81,7 @@ def test_staged_rows_cuda(kind):
 def test_insert_cuda(heads, padded):
     for seed in range(3):
         check_insert(_compiled(), "cuda", heads, padded, seed)
+    check_insert(_compiled(), "cuda", heads, padded, 3, q_norm=False)  # V4.1: no q norm
 
 
 @pytest.mark.gpu
@@ -286,30 +287,32 @@ def _kernels():
             },
             {"WINDOW": window},
         )
-    yield (
-        kw._qnorm_rope_nvfp4_insert_kernel,
-        {
-            "q_ptr": p["bf16"],
-            "q_stride_t": "i32",
-            "q_stride_h": "i32",
-            "kv_ptr": p["bf16"],
-            "kv_stride_t": "i32",
-            "q_out_ptr": p["bf16"],
-            "positions_ptr": p["i64"],
-            "cos_sin_ptr": p["f32"],
-            "cos_sin_stride": "i32",
-            "slots_ptr": p["i64"],
-            "num_slots": "i32",
-            "cache_ptr": p["u8"],
-            "page_stride": "i32",
-            "block_size": "i32",
-            "num_heads": "i32",
-            "padded_heads": "i32",
-            "eps": "fp32",
-            "HEADS": "constexpr",
-        },
-        {"HEADS": 8},
-    )
+    for q_norm in (True, False):  # DeepSeek-V4's per-head q norm, V4.1 without
+        yield (
+            kw._qnorm_rope_nvfp4_insert_kernel,
+            {
+                "q_ptr": p["bf16"],
+                "q_stride_t": "i32",
+                "q_stride_h": "i32",
+                "kv_ptr": p["bf16"],
+                "kv_stride_t": "i32",
+                "q_out_ptr": p["bf16"],
+                "positions_ptr": p["i64"],
+                "cos_sin_ptr": p["f32"],
+                "cos_sin_stride": "i32",
+                "slots_ptr": p["i64"],
+                "num_slots": "i32",
+                "cache_ptr": p["u8"],
+                "page_stride": "i32",
+                "block_size": "i32",
+                "num_heads": "i32",
+                "padded_heads": "i32",
+                "eps": "fp32",
+                "HEADS": "constexpr",
+                "Q_NORM": "constexpr",
+            },
+            {"HEADS": 8, "Q_NORM": q_norm},
+        )
     yield (
         sm._window_kernel,
         {
@@ -422,7 +425,7 @@ def test_every_kernel_compiles_for_sm90():
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
         assert len(compiled.asm["cubin"]) > 1000
         names.append(kernel.fn.__name__)
-    assert len(names) == 16, names
+    assert len(names) == 17, names
 
 
 # ----------------------------------------------------------------------------------------------

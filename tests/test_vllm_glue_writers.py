@@ -68,6 +68,23 @@ def test_qnorm_rope_matches_float64_reference():
     assert torch.equal(kv_out[:, :448], kv[:, :448])  # nope values pass through untouched
 
 
+def test_qnorm_rope_without_the_q_norm_is_rope_alone():
+    """DeepSeek-V4.1's insert (``q_norm=False``): q is only roped (and head-padded), the KV row
+    as with the norm."""
+    gen = torch.Generator().manual_seed(41)
+    T, H, padded = 11, 3, 8
+    q = (torch.randn(T, H, 512, generator=gen) * 3).to(torch.bfloat16)
+    kv = random_rows(T, gen)
+    positions = torch.randint(0, 100, (T,), generator=gen)
+    cos_sin = torch.randn(100, 64, generator=gen)
+    q_out, kv_out = qnorm_rope(q, kv, positions, cos_sin, 1e-6, padded, q_norm=False)
+    q_ref = rope_reference(q.double(), positions, cos_sin)
+    torch.testing.assert_close(q_out[:, :H].double(), q_ref, rtol=2**-7, atol=1e-6)
+    assert torch.equal(q_out[:, :H, :448], q[..., :448])  # no norm: nope values untouched
+    assert torch.equal(q_out[:, H:], torch.zeros_like(q_out[:, H:]))
+    assert torch.equal(kv_out, qnorm_rope(q, kv, positions, cos_sin, 1e-6, padded)[1])
+
+
 def test_insert_writes_roped_rows_at_their_slots_only():
     """The CPU path of the NVFP4 SWA insert: q as qnorm_rope returns it, each token's roped row
     encoded at its slot, every other byte (and rows past the slots: padding) untouched."""

@@ -64,6 +64,7 @@ def _qnorm_rope_nvfp4_insert_kernel(
     padded_heads,
     eps,
     HEADS: tl.constexpr,
+    Q_NORM: tl.constexpr,
 ):
     t = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -76,8 +77,9 @@ def _qnorm_rope_nvfp4_insert_kernel(
         real = head < num_heads
         src = q_ptr + t.to(tl.int64) * q_stride_t + head[:, None].to(tl.int64) * q_stride_h
         x = tl.load(src + col[None, :], mask=real[:, None], other=0.0).to(tl.float32)
-        inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / 512.0 + eps)
-        even, odd = tl.split(tl.reshape(x * inv_rms[:, None], (HEADS, 256, 2)))
+        if Q_NORM:  # DeepSeek-V4's per-head RMSNorm without weight (V4.1 has none)
+            x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / 512.0 + eps))[:, None]
+        even, odd = tl.split(tl.reshape(x, (HEADS, 256, 2)))
         rope_pair = tl.arange(0, 256) - 224
         is_rope = rope_pair >= 0
         cos_all = tl.load(cos_sin_ptr + pos * cos_sin_stride + rope_pair, mask=is_rope, other=1.0)
@@ -129,8 +131,10 @@ def qnorm_rope_nvfp4_insert(
     slots: torch.Tensor,
     cache: torch.Tensor,
     block_size: int,
+    q_norm: bool = True,
 ) -> torch.Tensor:
-    """Fused SWA insert of one step (CUDA). Returns the normed, roped q.
+    """Fused SWA insert of one step (CUDA). Returns the normed (where ``q_norm``: DeepSeek-V4),
+    roped q.
 
     Args:
         q: ``bf16 [T, H, 512]`` queries after ``wq_b`` (row- and head-strided is fine).
@@ -170,6 +174,7 @@ def qnorm_rope_nvfp4_insert(
         padded_heads,
         eps,
         HEADS=_HEADS_PER_PROGRAM,
+        Q_NORM=q_norm,
         enable_fp_fusion=False,
     )
     return q_out

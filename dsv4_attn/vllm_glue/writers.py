@@ -46,11 +46,13 @@ def qnorm_rope(
     cos_sin_cache: torch.Tensor,
     eps: float,
     padded_heads: int,
+    q_norm: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The RoPE/norm half of vLLM's fused DeepSeek-V4 SWA insert, in torch.
 
-    Q: per-head RMSNorm without weight over all 512 values, then GPT-J (interleaved) RoPE on the
-    last 64; KV: the same RoPE only (its RMSNorm ran before). RoPE pairs are values
+    Q: per-head RMSNorm without weight over all 512 values (DeepSeek-V4; ``q_norm=False`` for
+    V4.1, which has none), then GPT-J (interleaved) RoPE on the last 64; KV: the same RoPE only
+    (its RMSNorm ran before). RoPE pairs are values
     ``(448 + 2i, 448 + 2i + 1)``, rotated by ``cos_sin_cache[pos, i]`` (cos) and
     ``cos_sin_cache[pos, 32 + i]`` (sin). Math in float32, results rounded once to bf16.
 
@@ -75,7 +77,8 @@ def qnorm_rope(
         return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
 
     q32 = q.float()
-    q32 = q32 * torch.rsqrt(q32.square().mean(dim=-1, keepdim=True) + eps)
+    if q_norm:
+        q32 = q32 * torch.rsqrt(q32.square().mean(dim=-1, keepdim=True) + eps)
     q_out = q.new_zeros(T, padded_heads, HEAD_DIM)
     q_out[:, :H, :NOPE_DIM] = q32[..., :NOPE_DIM].to(q.dtype)
     q_out[:, :H, NOPE_DIM:] = rotate(q32[..., NOPE_DIM:]).to(q.dtype)
@@ -95,8 +98,9 @@ def insert_swa_rows(
     slots: torch.Tensor,
     cache: torch.Tensor,
     block_size: int,
+    q_norm: bool = True,
 ) -> torch.Tensor:
-    """The NVFP4 SWA insert of a step: returns q normed, roped and head-padded
+    """The NVFP4 SWA insert of a step: returns q normed (where ``q_norm``), roped and head-padded
     (``bf16 [T, padded_heads, 512]``) and writes each token's roped KV row, NVFP4-encoded, at
     ``slots[t]`` of ``cache`` (page view, ``block_size`` rows per page; -1 = none).
 
@@ -107,9 +111,9 @@ def insert_swa_rows(
         from dsv4_attn.fused.kv_writers import qnorm_rope_nvfp4_insert
 
         return qnorm_rope_nvfp4_insert(
-            q, kv, positions, cos_sin_cache, eps, padded_heads, slots, cache, block_size
+            q, kv, positions, cos_sin_cache, eps, padded_heads, slots, cache, block_size, q_norm
         )
-    q_out, kv_out = qnorm_rope(q, kv, positions, cos_sin_cache, eps, padded_heads)
+    q_out, kv_out = qnorm_rope(q, kv, positions, cos_sin_cache, eps, padded_heads, q_norm)
     n = min(slots.shape[0], kv_out.shape[0])  # rows past the slots are padding
     kv_cache.write_unchecked(cache, slots[:n], kv_out[:n], KVFormat.NVFP4, block_size)
     return q_out
