@@ -73,12 +73,17 @@ def tiny_config_dict() -> dict:
     }
 
 
+def _config_only_checkpoint(prefix: str, config: dict) -> str:
+    """A new directory holding ``config`` as ``config.json`` (no weights: load_format dummy)."""
+    path = temp_dir(prefix)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return str(path)
+
+
 @functools.cache
 def tiny_checkpoint() -> str:
     """Directory holding the tiny checkpoint's ``config.json`` (no weights: load_format dummy)."""
-    path = temp_dir("dsv4_tiny_")
-    (path / "config.json").write_text(json.dumps(tiny_config_dict(), indent=1))
-    return str(path)
+    return _config_only_checkpoint("dsv4_tiny_", tiny_config_dict())
 
 
 # A tiny DeepSeek-V4.1: window-only, ratio-2 and ratio-1 layers, two KV sources (layers 1 and 3)
@@ -117,9 +122,7 @@ def tiny_v41_config_dict() -> dict:
 @functools.cache
 def tiny_v41_checkpoint() -> str:
     """Directory holding the tiny V4.1 checkpoint's ``config.json`` (load_format dummy)."""
-    path = temp_dir("dsv41_tiny_")
-    (path / "config.json").write_text(json.dumps(tiny_v41_config_dict(), indent=1))
-    return str(path)
+    return _config_only_checkpoint("dsv41_tiny_", tiny_v41_config_dict())
 
 
 def engine_args(**overrides):
