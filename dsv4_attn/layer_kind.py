@@ -62,7 +62,7 @@ def compressed_of(family: Family, compress_ratio: int) -> Compressed | None:
     """The compressed entries of a layer of ``family`` and ratio, None for a window-only one."""
     if compress_ratio not in RATIOS[family]:
         raise ValueError(
-            f"compress ratio {compress_ratio}: {_NAMES[family]} layers have one of {RATIOS[family]}"
+            f"compress ratio {compress_ratio}; {_NAMES[family]} layers have one of {RATIOS[family]}"
         )
     if compress_ratio <= (1 if family is Family.V4 else 0):
         return None
@@ -143,16 +143,14 @@ def layer_kinds(
     kinds = []
     for layer in range(num_layers):
         ratio = int(compress_ratios[layer]) if layer < len(compress_ratios) else 0
-        if ratio not in RATIOS[family]:
-            raise ValueError(
-                f"layer {layer} has compress ratio {ratio}; {_NAMES[family]} layers have one of "
-                f"{RATIOS[family]}"
-            )
-        kind = LayerKind(family, layer, ratio, None, None)
-        if family is Family.V4:
-            own = layer if kind.has_compressed else None
-            kind = LayerKind(family, layer, ratio, own, layer if ratio == 4 else None)
-        elif kind.has_compressed:
+        try:
+            entries = compressed_of(family, ratio)
+        except ValueError as exc:
+            raise ValueError(f"layer {layer} has {exc}") from None
+        kv = index = None
+        if entries is not None and family is Family.V4:  # every V4 layer is its own source
+            kv, index = layer, (layer if entries.top_k else None)
+        elif entries is not None:
             kv = _newest_at_or_below(layer, kv_source_layer_ids, "kv_source_layer_ids")
             index = _newest_at_or_below(layer, index_source_layer_ids, "index_source_layer_ids")
             if layer in index_source_layer_ids and kv not in index_source_layer_ids:
@@ -162,8 +160,7 @@ def layer_kinds(
                     f"index_source_layer_ids = {list(index_source_layer_ids)} must hold every "
                     f"KV source an index source reads"
                 )
-            kind = LayerKind(family, layer, ratio, kv, index)
-        kinds.append(kind)
+        kinds.append(LayerKind(family, layer, ratio, kv, index))
     return kinds
 
 

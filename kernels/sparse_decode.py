@@ -32,7 +32,7 @@ from dsv4_attn.index_checks import int32_lists
 from dsv4_attn.kernels import sparse_decode_schedule as schedule
 from dsv4_attn.kernels.sparse_decode_config import BLOCK_H, BLOCK_N, MIN_SPLIT_TILES
 from dsv4_attn.kernels.sparse_decode_schedule import num_sms as _num_sms
-from dsv4_attn.kv_cache import HEAD_DIM, KVFormat, page_layout
+from dsv4_attn.kv_cache import HEAD_DIM, KVFormat, _page_layout
 from dsv4_attn.scope import KVScope
 
 __all__ = [
@@ -63,11 +63,11 @@ WIDE_COMBINE_ROWS_PER_SM = 4
 _MAX_PACKED_SLOTS = 1 << 30  # the kernel packs (slot, scope) into one int32
 _LOG2_E = math.log2(math.e)
 _FORMATS = {KVFormat.FP8_DS_MLA: "fp8_ds_mla", KVFormat.NVFP4: "nvfp4"}
-_NOT_BALANCED = (None, None, None, None)
+_NOT_BALANCED = (None, None, None, None)  # the balanced schedule's partials and plan
 # Module constants for the flat common-case test (a module global is cheaper than torch.<name>).
 _BF16, _FP32, _UINT8 = torch.bfloat16, torch.float32, torch.uint8
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_FP8, _NVFP4 = KVFormat.FP8_DS_MLA, KVFormat.NVFP4  # the balanced schedule's partials and plan
+_FP8, _NVFP4 = KVFormat.FP8_DS_MLA, KVFormat.NVFP4
 # Split partials (the kernel's workspace): fp16 output rows scaled by 2^k per row, and fp32
 # (lse, k) pairs; see dsv4_attn.kernels.sparse_decode_sm90.
 PARTIAL_DTYPE = torch.float16
@@ -260,7 +260,7 @@ def _common_scope(scope, tokens: int, device: torch.device) -> bool:
     return (
         pages > 0
         and pages * block_size < _MAX_PACKED_SLOTS
-        and page_bytes >= _page_bytes(fmt, block_size)
+        and page_bytes >= _page_layout(fmt, block_size).page_bytes
         and byte_stride == 1
         and page_stride % 16 == 0
         and cache.data_ptr() % 16 == 0
@@ -269,11 +269,6 @@ def _common_scope(scope, tokens: int, device: torch.device) -> bool:
         and (width == 0 or indices.stride()[1] == 1)
         and (lens_rows <= 1 or lens.stride()[0] == 1)
     )
-
-
-@functools.cache
-def _page_bytes(fmt: KVFormat, block_size: int) -> int:
-    return page_layout(fmt, block_size).page_bytes
 
 
 def _scope_reason(name: str, scope) -> str | None:
@@ -637,13 +632,12 @@ def sparse_attention(
     config = launch.decode_config
     decode = decode_cache.get(config, lambda: build_decode_kernel(config))
     scale_log2 = float(scale) * _LOG2_E
+    inputs = _input_args(q, window, extra, sink)
     if launch.combine_config is None:  # one split: the kernel writes the final rows
-        inputs = _input_args(q, window, extra, sink)
         decode(*inputs, out, lse, *_NOT_BALANCED, scale_log2, 1, launch.tiles)
         return out, lse
     # Splits write partials, which the combine kernel merges.
     o_part, lse_part = _partials(workspace, launch.o_shape, launch.lse_shape, q.device)
-    inputs = _input_args(q, window, extra, sink)
     decode(*inputs, o_part, lse_part, *_NOT_BALANCED, scale_log2, launch.splits, launch.tiles)
     combine_config = launch.combine_config
     combine = combine_cache.get(combine_config, lambda: build_combine_kernel(combine_config))
