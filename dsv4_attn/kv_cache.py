@@ -291,26 +291,39 @@ def _e2m1_decode(nibbles: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+def _ue8m0_e4m3_encode(values: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values [n, m]`` as e4m3 bytes ``uint8 [n, m]`` and one UE8M0 exponent byte per
+    ``block`` values ``uint8 [n, m / block]``: e = ceil(log2(max(amax, 1e-4) / 448)), values
+    divided by 2^e and rounded to nearest-even e4m3 (fp8_ds_mla's nope values, MXFP8_DS)."""
+    n, m = values.shape
+    x = values.float().view(n, m // block, block)
+    amax = x.abs().amax(dim=-1).clamp(min=FP8_AMAX_FLOOR)
+    exponent = _ceil_log2(amax / FP8_MAX)
+    scaled = (x / _pow2(exponent)[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    fp8 = scaled.to(torch.float8_e4m3fn).view(torch.uint8).view(n, m)
+    return fp8, (exponent + UE8M0_BIAS).clamp(0, 255).to(torch.uint8)
+
+
+def _ue8m0_e4m3_decode(fp8: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """float32 ``[n, m]`` of :func:`_ue8m0_e4m3_encode`'s bytes."""
+    (n, m), blocks = fp8.shape, exponents.shape[1]
+    values = fp8.contiguous().view(torch.float8_e4m3fn).float().view(n, blocks, m // blocks)
+    return (values * _pow2(exponents.to(torch.int32) - UE8M0_BIAS)[..., None]).view(n, m)
+
+
 def _encode_fp8_ds_mla(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = rows.shape[0]
-    nope = rows[:, :NOPE_DIM].float().view(n, NOPE_DIM // FP8_QUANT_BLOCK, FP8_QUANT_BLOCK)
-    amax = nope.abs().amax(dim=-1).clamp(min=FP8_AMAX_FLOOR)
-    exponent = _ceil_log2(amax / FP8_MAX)
-    scaled = (nope / _pow2(exponent)[..., None]).clamp(-FP8_MAX, FP8_MAX)
-    fp8 = scaled.to(torch.float8_e4m3fn).view(torch.uint8).view(n, NOPE_DIM)
+    fp8, exponents = _ue8m0_e4m3_encode(rows[:, :NOPE_DIM], FP8_QUANT_BLOCK)
     rope = rows[:, NOPE_DIM:].contiguous().view(torch.uint8)
     scales = torch.zeros(n, 8, dtype=torch.uint8, device=rows.device)
-    scales[:, :7] = (exponent + UE8M0_BIAS).clamp(0, 255).to(torch.uint8)
+    scales[:, :7] = exponents
     return torch.cat([fp8, rope], dim=1), scales
 
 
 def _decode_fp8_ds_mla(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    n = data.shape[0]
-    fp8 = data[:, :NOPE_DIM].contiguous().view(torch.float8_e4m3fn).float()
-    scale = _pow2(scales[:, :7].to(torch.int32) - UE8M0_BIAS)
-    nope = fp8.view(n, 7, FP8_QUANT_BLOCK) * scale[..., None]
+    nope = _ue8m0_e4m3_decode(data[:, :NOPE_DIM], scales[:, :7])
     rope = data[:, NOPE_DIM:].contiguous().view(torch.bfloat16)
-    return torch.cat([nope.view(n, NOPE_DIM).to(torch.bfloat16), rope], dim=1)
+    return torch.cat([nope.to(torch.bfloat16), rope], dim=1)
 
 
 def _encode_nvfp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,23 +356,12 @@ def _decode_nvfp4(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def _encode_mxfp8_ds(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    n = rows.shape[0]
-    x = rows.float().view(n, HEAD_DIM // MXFP8_QUANT_BLOCK, MXFP8_QUANT_BLOCK)
-    amax = x.abs().amax(dim=-1).clamp(min=FP8_AMAX_FLOOR)
-    exponent = _ceil_log2(amax / FP8_MAX)
-    scaled = (x / _pow2(exponent)[..., None]).clamp(-FP8_MAX, FP8_MAX)
-    fp8 = scaled.to(torch.float8_e4m3fn).view(torch.uint8).view(n, HEAD_DIM)
-    scales = (exponent + UE8M0_BIAS).clamp(0, 255).to(torch.uint8)
-    return torch.cat([fp8, scales], dim=1), rows.new_zeros((n, 0), dtype=torch.uint8)
+    fp8, exponents = _ue8m0_e4m3_encode(rows, MXFP8_QUANT_BLOCK)
+    return torch.cat([fp8, exponents], dim=1), rows.new_zeros((rows.shape[0], 0), dtype=torch.uint8)
 
 
 def _decode_mxfp8_ds(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    n = data.shape[0]
-    blocks = HEAD_DIM // MXFP8_QUANT_BLOCK
-    fp8 = data[:, :HEAD_DIM].contiguous().view(torch.float8_e4m3fn).float()
-    scale = _pow2(data[:, HEAD_DIM:].to(torch.int32) - UE8M0_BIAS)
-    values = fp8.view(n, blocks, MXFP8_QUANT_BLOCK) * scale[..., None]
-    return values.view(n, HEAD_DIM).to(torch.bfloat16)
+    return _ue8m0_e4m3_decode(data[:, :HEAD_DIM], data[:, HEAD_DIM:]).to(torch.bfloat16)
 
 
 def _encode_nvfp4_ds(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
