@@ -478,6 +478,24 @@ def test_a_case_with_failed_requests_keeps_their_errors(tmp_path: Path, monkeypa
     assert "request_errors" not in clean["cases"]["a_8k_c1"]
 
 
+def test_errors_logged_after_the_stop_signal_are_kept_apart(tmp_path: Path, monkeypatch):
+    stand_ins = _StandIns(monkeypatch)
+    stand_ins.log_lines = "INFO up\n(EngineCore) ERROR during a case\n"
+    log = tmp_path / "tp1_nvfp4.log"
+
+    def killpg(pid, sig):  # the engine core dies first: its API server logs it
+        with open(log, "a") as handle:
+            handle.write("(APIServer) ERROR AsyncLLM output_handler failed.\nTraceback (most\n")
+
+    monkeypatch.setattr(bench_serve.os, "killpg", killpg)
+    record = bench_serve.run_server(_args(only={"a_8k_c1"}), "nvfp4", tmp_path)
+    assert record["server_log_errors"] == ["(EngineCore) ERROR during a case"]
+    assert record["server_log_errors_after_stop"] == [
+        "(APIServer) ERROR AsyncLLM output_handler failed.",
+        "Traceback (most",
+    ]
+
+
 def test_each_case_draws_prompts_no_other_case_shares(tmp_path: Path):
     """vLLM's random dataset, seeded as bench_command seeds it: one seed for every case would
     give b_64k_c6 the prompts of b_64k_c4 (found in the prefix cache); each case's own seed

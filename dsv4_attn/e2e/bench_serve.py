@@ -78,6 +78,7 @@ __all__ = [
     "case_seed",
     "compare_greedy",
     "kv_tokens",
+    "log_errors",
     "long_case_name",
     "main",
     "plan_cases",
@@ -327,6 +328,11 @@ def _turn(turns: Turns | None, steps: list[str], step: str, name: str) -> Iterat
         turns.done(step, name)
 
 
+def log_errors(log: bytes) -> list[str]:
+    """The lines of a server log (raw bytes) that report an error or start a traceback."""
+    return re.findall(r"^.*(?:Traceback|ERROR).*$", log.decode(errors="replace"), re.M)
+
+
 def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
     port = args.port
     log = out / f"{args.layout}_{name}.log"
@@ -438,6 +444,9 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
             )
             _write_json(out / f"{args.layout}_{name}.json", record)
     finally:
+        # Where the log stood when the server was told to stop: an engine core that exits
+        # before its API server makes the latter log EngineDeadError, with no request in flight.
+        stopped_at = log.stat().st_size
         os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(60)
@@ -445,8 +454,9 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
             os.killpg(process.pid, signal.SIGKILL)
         if turns is not None:
             turns.finished(name)
-    errors = re.findall(r"^.*(?:Traceback|ERROR).*$", log.read_text(errors="replace"), re.M)
-    record["server_log_errors"] = errors[:10]
+    text = log.read_bytes()
+    record["server_log_errors"] = log_errors(text[:stopped_at])[:10]
+    record["server_log_errors_after_stop"] = log_errors(text[stopped_at:])[:10]
     _write_json(out / f"{args.layout}_{name}.json", record)
     return record
 
