@@ -243,6 +243,7 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     env -u VLLM_TARGET_DEVICE timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider -rfs \
       tests/test_fused.py tests/test_vllm_glue_gpu.py tests/test_sparse_decode.py \
       tests/test_combine.py tests/test_ops.py tests/test_kv_cache.py \
+      tests/test_vllm_glue_attention_v41.py \
       tests/test_fmha_ops.py::test_gpu_sparse_prefill_auto_uses_kernel tests/test_fmha.py \
       tests/test_memory_probe.py tests/test_real_shapes.py \
       -k "(not test_kernel_matches_reference or MLA-64- or NVFP4-64-) and (not dense or d512)" \
