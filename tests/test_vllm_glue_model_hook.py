@@ -18,6 +18,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 from dsv4_attn import plugin
 from dsv4_attn.vllm_glue import BACKEND_NAME, compat, model_hook
+from tests.test_vllm_glue_moe_warmup import h200, stand_in_worker  # noqa: F401 (h200: fixture)
 
 UPSTREAM_CHOICES = [
     None,
@@ -97,15 +98,17 @@ def _runner(*backends: type) -> SimpleNamespace:
     return runner
 
 
-def test_vllms_deepseek_v4_warmup_runs_for_our_backends():
+def test_vllms_deepseek_v4_warmup_runs_for_our_backends(monkeypatch):
     """vLLM's DeepSeek-V4 kernel warmup (a mixed prefill + decode dummy step before serving,
     so no kernel compiles during a user's first request) runs its step for a runner whose
     groups use DSV4_NVFP4 or its SWA twin, as for vLLM's own DeepSeek-V4 backends, and still
-    skips other backends."""
+    skips other backends. (The fused-MoE steps the hook adds after it are off here and tested
+    below.)"""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum as Backends
 
     from dsv4_attn.vllm_glue.backend import DSV4NVFP4Backend, DSV4NVFP4SWABackend
 
+    monkeypatch.setenv("DSV4_ATTN_MOE_WARMUP", "0")
     plugin.register()
     warmup = importlib.import_module("vllm.model_executor.warmup.flashinfer_sparse_mla_warmup")
     assert model_hook.is_patched(warmup, compat.HOOK_TARGETS[3])
@@ -125,10 +128,174 @@ def test_vllms_deepseek_v4_warmup_runs_for_our_backends():
                 kernel_config=SimpleNamespace(enable_flashinfer_autotune=False)
             ),
         )
-        warmup.deepseek_v4_sparse_mla_attention_warmup(worker)  # vLLM's own function
+        warmup.deepseek_v4_sparse_mla_attention_warmup(worker)  # vLLM's own function, hooked
         mixed = [run for run in runner.dummy_runs if run.get("create_mixed_batch")]
         assert len(mixed) == (1 if runs else 0), (backends, runner.dummy_runs)
     assert not model_hook.runs_dsv4_nvfp4(SimpleNamespace())  # a runner without groups
+
+
+def _worker(runner: SimpleNamespace, max_batched: int = 8192) -> SimpleNamespace:
+    """A stand-in worker around ``runner`` with what vLLM's DeepSeek-V4 warmup reads."""
+    return SimpleNamespace(
+        model_runner=runner,
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=max_batched),
+        vllm_config=SimpleNamespace(
+            kernel_config=SimpleNamespace(enable_flashinfer_autotune=False)
+        ),
+    )
+
+
+def _warmup_module():
+    plugin.register()
+    return importlib.import_module("vllm.model_executor.warmup.flashinfer_sparse_mla_warmup")
+
+
+def test_kernel_warmup_calls_the_hooked_deepseek_v4_warmup():
+    """vLLM's kernel warmup imports the DeepSeek-V4 warmup by name: the name it calls is the
+    hook, as is the warmup module's own."""
+    warmup = _warmup_module()
+    kernel_warmup = importlib.import_module("vllm.model_executor.warmup.kernel_warmup")
+    target = compat.HOOK_TARGETS[4]
+    assert target.function == "deepseek_v4_sparse_mla_attention_warmup"
+    assert model_hook.is_patched(warmup, target) and model_hook.is_patched(kernel_warmup, target)
+    assert kernel_warmup.deepseek_v4_sparse_mla_attention_warmup is (
+        warmup.deepseek_v4_sparse_mla_attention_warmup
+    )
+    assert model_hook.is_patched(warmup, compat.HOOK_TARGETS[3])  # the module's other hook
+
+
+def test_deepseek_v4_warmup_hook_adds_the_moe_warmup_for_our_backends_only(monkeypatch):
+    """After vLLM's warmup step, the hook runs the fused-MoE warmup for a runner using
+    DSV4_NVFP4 (or its SWA twin), and not for vLLM's backends. Stand-in runners record the
+    calls; the real steps run on the GPU server."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as Backends
+
+    from dsv4_attn.vllm_glue import moe_warmup
+    from dsv4_attn.vllm_glue.backend import DSV4NVFP4Backend, DSV4NVFP4SWABackend
+
+    warmup = _warmup_module()
+    monkeypatch.setattr(
+        moe_warmup, "warm_moe", lambda worker: worker.model_runner.dummy_runs.append("moe")
+    )
+    vllms = Backends["FLASHMLA_SPARSE_DSV4"].get_class()
+    other = Backends["TRITON_ATTN"].get_class()
+    for backends, moe in [
+        ((DSV4NVFP4Backend, DSV4NVFP4SWABackend), True),
+        ((DSV4NVFP4SWABackend,), True),
+        ((vllms,), False),
+        ((other,), False),
+    ]:
+        runner = _runner(*backends)
+        warmup.deepseek_v4_sparse_mla_attention_warmup(_worker(runner))
+        runs = [run if run == "moe" else run["num_tokens"] for run in runner.dummy_runs]
+        expected = ([] if backends == (other,) else [16]) + (["moe"] if moe else [])
+        assert runs == expected, backends
+
+
+@pytest.mark.usefixtures("h200")
+@pytest.mark.parametrize("switch, moe", [(None, True), ("1", True), ("0", False)])
+def test_deepseek_v4_warmup_hook_runs_the_moe_steps_unless_switched_off(monkeypatch, switch, moe):
+    """The hook with the real fused-MoE warmup, on a stand-in worker whose model has one MoE
+    layer (8 experts, vLLM's default configs): vLLM's 16-token step, then one step per count of
+    every config interval (here 1..16 and 33..40); ``DSV4_ATTN_MOE_WARMUP=0`` leaves vLLM's
+    step alone."""
+    from dsv4_attn.vllm_glue.backend import DSV4NVFP4Backend
+
+    if switch is None:
+        monkeypatch.delenv("DSV4_ATTN_MOE_WARMUP", raising=False)
+    else:
+        monkeypatch.setenv("DSV4_ATTN_MOE_WARMUP", switch)
+    warmup = _warmup_module()
+    worker = stand_in_worker(max_batched=40)
+    worker.model_runner.attn_groups = [[SimpleNamespace(backend=DSV4NVFP4Backend)]]
+    worker.vllm_config = _worker(worker.model_runner).vllm_config
+    warmup.deepseek_v4_sparse_mla_attention_warmup(worker)
+    steps = worker.model_runner.steps
+    assert all(step["create_mixed_batch"] for step in steps)
+    moe_counts = [*range(1, 17), *range(33, 41)] if moe else []
+    assert [step["num_tokens"] for step in steps] == [16, *moe_counts]
+
+
+def test_one_module_hooks_each_of_its_functions_on_first_import(tmp_path, monkeypatch):
+    """Several targets in one module, on a stand-in module hooked through :func:`install`: on
+    its first import each matching function gets its own wrapper, and one with another
+    signature alone gets the guard."""
+    from dsv4_attn.vllm_glue.backend import DSV4NVFP4Backend
+
+    name = "dsv4_fake_two_targets"
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent("""
+            def _select_dsv4_attn_cls(vllm_config):
+                return "upstream"
+
+            def _has_deepseek_v4_sparse_mla_backend(runner):
+                return False
+
+            def _insert_context_kv(attn, kv, positions):
+                return "upstream"
+        """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    select = compat.HookTarget(name, "_select_dsv4_attn_cls", ("vllm_config",), True)
+    check = compat.HookTarget(name, "_has_deepseek_v4_sparse_mla_backend", ("runner",), True)
+    changed = compat.HookTarget(
+        name, "_insert_context_kv", ("attn", "kv", "positions", "slot_mapping"), True
+    )
+    for target, wrap in [
+        (select, model_hook._dsv4_selector),
+        (check, model_hook._dsv4_warmup_check),
+        (changed, model_hook._dspark_context_insert),
+    ]:
+        monkeypatch.setitem(model_hook._WRAPPERS, (name, target.function), wrap)
+    monkeypatch.setattr(model_hook, "HOOK_TARGETS", (select, check, changed))
+    monkeypatch.setattr(model_hook._finder, "targets", {})
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    model_hook.install()
+    module = importlib.import_module(name)
+    try:
+        assert model_hook.is_patched(module, select) and model_hook.is_patched(module, check)
+        assert not model_hook.is_patched(module, changed)
+        assert module._select_dsv4_attn_cls(fake_config(BACKEND_NAME)).__name__ == (
+            "DSV4NVFP4Attention"
+        )
+        assert module._select_dsv4_attn_cls(fake_config("TRITON_ATTN")) == "upstream"
+        assert module._has_deepseek_v4_sparse_mla_backend(_runner(DSV4NVFP4Backend)) is True
+        assert module._insert_context_kv(fake_config(None), 1, 2) == "upstream"
+        with pytest.raises(compat.IncompatibleVLLMError, match=r"vLLM 0\.33\.0 only"):
+            module._insert_context_kv(fake_config(BACKEND_NAME), 1, 2)
+    finally:
+        sys.modules.pop(name)
+
+
+def test_importers_taken_before_the_hook_get_the_wrapper(tmp_path, monkeypatch):
+    """A module that took the function by ``from ... import`` before the hook (as vLLM's kernel
+    warmup takes the DeepSeek-V4 warmup) has its binding replaced; one imported after reads
+    the wrapper; a binding of something else under that name is left alone."""
+    defs, early, late, unrelated = (f"dsv4_fake_{n}" for n in ("defs", "early", "late", "other"))
+    (tmp_path / f"{defs}.py").write_text("def run(worker):\n    return 'upstream'\n")
+    for user in (early, late):
+        (tmp_path / f"{user}.py").write_text(f"from {defs} import run\n")
+    (tmp_path / f"{unrelated}.py").write_text("def run(worker):\n    return 'its own'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    target = compat.HookTarget(defs, "run", ("worker",), True, importers=(early, late, unrelated))
+    monkeypatch.setitem(model_hook._WRAPPERS, (defs, "run"), model_hook._dsv4_kernel_warmup)
+    names = (defs, early, late, unrelated)
+    for name in names:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    try:
+        module = importlib.import_module(defs)
+        early_module = importlib.import_module(early)
+        unrelated_module = importlib.import_module(unrelated)
+        own = unrelated_module.run
+        model_hook._patch(module, target)
+        late_module = importlib.import_module(late)
+        assert model_hook.is_patched(module, target)
+        assert early_module.run is module.run and late_module.run is module.run
+        assert unrelated_module.run is own
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
 
 
 def test_dspark_context_writer_routes_nvfp4_layers_to_ours(monkeypatch):
@@ -329,8 +496,8 @@ def test_import_hook_patches_or_guards_on_first_import(tmp_path, monkeypatch, si
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     target = compat.HookTarget(name, "_select_dsv4_attn_cls", ("vllm_config",), True)
-    monkeypatch.setitem(model_hook._WRAPPERS, name, model_hook._dsv4_selector)
-    monkeypatch.setitem(model_hook._finder.targets, name, target)
+    monkeypatch.setitem(model_hook._WRAPPERS, (name, target.function), model_hook._dsv4_selector)
+    monkeypatch.setitem(model_hook._finder.targets, name, {target.function: target})
     monkeypatch.setattr(sys, "meta_path", [model_hook._finder, *sys.meta_path])
     monkeypatch.delitem(sys.modules, name, raising=False)
     module = importlib.import_module(name)

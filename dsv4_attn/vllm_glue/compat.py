@@ -48,8 +48,12 @@ class HookTarget:
     function: str  # module-level function name
     params: tuple[str, ...]  # its positional-or-keyword parameters without defaults, nothing else
     required: bool  # False: the module may be absent (an older vLLM without it)
+    # Modules that bind the function by ``from module import function`` when they are imported:
+    # one imported before the hook holds the original, so its binding is replaced as well.
+    importers: tuple[str, ...] = ()
 
 
+# One module may hold several targets; each is checked, hooked or guarded on its own.
 HOOK_TARGETS: tuple[HookTarget, ...] = (
     HookTarget(
         "vllm.models.deepseek_v4.nvidia.model", "_select_dsv4_attn_cls", ("vllm_config",), True
@@ -68,6 +72,13 @@ HOOK_TARGETS: tuple[HookTarget, ...] = (
         "_has_deepseek_v4_sparse_mla_backend",
         ("runner",),
         False,
+    ),
+    HookTarget(
+        "vllm.model_executor.warmup.flashinfer_sparse_mla_warmup",
+        "deepseek_v4_sparse_mla_attention_warmup",
+        ("worker",),
+        False,
+        importers=("vllm.model_executor.warmup.kernel_warmup",),
     ),
 )
 

@@ -20,17 +20,28 @@ _has_deepseek_v4_sparse_mla_backend``), so without a word this backend's prefill
 would compile during a user's first request. Its wrapper also answers yes for a runner whose
 attention groups use ``DSV4_NVFP4`` or its SWA twin.
 
+That warmup (``deepseek_v4_sparse_mla_attention_warmup(worker)``) runs one 16-token step, so
+vLLM's Triton fused-MoE kernel would still compile, per block config and per Triton's
+divisibility-by-16 specialization of its integer arguments, during the first requests of
+prefill lengths the startup never ran. Its wrapper runs the original, then, for a runner using
+this package's backends, :func:`~dsv4_attn.vllm_glue.moe_warmup.warm_moe` (one dummy step per
+token count of :func:`~dsv4_attn.vllm_glue.moe_warmup.moe_warmup_token_counts`;
+``DSV4_ATTN_MOE_WARMUP=0`` turns it off). ``vllm.model_executor.warmup.kernel_warmup`` imports
+the function by name, so a binding it took before the hook is replaced too
+(:attr:`~dsv4_attn.vllm_glue.compat.HookTarget.importers`).
+
 The V4.1 model (``vllm.models.deepseek_v41``) has its own selector and its own attention base
 class, which this package does not implement: there ``DSV4_NVFP4`` raises a ValueError at model
 construction instead of silently running FlashMLA.
 
 The model modules are heavy (seconds to import), so :func:`install` does not import them: it patches
 a module already imported, and otherwise patches it right after its first import, through a
-``sys.meta_path`` finder. A target whose function is missing or has another signature there
-(:func:`~dsv4_attn.vllm_glue.compat.check_hook_callable`; the plugin's source check missed it, as
-for a vLLM installed without sources) is not hooked: the import succeeds, a WARNING says why,
-and the function is wrapped in a guard that passes every call through unchanged except those
-selecting ``DSV4_NVFP4``, which raise
+``sys.meta_path`` finder; one module may hold several targets, each wrapped by its own function
+(``_WRAPPERS``, keyed by module and function). A target whose function is missing or has another
+signature there (:func:`~dsv4_attn.vllm_glue.compat.check_hook_callable`; the plugin's source
+check missed it, as for a vLLM installed without sources) is not hooked: the import succeeds, a
+WARNING says why, and the function is wrapped in a guard that passes every call through unchanged
+except those selecting ``DSV4_NVFP4``, which raise
 :class:`~dsv4_attn.vllm_glue.compat.IncompatibleVLLMError` instead of running FlashMLA.
 """
 
@@ -126,11 +137,27 @@ def _dsv4_warmup_check(original: Callable[[Any], bool]) -> Callable[[Any], bool]
     return has_backend
 
 
-_WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
-    "vllm.models.deepseek_v4.nvidia.model": _dsv4_selector,
-    "vllm.models.deepseek_v41.nvidia.model": _dsv41_selector,
-    "vllm.models.deepseek_v4.nvidia.dspark": _dspark_context_insert,
-    "vllm.model_executor.warmup.flashinfer_sparse_mla_warmup": _dsv4_warmup_check,
+def _dsv4_kernel_warmup(original: Callable[[Any], None]) -> Callable[[Any], None]:
+    @functools.wraps(original)
+    def warmup(worker: Any) -> None:
+        original(worker)
+        if runs_dsv4_nvfp4(worker.model_runner):
+            from dsv4_attn.vllm_glue.moe_warmup import warm_moe
+
+            warm_moe(worker)
+
+    return warmup
+
+
+_WARMUP_MODULE = "vllm.model_executor.warmup.flashinfer_sparse_mla_warmup"
+
+# (module, function) of each hook target -> the function making its wrapper from the original.
+_WRAPPERS: dict[tuple[str, str], Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    ("vllm.models.deepseek_v4.nvidia.model", "_select_dsv4_attn_cls"): _dsv4_selector,
+    ("vllm.models.deepseek_v41.nvidia.model", "_select_dsv4_attn_cls"): _dsv41_selector,
+    ("vllm.models.deepseek_v4.nvidia.dspark", "_insert_context_kv"): _dspark_context_insert,
+    (_WARMUP_MODULE, "_has_deepseek_v4_sparse_mla_backend"): _dsv4_warmup_check,
+    (_WARMUP_MODULE, "deepseek_v4_sparse_mla_attention_warmup"): _dsv4_kernel_warmup,
 }
 
 
@@ -173,10 +200,16 @@ def _patch(module: ModuleType, target: HookTarget) -> None:
             return
         wrapper, mark = _guard(original, error), "guard"
     else:
-        wrapper, mark = _WRAPPERS[target.module](original), "hook"
+        wrapper, mark = _WRAPPERS[target.module, target.function](original), "hook"
         logger.debug("dsv4-attn: hooked %s.%s", target.module, target.function)
     setattr(wrapper, _PATCHED_MARK, mark)
     setattr(module, target.function, wrapper)
+    # An importer imported later reads the wrapper from ``module``; one imported earlier holds
+    # the original under the same name.
+    for name in target.importers:
+        importer = sys.modules.get(name)
+        if importer is not None and getattr(importer, target.function, None) is original:
+            setattr(importer, target.function, wrapper)
 
 
 def is_patched(module: ModuleType, target: HookTarget) -> bool:
@@ -185,18 +218,19 @@ def is_patched(module: ModuleType, target: HookTarget) -> bool:
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    """Delegates to the real loader, then patches the freshly executed module."""
+    """Delegates to the real loader, then patches the freshly executed module's targets."""
 
-    def __init__(self, loader: importlib.abc.Loader, target: HookTarget) -> None:
+    def __init__(self, loader: importlib.abc.Loader, targets: tuple[HookTarget, ...]) -> None:
         self._loader = loader
-        self._target = target
+        self._targets = targets
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        _patch(module, self._target)
+        for target in self._targets:
+            _patch(module, target)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_code, is_package, ...
         return getattr(self._loader, name)
@@ -206,18 +240,19 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
     """Finds the hook targets' modules like the path finder does, with a patching loader."""
 
     def __init__(self) -> None:
-        self.targets: dict[str, HookTarget] = {}
+        # module name -> its targets by function name
+        self.targets: dict[str, dict[str, HookTarget]] = {}
 
     def find_spec(
         self, fullname: str, path: Any = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        hook = self.targets.get(fullname)
-        if hook is None:
+        hooks = self.targets.get(fullname)
+        if not hooks:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return None
-        spec.loader = _PatchingLoader(spec.loader, hook)
+        spec.loader = _PatchingLoader(spec.loader, tuple(hooks.values()))
         return spec
 
 
@@ -230,6 +265,7 @@ def install() -> None:
         module = sys.modules.get(target.module)
         if module is not None:
             _patch(module, target)
-        _finder.targets[target.module] = target  # also covers a later re-import
+        # also covers a later re-import
+        _finder.targets.setdefault(target.module, {})[target.function] = target
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
