@@ -78,14 +78,23 @@ def test_dsv4_selector_returns_our_class_only_for_our_backend(dsv4_model):
     assert decoder_globals["_select_dsv4_attn_cls"] is select
 
 
-def test_dsv41_selector_refuses_our_backend_and_keeps_the_rest(dsv41_model):
+def test_dsv41_selector_returns_our_class_for_fp8_and_keeps_the_rest(dsv41_model):
+    from dsv4_attn.vllm_glue.attention_v41 import DSV41NVFP4Attention
+
     select = dsv41_model._select_dsv4_attn_cls
     assert model_hook.is_patched(dsv41_model, compat.HOOK_TARGETS[1])
-    with pytest.raises(ValueError, match=r"DeepSeek-V4\.1"):
-        select(fake_config(BACKEND_NAME))
+    for cache_dtype in ("fp8", "fp8_ds_mla"):
+        config = fake_config(BACKEND_NAME)
+        config.cache_config = SimpleNamespace(cache_dtype=cache_dtype)
+        assert select(config) is DSV41NVFP4Attention
+    config.cache_config = SimpleNamespace(cache_dtype="auto")  # NVFP4: not for V4.1 yet
+    with pytest.raises(ValueError, match=r"DeepSeek-V4\.1 with fp8 KV caches only.*'auto'"):
+        select(config)
     original = select.__wrapped__
     for choice in UPSTREAM_CHOICES:
-        assert outcome(select, fake_config(choice)) == outcome(original, fake_config(choice))
+        got = outcome(select, fake_config(choice))
+        assert got == outcome(original, fake_config(choice)), choice
+        assert got is not DSV41NVFP4Attention
 
 
 def _runner(*backends: type) -> SimpleNamespace:

@@ -31,8 +31,9 @@ the function by name, so a binding it took before the hook is replaced too
 (:attr:`~dsv4_attn.vllm_glue.compat.HookTarget.importers`).
 
 The V4.1 model (``vllm.models.deepseek_v41``) has its own selector and its own attention base
-class, which this package does not implement: there ``DSV4_NVFP4`` raises a ValueError at model
-construction instead of silently running FlashMLA.
+class: there ``DSV4_NVFP4`` selects :class:`dsv4_attn.vllm_glue.attention_v41.DSV41NVFP4Attention`
+with fp8 caches, and raises a ValueError naming the accepted ``--kv-cache-dtype`` values for any
+other cache format at model construction, instead of silently running FlashMLA.
 
 The model modules are heavy (seconds to import), so :func:`install` does not import them: it patches
 a module already imported, and otherwise patches it right after its first import, through a
@@ -93,12 +94,10 @@ def _dsv41_selector(original: Callable[[Any], type]) -> Callable[[Any], type]:
     @functools.wraps(original)
     def select(vllm_config: Any) -> type:
         if is_dsv4_nvfp4(vllm_config.attention_config.backend):
-            raise ValueError(
-                f"--attention-backend {BACKEND_NAME} serves DeepSeek-V4 checkpoints "
-                "(model_type deepseek_v4) only; this is a DeepSeek-V4.1 checkpoint, whose "
-                "attention layer it does not implement. Use FLASHMLA_SPARSE_DSV41 or leave "
-                "--attention-backend unset."
-            )
+            from dsv4_attn.vllm_glue.attention_v41 import DSV41NVFP4Attention, v41_kv_format
+
+            v41_kv_format(vllm_config.cache_config.cache_dtype)  # fp8 only: says so otherwise
+            return DSV41NVFP4Attention
         return original(vllm_config)
 
     return select
