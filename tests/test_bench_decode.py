@@ -27,7 +27,7 @@ FP8 = KVFormat.FP8_DS_MLA
 def test_plain_defaults_are_unchanged():
     args = decode.parse_args([])
     assert args.against is None and args.batches is None
-    assert args.shapes == ["v4-flash", "v4-pro", "hca-1m"]
+    assert args.shapes == ["v4-flash", "v4-pro", "hca-1m", "window-only"]
     assert args.tokens == [1, 8, 64, 128, 256]
     assert args.formats == ["fp8_ds_mla", "nvfp4"] and args.json == "bench_decode.json"
     args = decode.parse_args(["--tokens", "4", "16", "--shapes", "v4-pro", "--formats", "NVFP4"])
@@ -42,6 +42,7 @@ def test_against_defaults_cover_the_issue_shapes_and_batches():
         "v4-flash",
         "v4-pro",
         "hca-1m",
+        "window-only",
         "v4-flash-tp2",
         "v4-flash-tp4",
         "v4-flash-tp8",
@@ -55,6 +56,7 @@ def test_against_defaults_cover_the_issue_shapes_and_batches():
         "v4-flash": 64,
         "v4-pro": 128,
         "hca-1m": 64,
+        "window-only": 64,
         "v4-flash-tp2": 32,
         "v4-flash-tp4": 16,
         "v4-flash-tp8": 8,
@@ -64,6 +66,7 @@ def test_against_defaults_cover_the_issue_shapes_and_batches():
         "hca-128k-ragged": 64,
     }
     assert decode.ALL_SHAPES["v4-pro"][1:] == (128, 1024)
+    assert decode.ALL_SHAPES["window-only"][1:] == (128, 0)
     assert decode.ALL_SHAPES["hca-1m"][1:] == (128, 8192)
     assert decode.ALL_SHAPES["hca-1m-ragged"][1:] == (128, 8192)
     assert [decode.ALL_SHAPES[f"hca-{c}-ragged"][1:] for c in ("512k", "256k", "128k")] == [
@@ -366,6 +369,16 @@ def test_ragged_shape_gives_each_request_its_own_count_of_compressed_rows():
         decode.make_case(pool, FP8, 5, 8, 16, 64, ragged_group=2)
 
 
+def test_window_only_shape_has_no_second_list():
+    """window-only (V4.1's ratio-0 layers): each token's own full window, no compressed list."""
+    pool = decode._RowPool(torch.device("cpu"), seed=2)
+    H, window, extra = decode.ALL_SHAPES["window-only"]
+    case = decode.make_case(pool, FP8, 4, H, window, extra)
+    assert case.extra is None and case.q.shape == (4, 64, 512)
+    assert (case.window.lens == 128).all() and case.num_keys == 4 * 128
+    assert len(set(case.window.indices.flatten().tolist())) == 4 * 128  # no row shared
+
+
 def test_against_loop_runs_the_ragged_shape_with_per_request_lengths(monkeypatch):
     _cpu_stand_ins(monkeypatch)
     fm = _EmulatedFlashMLA()
@@ -474,6 +487,8 @@ def test_row_ratios_are_flashmla_over_ours():
         ("v4-pro", 128, 80.0, 70.0, 100.0, "fp8>=1.25x", True),
         ("v4-pro", 128, 81.0, 70.0, 100.0, "fp8>=1.25x", False),
         ("hca-1m", 64, 30.0, 25.0, 20.0, None, None),
+        ("window-only", 64, 10.0, 9.0, 13.0, "fp8>=1.3x", True),
+        ("window-only", 128, 10.0, 9.0, 12.9, "fp8>=1.3x", False),
         ("v4-flash", 1, 9.0, 8.0, None, "<=10us", True),  # judged on ours alone
         ("v4-pro", 1, 9.0, 10.5, 20.0, "<=10us", False),
         ("v4-flash-tp2", 1, 9.0, None, 20.0, "<=10us", None),  # nvfp4 not timed

@@ -219,8 +219,8 @@ def _copy_floor(case, reps: int) -> dict:
 
 def _sparse_configs(tokens: int) -> list[tuple[str, int, object]]:
     """(name, heads, case maker): the benchmark's shapes (s_kv 32K, pure top-k) and the layouts the
-    backend runs (window 128 + top-k; HCA: every visible entry then the window, the last
-    ``tokens`` of a 32K and of a 1M context)."""
+    backend runs (window 128 + top-k; the window alone; HCA: every visible entry then the window,
+    the last ``tokens`` of a 32K and of a 1M context)."""
     return [
         (
             "topk512-skv32k",
@@ -238,6 +238,8 @@ def _sparse_configs(tokens: int) -> list[tuple[str, int, object]]:
         ),
         ("v4flash", 64, lambda: make_v4_sparse_case(tokens, 64, 512, device="cuda", seed=512)),
         ("v4pro", 128, lambda: make_v4_sparse_case(tokens, 128, 1024, device="cuda", seed=1024)),
+        # A window-only layer (V4.1's ratio 0); V4.1's ratio 1 and 2 prefill lists are v4flash's.
+        ("window-only", 64, lambda: make_v4_sparse_case(tokens, 64, 0, device="cuda", seed=128)),
         ("hca-ctx32k", 64, lambda: make_hca_sparse_case(tokens, 64, 32768, device="cuda", seed=3)),
         ("hca-ctx1m", 64, lambda: make_hca_sparse_case(tokens, 64, 1 << 20, device="cuda", seed=4)),
     ]
