@@ -118,3 +118,282 @@ def test_the_draftable_model_mostly_predicts_its_bigram():
         assert torch.equal(model(ids).logits.argmax(-1), table[ids])
     agreement = (greedy == table[ids]).float().mean().item()
     assert 0.45 < agreement < 0.85, agreement
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSeek-V4.1
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def v41_checkpoint() -> str:
+    return str(save_vllm_checkpoint(temp_dir("dsv41_vllm_ckpt_"), SPEC, family="v41"))
+
+
+def _v41_config() -> dict:
+    return json.loads(Path(v41_checkpoint(), "config.json").read_text())
+
+
+class _NoStream:
+    """Stands in for torch.cuda.Stream, which vLLM's V4.1 model creates in __init__."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+
+@functools.cache
+def v41_vllm():
+    """``(config, model)``: vLLM's DeepseekV41ForCausalLM created and filled by vLLM's default
+    model loader from :func:`v41_checkpoint` on the CPU, as ``vllm serve DIR
+    --language-model-only`` would (strict: the loader refuses unknown names and parameters the
+    checkpoint misses). Engram tables in device memory (the host-memory default needs UVA). The
+    layers' CUDA set-up (streams, the device's SM count, the FP8 einsum recipe of the output
+    projection, kernel warm-up registration) is stood in; none of it makes parameters."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from vllm.config import set_current_vllm_config
+    from vllm.config.engram import EngramConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.models.deepseek_v41.nvidia import flashmla
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    vt._distributed_ready()
+    config = vt.engine_args(
+        model=v41_checkpoint(),
+        load_format="auto",
+        max_num_seqs=4,
+        skip_tokenizer_init=False,
+        language_model_only=True,
+        engram_config=EngramConfig(cpu_offload=False),
+    ).create_engine_config()
+    loader = get_model_loader(config.load_config)
+    sms = SimpleNamespace(multi_processor_count=4)
+    with (
+        set_current_vllm_config(config),
+        vt._cpu_events(),
+        set_default_torch_dtype(config.model_config.dtype),
+        mock.patch.object(torch.cuda, "Stream", _NoStream),
+        mock.patch.object(torch.cuda, "get_device_properties", lambda *args: sms),
+        mock.patch.object(torch.accelerator, "current_device_index", lambda: 0),
+        mock.patch.object(flashmla, "compute_fp8_einsum_recipe", lambda b: ((1, 128, 128), False)),
+        mock.patch.object(flashmla, "register_dsv41_o_proj_warmup", lambda layer: None),
+    ):
+        model = loader.create_model(vllm_config=config, model_config=config.model_config)
+        loader.load_weights(model, config.model_config)
+    return config, model
+
+
+def _checkpoint_names_of(params: dict[str, torch.Tensor], hf_config) -> dict:
+    """``{checkpoint name: (shape, dtype)}`` of vLLM's V4.1 parameters ``params``, by undoing
+    the loader's mapping (``vl_model._make_deepseek_v4_vl_weights_mapper`` and the fused
+    parameters of ``DeepseekV4Model.load_weights``), written out from vLLM's sources: DeepSeek's
+    names (no ``language_model.model.`` prefix, ``embed``, ``head``, ``gate.bias``, Engram
+    ``embed.scale``), fused projections split into the checkpoint's parts, the stacked routed
+    experts into one tensor per expert, the sinks of the real heads only (vLLM pads them to the
+    kernel's head count with -inf)."""
+    q_lora, head_dim = hf_config.q_lora_rank, hf_config.head_dim
+    out = {}
+    for name, param in params.items():
+        shape, dtype = tuple(param.shape), param.dtype
+        name = name.removeprefix("language_model.").removeprefix("model.")
+        name = {"lm_head.weight": "head.weight", "embed_tokens.weight": "embed.weight"}.get(
+            name, name
+        )
+        name = name.replace("engram.embed_tokens.weight_scale_inv", "engram.embed.scale")
+        name = name.replace("engram.embed_tokens.weight", "engram.embed.weight")
+        name = name.replace("gate.e_score_correction_bias", "gate.bias")
+        head, _, leaf = name.rpartition(".")
+        if dtype == torch.uint8:  # E8M0 scales: vLLM stores the raw exponent bytes
+            dtype = torch.float8_e8m0fnu
+        if name.endswith("attn.fused_wqa_wkv.weight"):
+            stem = name.removesuffix("fused_wqa_wkv.weight")
+            out[stem + "wq_a.weight"] = ((q_lora, shape[1]), dtype)
+            out[stem + "wkv.weight"] = ((shape[0] - q_lora, shape[1]), dtype)
+        elif name.endswith("compressor.fused_wkv_wgate.weight"):
+            stem = name.removesuffix("fused_wkv_wgate.weight")
+            parts = ["wkv", "wgate"][: shape[0] // head_dim]
+            for part in parts:
+                out[f"{stem}{part}.weight"] = ((head_dim, shape[1]), dtype)
+        elif name.endswith("shared_experts.gate_up_proj.weight"):
+            stem = name.removesuffix("gate_up_proj.weight")
+            for part in ("w1", "w3"):
+                out[f"{stem}{part}.weight"] = ((shape[0] // 2, shape[1]), dtype)
+        elif name.endswith("shared_experts.down_proj.weight"):
+            out[name.replace("down_proj", "w2")] = (shape, dtype)
+        elif leaf == "attn_sink":
+            out[name] = ((hf_config.num_attention_heads,), dtype)
+        elif head.endswith("experts.routed_experts"):
+            stem = head.removesuffix("routed_experts")
+            for e in range(shape[0]):
+                if leaf == "w13_weight":
+                    for part in ("w1", "w3"):
+                        out[f"{stem}{e}.{part}.weight"] = ((shape[1] // 2, shape[2]), dtype)
+                else:
+                    assert leaf == "w2_weight", name
+                    out[f"{stem}{e}.w2.weight"] = (shape[1:], dtype)
+        else:
+            out[name] = (shape, dtype)
+    return out
+
+
+def test_v41_checkpoint_holds_exactly_what_vllms_v41_model_asks_for():
+    """Every parameter of vLLM's DeepseekV41ForCausalLM (built from the written config) is in the
+    checkpoint under its checkpoint name, with its shape and dtype, and the checkpoint holds
+    nothing else (vLLM's mapper drops some names silently, e.g. ``mtp.*``, ``vision.*``)."""
+    config, model = v41_vllm()
+    hf = config.model_config.hf_config
+    expected = _checkpoint_names_of(dict(model.named_parameters()), hf)
+    weights = load_file(f"{v41_checkpoint()}/model.safetensors")
+    written = {name: (tuple(t.shape), t.dtype) for name, t in weights.items()}
+    assert sorted(set(written) - set(expected)) == [], "not asked for by vLLM"
+    assert sorted(set(expected) - set(written)) == [], "missing"
+    wrong = {k: (written[k], expected[k]) for k in expected if written[k] != expected[k]}
+    assert wrong == {}
+    # the only other state vLLM's model holds is derived: RoPE tables, Engram hash constants
+    for name, _ in model.named_buffers():
+        assert name.endswith("rotary_emb.cos_sin_cache") or ".engram_hash." in name, name
+
+
+def test_v41_vllm_loader_puts_the_checkpoints_tensors_in_place():
+    """The tensors vLLM loaded are the checkpoint's, fused ones concatenated in vLLM's order."""
+    _, model = v41_vllm()
+    weights = load_file(f"{v41_checkpoint()}/model.safetensors")
+    params = dict(model.named_parameters())
+    lm = "language_model.model."
+    fused = {
+        "language_model.lm_head.weight": ["head.weight"],
+        lm + "embed_tokens.weight": ["embed.weight"],
+        lm + "layers.1.attn.fused_wqa_wkv.weight": [
+            "layers.1.attn.wq_a.weight",
+            "layers.1.attn.wkv.weight",
+        ],
+        lm + "layers.1.attn.compressor.fused_wkv_wgate.weight": [
+            "layers.1.attn.compressor.wkv.weight",
+            "layers.1.attn.compressor.wgate.weight",
+        ],
+        lm + "layers.3.attn.compressor.fused_wkv_wgate.weight": [
+            "layers.3.attn.compressor.wkv.weight"
+        ],
+        lm + "layers.2.ffn.gate.e_score_correction_bias": ["layers.2.ffn.gate.bias"],
+        lm + "layers.1.engram.wkv.weight": ["layers.1.engram.wkv.weight"],
+    }
+    for param_name, parts in fused.items():
+        want = torch.cat([weights[p].float() for p in parts])
+        torch.testing.assert_close(params[param_name].float(), want, rtol=0, atol=0)
+    sink = params[lm + "layers.4.attn.attn_sink"]
+    heads = SPEC.num_heads
+    assert torch.equal(sink[:heads], weights["layers.4.attn.attn_sink"])
+    assert torch.isneginf(sink[heads:]).all()
+    for layer in (1, 2):  # Engram tables: FP8 rows and E8M0 scales, byte for byte
+        table = params[f"{lm}layers.{layer}.engram.embed_tokens.weight"]
+        scales = params[f"{lm}layers.{layer}.engram.embed_tokens.weight_scale_inv"]
+        rows = weights[f"layers.{layer}.engram.embed.weight"]
+        assert torch.equal(table.view(torch.uint8), rows.view(torch.uint8))
+        assert torch.equal(scales, weights[f"layers.{layer}.engram.embed.scale"].view(torch.uint8))
+
+
+def test_v41_engram_is_on_and_keeps_the_decoder_replay():
+    """Engram layers in the config, built by vLLM on exactly those layers with its n-gram hash
+    (whose compressed vocabulary vLLM checks against the tokenizer's), all before the last KV
+    source, so that vLLM's decoder replay stays allowed (its own rule says so)."""
+    config, model = v41_vllm()
+    text = _v41_config()["text_config"]
+    engram_layers = text["engram_layer_ids"]
+    assert engram_layers
+    backbone = model.language_model.model
+    built = [i for i, layer in enumerate(backbone.layers) if layer.engram is not None]
+    assert built == engram_layers
+    assert backbone.engram_hash is not None
+    assert len(backbone.engram_hash.token_map) == text["vocab_size"]
+    cut = max(text["kv_source_layer_ids"])
+    assert backbone._decoder_replay_supported(config, cut)
+
+
+def test_v41_layers_read_compressed_caches_of_their_own_ratio():
+    """Each compressed layer of vLLM's built model reads the compressed cache (and page size) of
+    a KV source of its own ratio, and the last KV source, where vLLM's decoder replay cuts, has
+    ratio 1 (vLLM asserts that whenever the replay is on, as on a GPU)."""
+    _, model = v41_vllm()
+    attn = [layer.attn for layer in model.language_model.model.layers]
+    compressed = [a for a in attn if a.compress_ratio > 0]
+    assert {a.compress_ratio for a in compressed} == {1, 2}
+    for a in compressed:
+        assert attn[a.kv_source_layer_id].compress_ratio == a.compress_ratio, a.prefix
+    assert attn[max(_v41_config()["text_config"]["kv_source_layer_ids"])].compress_ratio == 1
+    # some layer reads the compressed cache of one source and the picks of another
+    assert any(a.kv_source_layer_id != a.index_source_layer_id for a in compressed)
+
+
+def test_v41_tokenizer_loads_offline_and_spells_the_chat_encoding(monkeypatch):
+    """``AutoTokenizer.from_pretrained(DIR)`` offline: the config's vocabulary size; every marker
+    of vLLM's V4.1 chat encoding is one token; vLLM's V4.1 tokenizer (``--tokenizer-mode
+    deepseek_v41``, the default for the architecture) encodes a chat and decodes it back."""
+    from transformers import AutoTokenizer
+    from vllm.tokenizers import deepseek_v41_encoding as enc
+    from vllm.tokenizers.deepseek_v41 import DeepseekV41Tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    vocab_size = _v41_config()["text_config"]["vocab_size"]
+    tokenizer = AutoTokenizer.from_pretrained(v41_checkpoint())
+    assert len(tokenizer) == vocab_size
+    markers = [
+        enc.bos_token,
+        enc.eos_token,
+        enc.thinking_start_token,
+        enc.thinking_end_token,
+        enc.dsml_token,
+        enc.USER_SP_TOKEN,
+        enc.ASSISTANT_SP_TOKEN,
+        enc.SYSTEM_SP_TOKEN,
+        enc.LATEST_REMINDER_SP_TOKEN,
+        enc.IMAGE_PLACEHOLDER,
+        *enc.DS_TASK_SP_TOKENS.values(),
+    ]
+    ids = [tokenizer.encode(m, add_special_tokens=False) for m in markers]
+    assert all(len(i) == 1 for i in ids), dict(zip(markers, ids, strict=True))
+    assert len({i[0] for i in ids}) == len(markers)
+    chat = DeepseekV41Tokenizer.from_pretrained(v41_checkpoint())
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Héllo, wörld! 1 + 2 = ?"},
+        {"role": "assistant", "content": "3", "reasoning_content": "add"},
+        {"role": "user", "content": "And 2 + 2?"},
+    ]
+    prompt = chat.apply_chat_template(messages, tokenize=False)
+    token_ids = chat.apply_chat_template(messages)
+    assert prompt.startswith(enc.bos_token) and enc.thinking_start_token in prompt
+    assert max(token_ids) < vocab_size
+    assert chat.decode(token_ids, skip_special_tokens=False) == prompt
+
+
+def test_v41_checkpoint_takes_no_draft(tmp_path):
+    for kwargs in ({"mtp_layers": 1}, {"dspark": True}):
+        with pytest.raises(ValueError, match="holds no draft"):
+            save_vllm_checkpoint(tmp_path, SPEC, family="v41", **kwargs)
+    with pytest.raises(ValueError, match="layer_output_scale must be 1"):
+        save_vllm_checkpoint(tmp_path, TinySpec(layer_output_scale=0.5), family="v41")
+    with pytest.raises(ValueError, match="family must be one of"):
+        save_vllm_checkpoint(tmp_path, SPEC, family="v5")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_serve_check_cli_writes_the_v41_checkpoint(monkeypatch):
+    """``serve_check checkpoint DIR --v41`` asks for the V4.1 family with no draft, and refuses
+    draft options with it; without it, the V4 default of one MTP layer stays."""
+    from dsv4_attn.e2e import serve_check, tiny_model
+
+    calls = []
+    monkeypatch.setattr(
+        tiny_model, "save_vllm_checkpoint", lambda *a, **k: calls.append((a, k)) or a[0]
+    )
+    serve_check.main(["checkpoint", "D", "--v41"])
+    serve_check.main(["checkpoint", "D"])
+    assert [(a[2], k) for a, k in calls] == [
+        (0, {"dspark": False, "family": "v41"}),
+        (1, {"dspark": False, "family": "v4"}),
+    ]
+    for flag in ("--dspark", "--draftable", "--mtp-layers=1"):
+        with pytest.raises(SystemExit, match="--v41 writes no draft"):
+            serve_check.main(["checkpoint", "D", "--v41", flag])

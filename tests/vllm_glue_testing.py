@@ -89,7 +89,9 @@ def tiny_checkpoint() -> str:
 # A tiny DeepSeek-V4.1: window-only, ratio-2 and ratio-1 layers, two KV sources (layers 1 and 3)
 # and index sources 1, 3 and 4, so layer 5 reads the compressed cache of one source and the
 # indexer of another (an index source that is no KV source keeps its keys in its KV source's
-# indexer cache, so every KV source is an index source too).
+# indexer cache, so every KV source is an index source too). Its ratio-1 layers read ratio-2
+# caches, which vLLM's config path and layers accept but a served model never has (the served
+# tiny V4.1 is tiny_model.V41_RATIOS).
 V41_RATIOS = (0, 2, 1, 2, 1, 1)
 V41_KV_SOURCES = (1, 3)
 V41_INDEX_SOURCES = (1, 3, 4)
@@ -97,26 +99,12 @@ V41_INDEX_SOURCES = (1, 3, 4)
 
 def tiny_v41_config_dict() -> dict:
     """A DeepSeek-V4.1 ``config.json`` (text model nested, no vision tower) of the tiny V4's
-    sizes."""
-    text = {
-        key: value
-        for key, value in tiny_config_dict().items()
-        if key not in ("architectures", "model_type", "layer_types", "compress_rates")
-    }
-    text.update(
-        num_hidden_layers=len(V41_RATIOS),
-        compress_ratios=list(V41_RATIOS),
-        kv_source_layer_ids=list(V41_KV_SOURCES),
-        index_source_layer_ids=list(V41_INDEX_SOURCES),
-        mlp_layer_types=["hash_moe"] + ["moe"] * (len(V41_RATIOS) - 1),
-    )
-    return {
-        "architectures": ["DeepseekV41ForCausalLM"],
-        "model_type": "deepseek_v41",
-        "text_config": text,
-        "vision_config": {"num_hidden_layers": 0},
-        "torch_dtype": "bfloat16",
-    }
+    sizes, by the package's V4-to-V4.1 rule (``tiny_model.v41_config``)."""
+    from dsv4_attn.e2e.tiny_model import v41_config
+
+    text = tiny_config_dict()
+    text["mlp_layer_types"] = ["hash_moe"] + ["moe"] * (len(V41_RATIOS) - 1)
+    return v41_config(text, V41_RATIOS, V41_KV_SOURCES, V41_INDEX_SOURCES)
 
 
 @functools.cache

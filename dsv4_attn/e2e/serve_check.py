@@ -4,7 +4,8 @@
 
 * ``python -m dsv4_attn.e2e.serve_check checkpoint DIR [--mtp-layers N]`` — write the tiny
   64-head checkpoint vLLM loads as it is, with N (default 1) MTP draft layers
-  (:func:`dsv4_attn.e2e.tiny_model.save_vllm_checkpoint`);
+  (:func:`dsv4_attn.e2e.tiny_model.save_vllm_checkpoint`); with ``--v41`` the tiny
+  DeepSeek-V4.1 instead (no draft; served with ``--language-model-only``);
 * ``python -m dsv4_attn.e2e.serve_check query --name N --port P --out FILE`` — wait for a running
   server and send the fixed request set of :func:`request_plan` (greedy, token-id prompts, top-2
   logprobs), phase by phase; save every response and the server's preemption and prefix-cache
@@ -468,7 +469,10 @@ def main(argv: list[str] | None = None) -> None:
     ckpt = sub.add_parser("checkpoint", help="write the tiny checkpoint vLLM serves")
     ckpt.add_argument("directory")
     ckpt.add_argument(
-        "--mtp-layers", type=int, default=1, help="MTP draft layers in the checkpoint (0: none)"
+        "--mtp-layers",
+        type=int,
+        default=None,
+        help="MTP draft layers in the checkpoint (default 1; 0: none)",
     )
     ckpt.add_argument(
         "--draftable",
@@ -480,6 +484,11 @@ def main(argv: list[str] | None = None) -> None:
         "--dspark",
         action="store_true",
         help="the DSpark draft instead of MTP layers (one checkpoint holds one of them)",
+    )
+    ckpt.add_argument(
+        "--v41",
+        action="store_true",
+        help="the tiny DeepSeek-V4.1 (Engram, tokenizer; no draft) instead of DeepSeek-V4",
     )
     q = sub.add_parser("query", help="send the request set to a running server")
     q.add_argument("--name", required=True)
@@ -497,11 +506,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "checkpoint":
         from dsv4_attn.e2e.tiny_model import DRAFTABLE_SPEC, VLLM_SPEC, save_vllm_checkpoint
 
-        if args.mtp_layers < 0:
+        if args.mtp_layers is not None and args.mtp_layers < 0:
             raise SystemExit(f"--mtp-layers must be >= 0, got {args.mtp_layers}")
+        if args.v41 and (args.mtp_layers or args.dspark or args.draftable):
+            raise SystemExit("--v41 writes no draft: no --mtp-layers, --dspark or --draftable")
         spec = DRAFTABLE_SPEC if args.draftable else VLLM_SPEC
-        mtp_layers = 0 if args.dspark else args.mtp_layers
-        path = save_vllm_checkpoint(args.directory, spec, mtp_layers, dspark=args.dspark)
+        if args.v41 or args.dspark:
+            mtp_layers = 0
+        else:
+            mtp_layers = 1 if args.mtp_layers is None else args.mtp_layers
+        family = "v41" if args.v41 else "v4"
+        path = save_vllm_checkpoint(
+            args.directory, spec, mtp_layers, dspark=args.dspark, family=family
+        )
         print(f"checkpoint: {path}")
     elif args.command == "query":
         server = Server(args.port, args.model)

@@ -21,12 +21,19 @@ oracle drops from ~3e-2 to ~4e-3):
   top-k entries in every run over the same tokens (a CSA layer after other layers flips picks
   at near-ties whenever the earlier layers' outputs differ in the last bit);
 * every routed expert is active (top-4 of 4), so MoE routing has no near-tie flips either.
+
+The DeepSeek-V4.1 variant (:func:`write_v41_checkpoint`, ``family="v41"`` of
+:func:`save_vllm_checkpoint`) has no transformers implementation: its weights are drawn here,
+name by name, with the same sizes, seed and initialisation, on V4.1's layers (ratios 0, 2 and 1,
+compressed caches and indexers shared from source layers), with an Engram and the tokenizer
+vLLM's V4.1 reads.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -36,8 +43,15 @@ import torch
 
 __all__ = [
     "DRAFTABLE_SPEC",
+    "FAMILIES",
     "LAYER_TYPES",
     "V4_FIXED",
+    "V41_ENGRAM",
+    "V41_ENGRAM_LAYERS",
+    "V41_INDEX_SOURCES",
+    "V41_KV_SOURCES",
+    "V41_RATIOS",
+    "V41_SPECIAL_TOKENS",
     "VLLM_SPEC",
     "TinySpec",
     "bigram_table",
@@ -48,6 +62,11 @@ __all__ = [
     "load_tiny_model",
     "save_vllm_checkpoint",
     "tiny_config",
+    "tiny_v41_config",
+    "v41_config",
+    "v41_weight_shapes",
+    "write_v41_checkpoint",
+    "write_v41_tokenizer",
     "write_vllm_checkpoint",
 ]
 
@@ -59,6 +78,8 @@ LAYER_TYPES = (
     "heavily_compressed_attention",
 )
 _SPEC_FILE = "dsv4_attn_tiny_spec.json"
+#: the model families :func:`save_vllm_checkpoint` writes: DeepSeek-V4 and DeepSeek-V4.1
+FAMILIES = ("v4", "v41")
 
 
 @dataclass(frozen=True)
@@ -316,18 +337,43 @@ _VLLM_KEY_RENAMES = (
 
 
 def save_vllm_checkpoint(
-    path: str | Path, spec: TinySpec = VLLM_SPEC, mtp_layers: int = 1, dspark: bool = False
+    path: str | Path,
+    spec: TinySpec = VLLM_SPEC,
+    mtp_layers: int | None = None,
+    dspark: bool = False,
+    family: str = "v4",
 ) -> Path:
-    """Write the tiny model as a checkpoint ``vllm serve PATH --skip-tokenizer-init`` loads as
-    it is (:func:`write_vllm_checkpoint`), with ``mtp_layers`` MTP draft layers
+    """Write the tiny model of ``family`` as a checkpoint vLLM loads as it is. Returns the
+    directory.
+
+    ``"v4"``: ``vllm serve PATH --skip-tokenizer-init`` (:func:`write_vllm_checkpoint`), with
+    ``mtp_layers`` (default 1) MTP draft layers
     (:func:`~dsv4_attn.e2e.draft_weights.add_mtp_layers`; vLLM reads them only with
     ``--speculative-config`` method ``mtp``), or with ``dspark`` the DSpark draft instead
     (:func:`~dsv4_attn.e2e.draft_weights.add_dspark_layers`, method ``dspark``; both are
     ``mtp.*`` weights, so ``mtp_layers`` must then be 0). With ``spec.layer_output_scale`` < 1
     the drafts predict the bigram (:func:`bigram_table`). transformers cannot read this one
-    back (other names); :func:`load_or_build` keeps its own. Returns the directory."""
+    back (other names); :func:`load_or_build` keeps its own.
+
+    ``"v41"``: the DeepSeek-V4.1 variant (:func:`write_v41_checkpoint`), served with
+    ``vllm serve PATH --language-model-only``; it holds no draft (vLLM's V4.1 model drops
+    ``mtp.*`` weights), so ``mtp_layers`` must be 0 or None and ``dspark`` False.
+    """
     from dsv4_attn.e2e.draft_weights import add_dspark_layers, add_mtp_layers
 
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if family == "v41":
+        if mtp_layers or dspark:
+            raise ValueError(
+                "the DeepSeek-V4.1 checkpoint holds no draft (vLLM's V4.1 model drops mtp.* "
+                f"weights): got mtp_layers={mtp_layers}, dspark={dspark}"
+            )
+        path = write_v41_checkpoint(path, spec)
+        (path / _SPEC_FILE).write_text(json.dumps(asdict(spec), indent=1) + "\n")
+        return path
+    if mtp_layers is None:
+        mtp_layers = 1
     if dspark and mtp_layers:
         raise ValueError(
             f"a checkpoint holds MTP layers or the DSpark draft, not both (both are mtp.* "
@@ -375,4 +421,304 @@ def write_vllm_checkpoint(path: str | Path, model, max_shard_size: str = "5GB") 
     config = json.loads(config_file.read_text())
     config["topk_method"] = "noaux_tc"
     config_file.write_text(json.dumps(config, indent=1) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSeek-V4.1: the same tiny sizes, V4.1's layers, an Engram and a tokenizer
+# ----------------------------------------------------------------------------------------------
+
+V41_RATIOS = (0, 2, 2, 1, 1, 1)
+"""Compress ratio of each layer of the tiny V4.1: window only, two ratio-2 layers reading the
+compressed cache of layer 1, three ratio-1 layers reading that of layer 3. As in V4.1-Flash
+(``[0, 0] + [2] * 18 + [1] * 20``), every layer reads a source of its own ratio."""
+V41_KV_SOURCES = (1, 3)
+"""The layers owning a compressor and a compressed cache. vLLM's decoder replay cuts at the last
+one, which must be of ratio 1 (vLLM asserts it when the replay is on, as on a GPU)."""
+V41_INDEX_SOURCES = (1, 3, 4)
+"""The layers owning an indexer: every KV source (an index source that is none keeps its keys in
+its KV source's indexer cache) and layer 4, so that layer 5 reads the compressed cache of one
+source (3) and the top-k picks of another (4)."""
+V41_ENGRAM_LAYERS = (1, 2)
+"""The layers with an Engram: both before the last KV source (vLLM turns its decoder replay off
+for an Engram at or after it)."""
+V41_ENGRAM = dict(
+    engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=64, engram_vocab_size=64
+)
+"""Engram sizes: 2- and 3-grams with two hash heads each (four prime-sized table ranges per
+layer, from 67 up) of 64-wide FP8 rows (one E8M0 scale per 32)."""
+V41_SPECIAL_TOKENS = (
+    "<｜begin▁of▁sentence｜>",  # id 0: bos
+    "<｜end▁of▁sentence｜>",  # closes each assistant turn of the chat encoding
+    "<｜▁pad▁｜>",  # pad, also the Engram's n-gram pad
+    "<｜System｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜latest_reminder｜>",
+    "<｜deepseek_image｜>",
+    "<｜action｜>",
+    "<｜query｜>",
+    "<｜authority｜>",
+    "<｜domain｜>",
+    "<｜title｜>",
+    "<｜read_url｜>",
+)
+"""The tokenizer's special tokens, ids 0 up: the markers vLLM's DeepSeek-V4.1 chat encoding
+writes (``vllm/tokenizers/deepseek_v41_encoding.py``)."""
+_V41_TEXT_TOKENS = ("<think>", "</think>", "｜DSML｜")
+"""Tokens of the chat encoding that stay in decoded text (reasoning and tool-call markup)."""
+_V41_PAD_ID = V41_SPECIAL_TOKENS.index("<｜▁pad▁｜>")
+_ENGRAM_SCALE_BLOCK = 32  # values per E8M0 scale in vLLM's Engram tables
+_E8M0 = getattr(torch, "float8_e8m0fnu", torch.uint8)  # older torch: the raw exponent bytes
+# V4-only keys of a text config: V4.1 describes its layers with compress_ratios and sources
+_V4_ONLY_KEYS = ("architectures", "model_type", "layer_types", "compress_rates")
+
+
+def v41_config(
+    text: dict,
+    ratios: tuple[int, ...],
+    kv_sources: tuple[int, ...],
+    index_sources: tuple[int, ...],
+) -> dict:
+    """The DeepSeek-V4.1 ``config.json`` of a V4 text config ``text`` (HF format): its fields
+    nested under ``text_config`` with V4's layer description (``layer_types``,
+    ``compress_rates``) replaced by V4.1's per-layer ``compress_ratios`` (0, 1 or 2) and the
+    layers owning compressed caches and indexers, and a vision tower of no layers."""
+    text = {key: value for key, value in text.items() if key not in _V4_ONLY_KEYS}
+    text.update(
+        num_hidden_layers=len(ratios),
+        compress_ratios=list(ratios),
+        kv_source_layer_ids=list(kv_sources),
+        index_source_layer_ids=list(index_sources),
+    )
+    return {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "text_config": text,
+        "vision_config": {"num_hidden_layers": 0},
+        "torch_dtype": "bfloat16",
+    }
+
+
+def tiny_v41_config(spec: TinySpec, engram: dict) -> dict:
+    """The tiny V4.1's ``config.json``: :func:`tiny_config`'s V4 fields (sizes, RoPE, MoE) on
+    :data:`V41_RATIOS` layers, the MoE gate's correction bias on (``noaux_tc``), the pad token
+    of :func:`write_v41_tokenizer` and the Engram fields ``engram``
+    (:func:`_v41_engram_fields`)."""
+    from transformers import PreTrainedConfig
+
+    generic = set(PreTrainedConfig().to_dict())  # bookkeeping every HF config carries
+    text = {k: v for k, v in tiny_config(spec).to_dict().items() if k not in generic}
+    text.update(
+        mlp_layer_types=["moe"] * len(V41_RATIOS),
+        topk_method="noaux_tc",
+        pad_token_id=_V41_PAD_ID,
+        **engram,
+    )
+    return v41_config(text, V41_RATIOS, V41_KV_SOURCES, V41_INDEX_SOURCES)
+
+
+def write_v41_tokenizer(path: str | Path, vocab_size: int, max_length: int = 4096) -> None:
+    """Write a tokenizer of exactly ``vocab_size`` ids to ``path`` (``tokenizer.json`` and
+    ``tokenizer_config.json``, what ``AutoTokenizer.from_pretrained`` reads offline):
+    :data:`V41_SPECIAL_TOKENS` from id 0, the chat encoding's text tokens, the 256 byte-level
+    tokens (any text encodes), then byte-level BPE merges of ASCII letter, digit and space
+    pairs up to ``vocab_size``. No end-of-sequence token is declared: as the V4 model, every
+    run generates exactly the tokens asked for."""
+    import itertools
+    import string
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    added = (*V41_SPECIAL_TOKENS, *_V41_TEXT_TOKENS)
+    vocab = {token: i for i, token in enumerate(added)}
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[char] = len(vocab)
+    pieces = ["Ġ", *string.ascii_lowercase, *string.ascii_uppercase, *string.digits]  # Ġ: " "
+    merges = []
+    for first, second in itertools.product(pieces, repeat=2):
+        if len(vocab) >= vocab_size:
+            break
+        merges.append((first, second))
+        vocab[first + second] = len(vocab)
+    if len(vocab) != vocab_size:
+        raise ValueError(
+            f"the V4.1 tokenizer holds {len(added) + 256} to {len(added) + 256 + len(pieces) ** 2} "
+            f"tokens, got vocab_size={vocab_size}"
+        )
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in V41_SPECIAL_TOKENS]
+    )
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in _V41_TEXT_TOKENS])
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": V41_SPECIAL_TOKENS[0],
+        "eos_token": None,
+        "pad_token": V41_SPECIAL_TOKENS[_V41_PAD_ID],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1) + "\n")
+
+
+def _v41_engram_fields(tokenizer_dir: Path) -> dict:
+    """The config's Engram fields for the tokenizer in ``tokenizer_dir``: :data:`V41_ENGRAM` on
+    :data:`V41_ENGRAM_LAYERS`, the size of the compressed vocabulary vLLM builds from the
+    tokenizer (it refuses any other: its hash multipliers derive from it) and each layer's
+    table size, the sum of its prime-sized hash ranges, both as vLLM's Engram computes them."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+    from vllm.models.deepseek_v41.common.engram import EngramLayout, build_compressed_token_map
+
+    _, compressed = build_compressed_token_map(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
+    fields = {
+        "engram_layer_ids": list(V41_ENGRAM_LAYERS),
+        **V41_ENGRAM,
+        "engram_compressed_vocab_size": compressed,
+        "engram_pad_token_id": _V41_PAD_ID,
+    }
+    sizes_unknown = [0] * len(V41_ENGRAM_LAYERS)
+    layout = EngramLayout(SimpleNamespace(**fields, engram_num_embeddings=sizes_unknown))
+    fields["engram_num_embeddings"] = [sum(map(sum, ranges)) for ranges in layout.primes]
+    return fields
+
+
+def v41_weight_shapes(text: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor of a V4.1 checkpoint of text config ``text`` (a ``text_config``) under the
+    name vLLM 0.33's V4.1 loader reads (DeepSeek's own: ``embed``, ``layers.{i}``, ``head``),
+    with its shape and dtype: float32 where vLLM keeps the parameter in float32 (hyper-connection
+    mixes, sinks, the gate's correction bias), FP8 E4M3 rows and E8M0 scales for the Engram
+    tables, bfloat16 elsewhere (no ``quantization_config``: every linear layer is bfloat16)."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    hidden, hc, vocab = text["hidden_size"], text["hc_mult"], text["vocab_size"]
+    mix = (2 + hc) * hc  # pre, post and the hc x hc residual mix
+    heads, head_dim, q_lora = text["num_attention_heads"], text["head_dim"], text["q_lora_rank"]
+    groups, o_lora = text["o_groups"], text["o_lora_rank"]
+    index_heads, index_dim = text["index_n_heads"], text["index_head_dim"]
+    experts, inter = text["n_routed_experts"], text["moe_intermediate_size"]
+    shared = inter * text["n_shared_experts"]
+    kv_sources, index_sources = text["kv_source_layer_ids"], text["index_source_layer_ids"]
+    engram_layers = list(text.get("engram_layer_ids") or ())
+    shapes = {
+        "embed.weight": ((vocab, hidden), bf16),
+        "norm.weight": ((hidden,), bf16),
+        "head.weight": ((vocab, hidden), bf16),
+    }
+    # The vision wrapper's image-span delimiters: with its tower off they are never used (vLLM
+    # keeps them on the meta device), but its loader still asks for them.
+    for name in ("image_start", "image_end", "image_newline"):
+        shapes[name] = ((hidden,), fp32)
+    for i, ratio in enumerate(text["compress_ratios"]):
+        layer = f"layers.{i}."
+        for part in ("attn", "ffn"):
+            shapes[f"{layer}hc_{part}_fn"] = ((mix, hc * hidden), fp32)
+            shapes[f"{layer}hc_{part}_base"] = ((mix,), fp32)
+            shapes[f"{layer}hc_{part}_scale"] = ((3,), fp32)
+            shapes[f"{layer}{part}_norm.weight"] = ((hidden,), bf16)
+        attn = layer + "attn."
+        shapes.update(
+            {
+                attn + "attn_sink": ((heads,), fp32),
+                attn + "wq_a.weight": ((q_lora, hidden), bf16),
+                attn + "q_norm.weight": ((q_lora,), bf16),
+                attn + "wq_b.weight": ((heads * head_dim, q_lora), bf16),
+                attn + "wkv.weight": ((head_dim, hidden), bf16),
+                attn + "kv_norm.weight": ((head_dim,), bf16),
+                attn + "wo_a.weight": ((groups * o_lora, heads * head_dim // groups), bf16),
+                attn + "wo_b.weight": ((hidden, groups * o_lora), bf16),
+            }
+        )
+        if i in kv_sources:
+            shapes[attn + "compressor.wkv.weight"] = ((head_dim, hidden), bf16)
+            if ratio == 2:  # pairs pool with a per-channel softmax over scores
+                shapes[attn + "compressor.wgate.weight"] = ((head_dim, hidden), bf16)
+            shapes[attn + "compressor.norm.weight"] = ((head_dim,), bf16)
+        if i in index_sources:
+            shapes[attn + "indexer.wq_b.weight"] = ((index_heads * index_dim, q_lora), bf16)
+            shapes[attn + "indexer.weights_proj.weight"] = ((index_heads, hidden), bf16)
+            if i in kv_sources:  # the index keys: of the compressed latent of a KV source only
+                shapes[attn + "indexer.wk.weight"] = ((index_dim, head_dim), bf16)
+                shapes[attn + "indexer.k_norm.weight"] = ((index_dim,), bf16)
+        ffn = layer + "ffn."
+        shapes[ffn + "gate.weight"] = ((experts, hidden), bf16)
+        shapes[ffn + "gate.bias"] = ((experts,), fp32)
+        for expert in [*(f"experts.{e}." for e in range(experts)), "shared_experts."]:
+            width = shared if expert == "shared_experts." else inter
+            shapes[f"{ffn}{expert}w1.weight"] = ((width, hidden), bf16)
+            shapes[f"{ffn}{expert}w2.weight"] = ((hidden, width), bf16)
+            shapes[f"{ffn}{expert}w3.weight"] = ((width, hidden), bf16)
+        if i in engram_layers:
+            rows = text["engram_num_embeddings"][engram_layers.index(i)]
+            dim = text["engram_head_dim"]
+            hashes = (text["engram_max_ngram_size"] - 1) * text["engram_n_heads"]
+            engram = layer + "engram."
+            shapes[engram + "embed.weight"] = ((rows, dim), torch.float8_e4m3fn)
+            shapes[engram + "embed.scale"] = ((rows, dim // _ENGRAM_SCALE_BLOCK), _E8M0)
+            # one key per hyper-connection copy and a shared value
+            shapes[engram + "wkv.weight"] = ((hidden * (hc + 1), hashes * dim), bf16)
+            shapes[engram + "q_weight"] = ((hc, hidden), bf16)
+            shapes[engram + "k_weight"] = ((hc, hidden), bf16)
+    return shapes
+
+
+def _v41_tensor(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, std: float, seed: int
+) -> torch.Tensor:
+    """The tensor ``name`` of the tiny V4.1, initialised as transformers initialises V4
+    (:func:`build_model`): norms and mix scales 1, mix biases and the gate's correction bias 0,
+    sinks standard normal, everything else normal of ``std``; Engram tables standard normal in
+    FP8 with scales 1 (E8M0 byte 127). Seeded by ``seed`` and the name, so no tensor depends on
+    which others are written."""
+    gen = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("engram.embed.scale"):
+        ones = torch.ones(shape)
+        return ones.to(dtype) if dtype != torch.uint8 else torch.full(shape, 127, dtype=dtype)
+    if name.endswith("engram.embed.weight"):
+        return torch.randn(shape, generator=gen).to(dtype)
+    if name.endswith("norm.weight") or leaf in ("q_weight", "k_weight") or "_scale" in leaf:
+        return torch.ones(shape, dtype=dtype)
+    if leaf.endswith("_base") or name.endswith("gate.bias"):
+        return torch.zeros(shape, dtype=dtype)
+    if leaf == "attn_sink":
+        return torch.randn(shape, generator=gen).to(dtype)
+    return (std * torch.randn(shape, generator=gen)).to(dtype)
+
+
+def write_v41_checkpoint(path: str | Path, spec: TinySpec = VLLM_SPEC) -> Path:
+    """Write the tiny DeepSeek-V4.1 of ``spec``'s sizes and seed as a checkpoint vLLM 0.33 loads
+    as it is: ``config.json`` (:func:`tiny_v41_config`, Engram on), the tokenizer vLLM's V4.1
+    needs (:func:`write_v41_tokenizer`: its multimodal processor and its Engram's n-gram hash
+    read it) and bf16 safetensors under vLLM's V4.1 weight names (:func:`v41_weight_shapes`).
+    Serve it with ``--language-model-only`` (no vision tower: vLLM's processor would otherwise
+    want the image token at id 129264 of a full-size vocabulary). ``spec.layer_output_scale``
+    must be 1 (it serves drafts, which this checkpoint has none of). Returns the directory."""
+    from safetensors.torch import save_file
+
+    if spec.layer_output_scale != 1:
+        raise ValueError(
+            f"the V4.1 checkpoint has no draft to serve: layer_output_scale must be 1, got "
+            f"{spec.layer_output_scale}"
+        )
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    write_v41_tokenizer(path, spec.vocab_size)
+    config = tiny_v41_config(spec, _v41_engram_fields(path))
+    (path / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    text = config["text_config"]
+    std = text["initializer_range"]
+    weights = {
+        name: _v41_tensor(name, shape, dtype, std, spec.seed)
+        for name, (shape, dtype) in v41_weight_shapes(text).items()
+    }
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
