@@ -20,6 +20,7 @@
 #   bash scripts/gpu_serve.sh fp8       # ... --attention-backend DSV4_NVFP4 --kv-cache-dtype fp8
 #   bash scripts/gpu_serve.sh nvfp4     # ... --attention-backend DSV4_NVFP4 (NVFP4: auto)
 #   bash scripts/gpu_serve.sh compare   # agreement table, tokens/s, preemptions, prefix hits
+#   SERVE_MODEL=v41 bash scripts/gpu_serve.sh vllm|fp8|compare  # the same on the tiny V4.1
 #   bash scripts/gpu_serve.sh mtp S [K] # server S (vllm, fp8, nvfp4) with and without MTP
 #                                       #   speculation (K draft tokens, default 1), compared
 #   bash scripts/gpu_serve.sh spec S M K # server S on the draftable checkpoint without and with
@@ -76,6 +77,17 @@ SITE=/tmp/site
 CKPT=/tmp/dsv4_tiny_ckpt
 DRAFTABLE=/tmp/dsv4_draftable_ckpt  # layers scaled down, an MTP layer that drafts well
 DSPARK=/tmp/dsv4_dspark_ckpt  # the same model with a DSpark draft that drafts well
+V41=/tmp/dsv41_tiny_ckpt  # the tiny DeepSeek-V4.1 (serve_check checkpoint --v41)
+# SERVE_MODEL=v41: the rounds (vllm, fp8, nvfp4, compare, first) serve the tiny V4.1 instead,
+# with its tokenizer (V4.1's multimodal processor refuses --skip-tokenizer-init; its text model
+# alone: --language-model-only), and vLLM's own round with fp8 caches as this backend's.
+MODEL_ARGS=(--skip-tokenizer-init)
+VLLM_ARGS=()
+if [ "${SERVE_MODEL:-v4}" = v41 ]; then
+  CKPT=$V41
+  MODEL_ARGS=(--language-model-only)
+  VLLM_ARGS=(--kv-cache-dtype fp8)
+fi
 PARTS="prepare|tests|sanitize|bench|vllm|fp8|nvfp4|compare|mtp|spec|capacity|startup|control"
 PARTS="$PARTS|soak|real"
 PARTS="$PARTS|batch|collect|wait|first"
@@ -84,7 +96,7 @@ PART=${1:?usage: gpu_serve.sh $PARTS}
 
 backend_args() {  # server (vllm, fp8, nvfp4): its attention flags, into the array `extra`
   case $1 in
-    vllm) extra=() ;;
+    vllm) extra=("${VLLM_ARGS[@]}") ;;
     fp8) extra=(--attention-backend DSV4_NVFP4 --kv-cache-dtype fp8) ;;
     nvfp4) extra=(--attention-backend DSV4_NVFP4) ;;
     *) echo "unknown server $1 (vllm, fp8, nvfp4)" >&2; exit 2 ;;
@@ -104,7 +116,7 @@ PY
 
 launch() {  # name port [vllm serve args...]: start a server in its own session, log in $OUT
   local name=$1 port=$2; shift 2
-  local args=("$CKPT" --port "$port" --skip-tokenizer-init --max-model-len 4096 --dtype bfloat16
+  local args=("$CKPT" --port "$port" "${MODEL_ARGS[@]}" --max-model-len 4096 --dtype bfloat16
               --gpu-memory-utilization "${SERVE_MEM:-0.5}" --num-gpu-blocks-override "${SERVE_BLOCKS:-2400}" --seed 0
               "$@")
   echo "vllm serve ${args[*]}" > "$OUT/serve_$name.cmd"
@@ -235,6 +247,7 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     python3 -m dsv4_attn.e2e.serve_check checkpoint "$CKPT"
     python3 -m dsv4_attn.e2e.serve_check checkpoint "$DRAFTABLE" --draftable
     python3 -m dsv4_attn.e2e.serve_check checkpoint "$DSPARK" --draftable --dspark
+    python3 -m dsv4_attn.e2e.serve_check checkpoint "$V41" --v41
     ;;
   tests)
     # -k: of test_sparse_decode's kernel-against-reference grid (ids FORMAT-H-T-EXTRA-SINK) the
@@ -269,12 +282,17 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     timeout 200 python3 -m dsv4_attn.bench host --json "$OUT/bench_host.json" 2>&1 \
       | tee "$OUT/bench_host.log"
     ;;
-  vllm) serve_round vllm 8101 ;;
-  fp8) serve_round fp8 8102 --attention-backend DSV4_NVFP4 --kv-cache-dtype fp8 ;;
-  nvfp4) serve_round nvfp4 8103 --attention-backend DSV4_NVFP4 ;;
+  # ROUND_PORT: another port for the round (default 8101, 8102, 8103)
+  vllm) serve_round vllm "${ROUND_PORT:-8101}" "${VLLM_ARGS[@]}" ;;
+  fp8) serve_round fp8 "${ROUND_PORT:-8102}" --attention-backend DSV4_NVFP4 --kv-cache-dtype fp8 ;;
+  nvfp4) serve_round nvfp4 "${ROUND_PORT:-8103}" --attention-backend DSV4_NVFP4 ;;
   compare)
-    python3 -m dsv4_attn.e2e.serve_check compare "$OUT/serve_vllm.json" "$OUT/serve_fp8.json" \
-      "$OUT/serve_nvfp4.json" --json "$OUT/serve_compare.json"
+    # vLLM's round first (the reference), then whichever of this backend's rounds ran
+    records=()
+    for name in vllm fp8 nvfp4; do
+      [ -f "$OUT/serve_$name.json" ] && records+=("$OUT/serve_$name.json")
+    done
+    python3 -m dsv4_attn.e2e.serve_check compare "${records[@]}" --json "$OUT/serve_compare.json"
     ;;
   mtp)
     # Server ${2:-fp8} with the default checkpoint's MTP layer (${3:-1} draft tokens) against

@@ -129,6 +129,33 @@ def test_the_spec_part_serves_both_rounds_and_compares_them(tmp_path):
     assert "server fp8_dspark4 stopped" in (out / "round_spec.log").read_text()
 
 
+def test_the_v41_rounds_serve_the_tiny_v41_with_its_tokenizer(tmp_path):
+    """`SERVE_MODEL=v41 scripts/gpu_serve.sh vllm`, then `fp8`, then `compare`, on the CPU with
+    a stand-in `vllm serve`: the tiny V4.1 checkpoint, served with its tokenizer (no
+    --skip-tokenizer-init) and its text model only; vLLM's own round with fp8 caches as this
+    backend's; the comparison of the two rounds that ran."""
+    import json
+
+    from tests.serve_stand_in import free_port, run_gpu_serve
+
+    port = free_port(0, 1)
+    env = dict(SERVE_MODEL="v41", SKIP_PHASES="preemption")
+    for offset, part in enumerate(("vllm", "fp8")):
+        run = run_gpu_serve([part], tmp_path, ROUND_PORT=str(port + offset), **env)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = tmp_path / "out"
+    for name, flags in (
+        ("vllm", "--kv-cache-dtype fp8"),
+        ("fp8", "--attention-backend DSV4_NVFP4 --kv-cache-dtype fp8"),
+    ):
+        command = (out / f"serve_{name}.cmd").read_text()
+        assert command.startswith("vllm serve /tmp/dsv41_tiny_ckpt ") and flags in command
+        assert "--language-model-only" in command and "--skip-tokenizer-init" not in command
+    run = run_gpu_serve(["compare"], tmp_path, **env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert set(json.loads((out / "serve_compare.json").read_text())["servers"]) == {"vllm", "fp8"}
+
+
 def test_scored_tokens_are_read_from_vllms_own_completion_response():
     """A completion with prompt logprobs as vLLM's server serializes it (its own response
     classes): the scored result holds each of the last prompt tokens' own logprob, also where
