@@ -175,7 +175,8 @@ def test_kernel_warmup_calls_the_hooked_deepseek_v4_warmup():
 
 def test_deepseek_v4_warmup_hook_adds_the_moe_warmup_for_our_backends_only(monkeypatch):
     """After vLLM's warmup step, the hook runs the fused-MoE warmup for a runner using
-    DSV4_NVFP4 (or its SWA twin), and not for vLLM's backends. Stand-in runners record the
+    DSV4_NVFP4 (or its SWA twin), or a V4.1 runner whose config selects it, and not for vLLM's
+    backends. Stand-in runners record the
     calls; the real steps run on the GPU server."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum as Backends
 
@@ -187,18 +188,23 @@ def test_deepseek_v4_warmup_hook_adds_the_moe_warmup_for_our_backends_only(monke
         moe_warmup, "warm_moe", lambda worker: worker.model_runner.dummy_runs.append("moe")
     )
     vllms = Backends["FLASHMLA_SPARSE_DSV4"].get_class()
+    vllms_v41 = Backends["FLASHMLA_SPARSE_DSV41"].get_class()
     other = Backends["TRITON_ATTN"].get_class()
-    for backends, moe in [
-        ((DSV4NVFP4Backend, DSV4NVFP4SWABackend), True),
-        ((DSV4NVFP4SWABackend,), True),
-        ((vllms,), False),
-        ((other,), False),
+    for backends, selected, moe in [
+        ((DSV4NVFP4Backend, DSV4NVFP4SWABackend), BACKEND_NAME, True),
+        ((DSV4NVFP4SWABackend,), BACKEND_NAME, True),
+        ((vllms_v41,), BACKEND_NAME, True),  # V4.1 layers keep vLLM's backend classes
+        ((vllms,), None, False),
+        ((vllms_v41,), None, False),
+        ((other,), None, False),
     ]:
         runner = _runner(*backends)
-        warmup.deepseek_v4_sparse_mla_attention_warmup(_worker(runner))
+        worker = _worker(runner)
+        worker.vllm_config.attention_config = fake_config(selected).attention_config
+        warmup.deepseek_v4_sparse_mla_attention_warmup(worker)
         runs = [run if run == "moe" else run["num_tokens"] for run in runner.dummy_runs]
         expected = ([] if backends == (other,) else [16]) + (["moe"] if moe else [])
-        assert runs == expected, backends
+        assert runs == expected, (backends, selected)
 
 
 @pytest.mark.usefixtures("h200")

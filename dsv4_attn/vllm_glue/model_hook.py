@@ -136,11 +136,20 @@ def _dsv4_warmup_check(original: Callable[[Any], bool]) -> Callable[[Any], bool]
     return has_backend
 
 
+def _serves_dsv4_nvfp4(worker: Any) -> bool:
+    """Whether a worker serves with this package's backend: its attention groups use it (V4),
+    or its config selects it (V4.1, whose layers keep vLLM's V4.1 backend classes)."""
+    attention_config = getattr(getattr(worker, "vllm_config", None), "attention_config", None)
+    return runs_dsv4_nvfp4(worker.model_runner) or is_dsv4_nvfp4(
+        getattr(attention_config, "backend", None)
+    )
+
+
 def _dsv4_kernel_warmup(original: Callable[[Any], None]) -> Callable[[Any], None]:
     @functools.wraps(original)
     def warmup(worker: Any) -> None:
         original(worker)
-        if runs_dsv4_nvfp4(worker.model_runner):
+        if _serves_dsv4_nvfp4(worker):
             from dsv4_attn.vllm_glue.moe_warmup import warm_moe
 
             warm_moe(worker)
