@@ -32,6 +32,7 @@ from pathlib import Path
 from dsv4_attn.kernels.combine import CombineConfig
 from dsv4_attn.kernels.sparse_decode_config import SparseDecodeConfig
 from dsv4_attn.kv_cache import KVFormat
+from dsv4_attn.layer_kind import Compressed, Family, compressed_of
 
 __all__ = [
     "CACHE_BLOCK_TOKENS",
@@ -83,19 +84,19 @@ def combine_variants() -> list[CombineConfig]:
 
 def compile_layer_kernels(
     fmt: KVFormat,
-    compress_ratio: int,
+    compressed: Compressed | None,
     swa_block_size: int,
     cache_block_size: int,
     balanced: bool,
 ) -> None:
     """Compile (or load from the disk cache) what one serving layer launches: the decode kernel
     on its page sizes (``swa_block_size`` tokens per window page; ``cache_block_size / ratio``
-    rows per compressed page), with the balanced schedule's variants where ``balanced``, and the
-    gathered prefill FMHA (skipped where its module cannot be imported: the fallback serves
-    prefill then)."""
+    rows per compressed page of the ``compressed`` entries it reads, none for a window-only
+    layer), with the balanced schedule's variants where ``balanced``, and the gathered prefill
+    FMHA (skipped where its module cannot be imported: the fallback serves prefill then)."""
     from dsv4_attn.kernels import sparse_decode
 
-    extra_rows = cache_block_size // compress_ratio if compress_ratio > 1 else 0
+    extra_rows = cache_block_size // compressed.ratio if compressed is not None else 0
     sparse_decode.compile_variants(fmt, swa_block_size, extra_rows, balanced)
     try:
         from dsv4_attn.kernels import fmha
@@ -108,7 +109,8 @@ def compile_serving_layer(fmt: KVFormat, compress_ratio: int) -> None:
     """:func:`compile_layer_kernels` on the page sizes vLLM gives DeepSeek-V4, with the balanced
     schedule's variants for HCA layers (a ratio above CSA's: the only ones that may run it)."""
     balanced = compress_ratio > _CSA_RATIO
-    compile_layer_kernels(fmt, compress_ratio, SWA_BLOCK_TOKENS, CACHE_BLOCK_TOKENS, balanced)
+    compressed = compressed_of(Family.V4, compress_ratio)
+    compile_layer_kernels(fmt, compressed, SWA_BLOCK_TOKENS, CACHE_BLOCK_TOKENS, balanced)
 
 
 def model_compress_ratios(model: str | os.PathLike) -> tuple[int, ...]:

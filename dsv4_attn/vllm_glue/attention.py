@@ -399,7 +399,7 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
 
         compile_layer_kernels(
             self.kv_format,
-            self.compress_ratio,
+            self.compressed_entries,
             self.swa_cache_layer.block_size,
             self.cache_config.block_size,
             self._may_run_balanced(),

@@ -107,6 +107,8 @@ class DSV41NVFP4Attention(DeepseekV4FlashMLAAttention):
         self._swa_pages = _PageView()
         self._compressed_pages = _PageView()
         self._reserved_bytes: int | None = None  # the workspace the profiling run reserved
+        self._cache_block_size = vllm_config.cache_config.block_size
+        self._compiled = False
         # The decode kernel's entry once a first call through ops.sparse_attention ran it.
         self._decode_kernel: Callable[..., Any] | None = None
         logger.info_once(
@@ -170,9 +172,22 @@ class DSV41NVFP4Attention(DeepseekV4FlashMLAAttention):
 
     def _reserve_scratch(self, head_dim: int) -> None:
         """Profiling run: ask vLLM's workspace manager for this layer's peak decode and prefill
-        scratch, so vLLM counts both before it sizes the KV cache."""
+        scratch, so vLLM counts both before it sizes the KV cache; on a GPU, compile the
+        kernels once."""
         decode, chunk = self._peak_decode_scratch(), self._peak_prefill_scratch(head_dim)
         self._reserved_bytes = max(workspace_bytes(decode), workspace_bytes(chunk))
+        if self.device.type == "cuda" and not self._compiled:
+            # Outside any CUDA-graph capture, where loading a module is not allowed.
+            from dsv4_attn.kernels.precompile import compile_layer_kernels
+
+            compile_layer_kernels(
+                self.kv_format,
+                self.compressed_entries,
+                self.swa_cache_layer.block_size,
+                self._cache_block_size,
+                False,
+            )
+            self._compiled = True
         manager = _workspace_manager()
         if manager is not None:
             manager.get_simultaneous(*decode)
