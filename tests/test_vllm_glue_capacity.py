@@ -112,6 +112,32 @@ def test_the_widest_nvfp4_group_is_a_kv_group():
     assert any(name.endswith("self_attn") for name in widest.layer_names)
 
 
+@pytest.mark.parametrize("schedule", list(cap.SCHEDULES))
+def test_the_split_prices_a_block_at_its_fp8_window_group(schedule):
+    """The split (window in vLLM's fp8_ds_mla rows, compressed caches in NVFP4 rows): the window
+    specs are vLLM's fp8 ones, the compressed caches' pages NVFP4's. Its capacity lies between
+    fp8's and all-NVFP4's, below NVFP4's 1.35x, because a block id now costs the widest group's
+    bytes and that is a window group of fp8 pages (all-NVFP4: a compressed-cache group)."""
+    from vllm.v1.core import kv_cache_planning
+
+    layers = cap.SCHEDULES[schedule]
+    fp8_config = cap._planner_config("fp8_ds_mla", 131072, 8192)
+    split = cap.layer_specs(layers, "dsv4_nvfp4-split", fp8_config)
+    fp8 = cap.layer_specs(layers, "dsv4_nvfp4-fp8", fp8_config)
+    nvfp4 = cap.layer_specs(layers, "dsv4_nvfp4-nvfp4", cap._planner_config("auto", 131072, 8192))
+    assert split.keys() == fp8.keys()
+    compressed = [name for name in split if name.endswith("self_attn")]
+    assert compressed
+    assert all(split[n].page_size_bytes == nvfp4[n].page_size_bytes for n in compressed)
+    assert all(split[n] == fp8[n] for n in split if n.endswith(".swa_cache"))
+    tokens = {b: cap.capacity(layers, b, MEMORY, 131072).tokens for b in cap.BACKENDS}
+    assert tokens["dsv4_nvfp4-fp8"] < tokens["dsv4_nvfp4-split"] < tokens["dsv4_nvfp4-nvfp4"]
+    assert tokens["dsv4_nvfp4-split"] / tokens["dsv4_nvfp4-fp8"] < 1.35
+    groups = kv_cache_planning.get_kv_cache_groups(fp8_config, split)
+    widest = max(groups, key=lambda g: g.kv_cache_spec.page_size_bytes)
+    assert all(name.endswith(".swa_cache") for name in widest.layer_names)
+
+
 def test_the_state_rule():
     assert state_dtype(KVFormat.NVFP4, 4, HEAD_DIM) == torch.bfloat16
     assert state_dtype(KVFormat.NVFP4, 128, HEAD_DIM) == torch.float32

@@ -61,7 +61,10 @@ SCHEDULES: dict[str, list[int]] = {
     # 61 layers: HCA, HCA, then CSA and HCA alternating (30 CSA, 31 HCA).
     "V4-Pro": [128, 128] + [4 if i % 2 == 0 else 128 for i in range(2, 61)],
 }
-BACKENDS = ("vllm", "dsv4_nvfp4-fp8", "dsv4_nvfp4-nvfp4")
+BACKENDS = ("vllm", "dsv4_nvfp4-fp8", "dsv4_nvfp4-nvfp4", "dsv4_nvfp4-split")
+"""vLLM's own FlashMLA path; DSV4_NVFP4 with fp8_ds_mla rows, with NVFP4 rows, and split: the
+window in fp8_ds_mla rows (vLLM's layout), the compressed caches in NVFP4 rows (a candidate
+cache mode, accounted here before it is built)."""
 """vLLM's own backend (fp8_ds_mla), DSV4_NVFP4 with ``--kv-cache-dtype fp8``, and with NVFP4."""
 
 _WINDOW = 128
@@ -131,8 +134,9 @@ def layer_specs(schedule: list[int], backend: str, config) -> dict[str, KVCacheS
     """Every cache layer's spec, named as vLLM registers them, for ``backend``."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    nvfp4 = backend == "dsv4_nvfp4-nvfp4"
-    fmt = KVFormat.NVFP4 if nvfp4 else KVFormat.FP8_DS_MLA
+    nvfp4 = backend == "dsv4_nvfp4-nvfp4"  # the window in NVFP4 rows
+    compressed_nvfp4 = nvfp4 or backend == "dsv4_nvfp4-split"
+    fmt = KVFormat.NVFP4 if compressed_nvfp4 else KVFormat.FP8_DS_MLA
     specs: dict[str, KVCacheSpec] = {}
     for i, ratio in enumerate(schedule):
         prefix = f"model.layers.{i}.self_attn"
@@ -165,7 +169,7 @@ def layer_specs(schedule: list[int], backend: str, config) -> dict[str, KVCacheS
             )
             specs[f"{prefix}.swa_cache"] = DeepseekV4SWACache.get_kv_cache_spec(swa, config)
         if ratio > 1:
-            if nvfp4:
+            if compressed_nvfp4:
                 specs[prefix] = kv_spec.compressed_cache_spec(CACHE_BLOCK_TOKENS, ratio)
             else:
                 attention = SimpleNamespace(
