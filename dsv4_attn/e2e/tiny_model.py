@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import re
+import string
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,6 +51,7 @@ __all__ = [
     "V41_ENGRAM_LAYERS",
     "V41_INDEX_SOURCES",
     "V41_KV_SOURCES",
+    "V41_MAX_VOCAB",
     "V41_RATIOS",
     "V41_SPECIAL_TOKENS",
     "VLLM_SPEC",
@@ -64,9 +66,11 @@ __all__ = [
     "tiny_config",
     "tiny_v41_config",
     "v41_config",
+    "v41_text",
     "v41_weight_shapes",
     "write_v41_checkpoint",
     "write_v41_tokenizer",
+    "write_v41_weights",
     "write_vllm_checkpoint",
 ]
 
@@ -467,6 +471,10 @@ V41_SPECIAL_TOKENS = (
 writes (``vllm/tokenizers/deepseek_v41_encoding.py``)."""
 _V41_TEXT_TOKENS = ("<think>", "</think>", "｜DSML｜")
 """Tokens of the chat encoding that stay in decoded text (reasoning and tool-call markup)."""
+_V41_MERGED = ("Ġ", *string.ascii_lowercase, *string.ascii_uppercase, *string.digits)  # Ġ: " "
+V41_MAX_VOCAB = len(V41_SPECIAL_TOKENS) + len(_V41_TEXT_TOKENS) + 256 + len(_V41_MERGED) ** 2
+"""The largest vocabulary :func:`write_v41_tokenizer` writes (4242): its special and text tokens,
+the 256 byte-level tokens and a merge of every pair of space, ASCII letter and digit."""
 _V41_PAD_ID = V41_SPECIAL_TOKENS.index("<｜▁pad▁｜>")
 _ENGRAM_SCALE_BLOCK = 32  # values per E8M0 scale in vLLM's Engram tables
 _E8M0 = getattr(torch, "float8_e8m0fnu", torch.uint8)  # older torch: the raw exponent bytes
@@ -500,21 +508,26 @@ def v41_config(
     }
 
 
-def tiny_v41_config(spec: TinySpec, engram: dict) -> dict:
-    """The tiny V4.1's ``config.json``: :func:`tiny_config`'s V4 fields (sizes, RoPE, MoE) on
-    :data:`V41_RATIOS` layers, the MoE gate's correction bias on (``noaux_tc``), the pad token
-    of :func:`write_v41_tokenizer` and the Engram fields ``engram``
-    (:func:`_v41_engram_fields`)."""
+def v41_text(v4_config, num_layers: int) -> dict:
+    """The fields of a V4.1 ``text_config`` that a ``DeepseekV4Config`` ``v4_config`` gives
+    (sizes, RoPE, MoE; for :func:`v41_config`): its own fields without the bookkeeping every HF
+    config carries, one MoE on each of ``num_layers`` layers, the MoE gate's correction bias on
+    (``noaux_tc``) and the pad token of :func:`write_v41_tokenizer`."""
     from transformers import PreTrainedConfig
 
-    generic = set(PreTrainedConfig().to_dict())  # bookkeeping every HF config carries
-    text = {k: v for k, v in tiny_config(spec).to_dict().items() if k not in generic}
+    generic = set(PreTrainedConfig().to_dict())
+    text = {k: v for k, v in v4_config.to_dict().items() if k not in generic}
     text.update(
-        mlp_layer_types=["moe"] * len(V41_RATIOS),
-        topk_method="noaux_tc",
-        pad_token_id=_V41_PAD_ID,
-        **engram,
+        mlp_layer_types=["moe"] * num_layers, topk_method="noaux_tc", pad_token_id=_V41_PAD_ID
     )
+    return text
+
+
+def tiny_v41_config(spec: TinySpec, engram: dict) -> dict:
+    """The tiny V4.1's ``config.json``: :func:`tiny_config`'s V4 fields (:func:`v41_text`) on
+    :data:`V41_RATIOS` layers and the Engram fields ``engram`` (:func:`_v41_engram_fields`)."""
+    text = v41_text(tiny_config(spec), len(V41_RATIOS))
+    text.update(engram)
     return v41_config(text, V41_RATIOS, V41_KV_SOURCES, V41_INDEX_SOURCES)
 
 
@@ -526,7 +539,6 @@ def write_v41_tokenizer(path: str | Path, vocab_size: int, max_length: int = 409
     pairs up to ``vocab_size``. No end-of-sequence token is declared: as the V4 model, every
     run generates exactly the tokens asked for."""
     import itertools
-    import string
 
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -534,17 +546,16 @@ def write_v41_tokenizer(path: str | Path, vocab_size: int, max_length: int = 409
     vocab = {token: i for i, token in enumerate(added)}
     for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[char] = len(vocab)
-    pieces = ["Ġ", *string.ascii_lowercase, *string.ascii_uppercase, *string.digits]  # Ġ: " "
     merges = []
-    for first, second in itertools.product(pieces, repeat=2):
+    for first, second in itertools.product(_V41_MERGED, repeat=2):
         if len(vocab) >= vocab_size:
             break
         merges.append((first, second))
         vocab[first + second] = len(vocab)
     if len(vocab) != vocab_size:
         raise ValueError(
-            f"the V4.1 tokenizer holds {len(added) + 256} to {len(added) + 256 + len(pieces) ** 2} "
-            f"tokens, got vocab_size={vocab_size}"
+            f"the V4.1 tokenizer holds {len(added) + 256} to {V41_MAX_VOCAB} tokens, got "
+            f"vocab_size={vocab_size}"
         )
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -569,10 +580,14 @@ def write_v41_tokenizer(path: str | Path, vocab_size: int, max_length: int = 409
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1) + "\n")
 
 
-def _v41_engram_fields(tokenizer_dir: Path) -> dict:
-    """The config's Engram fields for the tokenizer in ``tokenizer_dir``: :data:`V41_ENGRAM` on
-    :data:`V41_ENGRAM_LAYERS`, the size of the compressed vocabulary vLLM builds from the
-    tokenizer (it refuses any other: its hash multipliers derive from it) and each layer's
+def _v41_engram_fields(
+    tokenizer_dir: Path,
+    layers: tuple[int, ...] = V41_ENGRAM_LAYERS,
+    sizes: dict = V41_ENGRAM,
+) -> dict:
+    """The config's Engram fields for the tokenizer in ``tokenizer_dir``: ``sizes`` (the fields
+    of :data:`V41_ENGRAM`) on ``layers``, the size of the compressed vocabulary vLLM builds from
+    the tokenizer (it refuses any other: its hash multipliers derive from it) and each layer's
     table size, the sum of its prime-sized hash ranges, both as vLLM's Engram computes them."""
     from types import SimpleNamespace
 
@@ -581,12 +596,12 @@ def _v41_engram_fields(tokenizer_dir: Path) -> dict:
 
     _, compressed = build_compressed_token_map(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
     fields = {
-        "engram_layer_ids": list(V41_ENGRAM_LAYERS),
-        **V41_ENGRAM,
+        "engram_layer_ids": list(layers),
+        **sizes,
         "engram_compressed_vocab_size": compressed,
         "engram_pad_token_id": _V41_PAD_ID,
     }
-    sizes_unknown = [0] * len(V41_ENGRAM_LAYERS)
+    sizes_unknown = [0] * len(layers)
     layout = EngramLayout(SimpleNamespace(**fields, engram_num_embeddings=sizes_unknown))
     fields["engram_num_embeddings"] = [sum(map(sum, ranges)) for ranges in layout.primes]
     return fields
@@ -671,27 +686,76 @@ def v41_weight_shapes(text: dict) -> dict[str, tuple[tuple[int, ...], torch.dtyp
 
 
 def _v41_tensor(
-    name: str, shape: tuple[int, ...], dtype: torch.dtype, std: float, seed: int
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    std: float,
+    seed: int,
+    device: str | torch.device = "cpu",
 ) -> torch.Tensor:
-    """The tensor ``name`` of the tiny V4.1, initialised as transformers initialises V4
+    """The tensor ``name`` of a V4.1 checkpoint, initialised as transformers initialises V4
     (:func:`build_model`): norms and mix scales 1, mix biases and the gate's correction bias 0,
     sinks standard normal, everything else normal of ``std``; Engram tables standard normal in
     FP8 with scales 1 (E8M0 byte 127). Seeded by ``seed`` and the name, so no tensor depends on
-    which others are written."""
-    gen = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    which others are written; drawn by ``device``'s generator (CUDA: other values than the CPU's
+    for the same seed), returned on the CPU."""
+    gen = torch.Generator(device).manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("engram.embed.scale"):
         ones = torch.ones(shape)
         return ones.to(dtype) if dtype != torch.uint8 else torch.full(shape, 127, dtype=dtype)
     if name.endswith("engram.embed.weight"):
-        return torch.randn(shape, generator=gen).to(dtype)
+        return torch.randn(shape, generator=gen, device=device).to(dtype).cpu()
     if name.endswith("norm.weight") or leaf in ("q_weight", "k_weight") or "_scale" in leaf:
         return torch.ones(shape, dtype=dtype)
     if leaf.endswith("_base") or name.endswith("gate.bias"):
         return torch.zeros(shape, dtype=dtype)
     if leaf == "attn_sink":
-        return torch.randn(shape, generator=gen).to(dtype)
-    return (std * torch.randn(shape, generator=gen)).to(dtype)
+        return torch.randn(shape, generator=gen, device=device).to(dtype).cpu()
+    return (std * torch.randn(shape, generator=gen, device=device)).to(dtype).cpu()
+
+
+def write_v41_weights(
+    path: str | Path,
+    text: dict,
+    seed: int,
+    max_shard_bytes: int | None = None,
+    device: str | torch.device = "cpu",
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Draw every tensor of :func:`v41_weight_shapes` of ``text`` (:func:`_v41_tensor`, drawn by
+    ``device``) and save it in ``path``: ``model.safetensors``, or with ``max_shard_bytes`` shards
+    of at most that many bytes (a larger tensor alone in one) and their index, as vLLM's loader
+    reads them. One shard is held in host memory at a time. Returns the table it wrote."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    shapes = v41_weight_shapes(text)
+    shards: list[list[str]] = [[]]
+    shard_bytes = 0
+    for name, (shape, dtype) in shapes.items():
+        size = dtype.itemsize * int(torch.Size(shape).numel())
+        if max_shard_bytes is not None and shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(name)
+        shard_bytes += size
+    if len(shards) == 1:
+        files = ["model.safetensors"]
+    else:
+        files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    std = text["initializer_range"]
+    for file, names in zip(files, shards, strict=True):
+        weights = {name: _v41_tensor(name, *shapes[name], std, seed, device) for name in names}
+        save_file(weights, str(path / file), metadata={"format": "pt"})
+        del weights
+    if len(shards) > 1:
+        total = sum(dtype.itemsize * torch.Size(shape).numel() for shape, dtype in shapes.values())
+        weight_map = {
+            name: file for file, names in zip(files, shards, strict=True) for name in names
+        }
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+    return shapes
 
 
 def write_v41_checkpoint(path: str | Path, spec: TinySpec = VLLM_SPEC) -> Path:
@@ -702,8 +766,6 @@ def write_v41_checkpoint(path: str | Path, spec: TinySpec = VLLM_SPEC) -> Path:
     Serve it with ``--language-model-only`` (no vision tower: vLLM's processor would otherwise
     want the image token at id 129264 of a full-size vocabulary). ``spec.layer_output_scale``
     must be 1 (it serves drafts, which this checkpoint has none of). Returns the directory."""
-    from safetensors.torch import save_file
-
     if spec.layer_output_scale != 1:
         raise ValueError(
             f"the V4.1 checkpoint has no draft to serve: layer_output_scale must be 1, got "
@@ -714,11 +776,5 @@ def write_v41_checkpoint(path: str | Path, spec: TinySpec = VLLM_SPEC) -> Path:
     write_v41_tokenizer(path, spec.vocab_size)
     config = tiny_v41_config(spec, _v41_engram_fields(path))
     (path / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-    text = config["text_config"]
-    std = text["initializer_range"]
-    weights = {
-        name: _v41_tensor(name, shape, dtype, std, spec.seed)
-        for name, (shape, dtype) in v41_weight_shapes(text).items()
-    }
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    write_v41_weights(path, config["text_config"], spec.seed)
     return path
