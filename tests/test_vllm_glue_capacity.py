@@ -1,6 +1,8 @@
 """NVFP4's capacity in vLLM's own KV accounting: the V4-Flash and V4-Pro layer schedules' specs as
 each backend's server builds them, planned by vLLM 0.33's functions (CPU); the per-group bytes of
-the breakdown against the specs of real attention layers built through vLLM's model hook."""
+the breakdown against the specs of real attention layers built through vLLM's model hook. And
+DeepSeek-V4.1-Flash in vLLM's two V4.1 modes: the specs against those of vLLM's own V4.1 layers,
+the figures against a derivation by hand, admission against vLLM's KV cache manager."""
 
 from __future__ import annotations
 
@@ -257,7 +259,7 @@ HEADLINE_PROMPT = 129024  # + 2,048 outputs: a 131,072-token context
 BATCHED_TOKENS = 8192
 
 
-def planned_kv_config(schedule: list[int], backend: str, memory_bytes: int, max_model_len: int):
+def planned_kv_config(schedule: cap.Schedule, backend: str, memory_bytes: int, max_model_len: int):
     """The planner config, vLLM's KV cache groups, and the scheduler's ``KVCacheConfig`` (one
     spec per group, as the engine core hands it to the scheduler) for ``memory_bytes`` of KV."""
     from vllm.v1.core import kv_cache_planning, kv_cache_utils
@@ -267,7 +269,7 @@ def planned_kv_config(schedule: list[int], backend: str, memory_bytes: int, max_
     return config, groups, kv_cache_utils.generate_scheduler_kv_cache_config([kv_config])
 
 
-def bytes_per_block(schedule: list[int], backend: str, max_model_len: int = 131072) -> int:
+def bytes_per_block(schedule: cap.Schedule, backend: str, max_model_len: int = 131072) -> int:
     """What one block id costs in vLLM's planning (the widest group's bytes), in bytes."""
     from vllm.v1.core import kv_cache_planning
 
@@ -276,7 +278,9 @@ def bytes_per_block(schedule: list[int], backend: str, max_model_len: int = 1310
     return kv_cache_planning._get_kv_cache_bytes_per_block(groups, layout)
 
 
-def kv_manager(schedule: list[int], backend: str, memory_bytes: int, max_model_len: int = 131072):
+def kv_manager(
+    schedule: cap.Schedule, backend: str, memory_bytes: int, max_model_len: int = 131072
+):
     """vLLM's ``KVCacheManager`` as its scheduler builds it (no prefix caching, the planner's
     ``max_in_flight_tokens``: two batches in flight with async scheduling)."""
     from types import SimpleNamespace
@@ -325,7 +329,7 @@ class Served:
 
 
 def serve(
-    schedule: list[int],
+    schedule: cap.Schedule,
     backend: str,
     memory_bytes: int,
     prompt_len: int,
@@ -411,7 +415,7 @@ def serve(
         in_flight = [(r, new, not r.is_prefill_chunk) for r, new in scheduled]
 
 
-def admits(schedule: list[int], backend: str, prompt_len: int, free: int) -> bool:
+def admits(schedule: cap.Schedule, backend: str, prompt_len: int, free: int) -> bool:
     """Whether vLLM's manager, with exactly ``free`` free blocks (a pool with blocks taken out of
     it), admits a fresh request of ``prompt_len`` tokens: its first chunk's
     ``allocate_slots(..., full_sequence_must_fit=True)``, as the scheduler's waiting loop calls
@@ -483,3 +487,232 @@ def test_requests_at_once_is_exact_at_the_block_boundary(backend, spare):
         layers, backend, num_blocks * price, prompt_len + output_len, output_len=output_len
     )
     assert predicted == served.most_running
+
+
+# DeepSeek-V4.1-Flash in vLLM's own V4.1 modes: fp8 on Hopper (FlashMLA) and nvfp4_ds_mla
+# (mega attention, SM100 only).
+V41_FLASH = cap.V41_SCHEDULES["V4.1-Flash"]
+V41_MODES = [
+    # (backend, --kv-cache-dtype, GPU capability family, vLLM's attention class there)
+    ("vllm", "fp8", 90, "vllm.models.deepseek_v41.nvidia.flashmla.DeepseekV4FlashMLAAttention"),
+    (
+        "vllm-nvfp4_ds_mla",
+        "nvfp4_ds_mla",
+        100,
+        "vllm.models.deepseek_v41.nvidia.flash_mla_mega_attn.DeepseekV4MegaAttnAttention",
+    ),
+]
+
+
+def real_v41_specs(kv_cache_dtype: str, family: int, layer_class_path: str, monkeypatch):
+    """The KV cache specs a V4.1 server of the tiny V4.1 config hands vLLM's planner
+    (``vllm.v1.worker.gpu.attn_utils.get_kv_cache_spec``: each cache's spec through its
+    backend's ``customize_attention_spec``), on a GPU of capability ``family``: vLLM's own V4.1
+    attention layers, built on the CPU (meta weights) as a 3-method subclass of vLLM's base
+    carrying the backend classes and preferred record of ``layer_class_path``, with model
+    runner V2 (so SWA bounded replay on, the GPU default) and the block size vLLM's platform
+    picks for the layers' backends."""
+    import importlib
+
+    from vllm.config import set_current_vllm_config
+    from vllm.models.deepseek_v41.attention import DeepseekV4Attention
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import Platform
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
+
+    module, name = layer_class_path.rsplit(".", 1)
+    served = getattr(importlib.import_module(module), name)
+
+    class Layer(DeepseekV4Attention):  # vLLM's base with its abstract compute left out
+        backend_cls = served.backend_cls
+        swa_backend_cls = served.swa_backend_cls
+        packed_kv_cache_dtype = served.packed_kv_cache_dtype
+
+        @classmethod
+        def get_padded_num_q_heads(cls, num_heads: int) -> int:
+            return 64
+
+        def forward_mqa(self, *args):
+            raise NotImplementedError
+
+        def _o_proj(self, *args):
+            raise NotImplementedError
+
+    monkeypatch.setattr(
+        current_platform,
+        "is_device_capability_family",
+        lambda capability, device_id=0: capability == family,
+    )
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    vt._distributed_ready()
+    args = vt.engine_args(model=vt.tiny_v41_checkpoint(), kv_cache_dtype=kv_cache_dtype)
+    config = args.create_engine_config()
+    assert config.use_v2_model_runner
+    hf_config = config.model_config.hf_config
+    topk = torch.empty((8, hf_config.index_topk), dtype=torch.int32, device="meta")
+    with (
+        set_current_vllm_config(config),
+        vt._cpu_events(),
+        set_default_torch_dtype(torch.bfloat16),
+        torch.device("meta"),
+    ):
+        for layer in range(hf_config.num_hidden_layers):
+            Layer(config, prefix=f"model.layers.{layer}.attn", topk_indices_buffer=topk)
+        backends = Platform._find_non_ssm_backends(config)
+        block_size = Platform._preferred_block_size_for_backends(backends, 16, config)
+        config.cache_config.block_size = block_size  # as the platform sets it after the build
+        return get_kv_cache_spec(config)
+
+
+@pytest.mark.parametrize(("backend", "kv_cache_dtype", "family", "layer_class"), V41_MODES)
+def test_v41_specs_are_those_of_vllms_own_v41_layers(
+    backend, kv_cache_dtype, family, layer_class, monkeypatch
+):
+    """capacity's V4.1 route (vLLM's spec methods on stand-ins) gives, cache by cache, in the
+    same order, exactly the specs vLLM's own V4.1 layers of the tiny V4.1 config give
+    (window-only, ratio-2 and ratio-1 layers; KV sources 1 and 3; index source 4 apart from
+    them, which owns no key cache): block sizes, records, paddings, alignments, bounded replay,
+    the compressor's ring."""
+    real = real_v41_specs(kv_cache_dtype, family, layer_class, monkeypatch)
+    tiny = cap.V41Schedule(vt.V41_RATIOS, vt.V41_KV_SOURCES, vt.V41_INDEX_SOURCES)
+    config = cap._v41_planner_config(backend, vt.MAX_MODEL_LEN, vt.MAX_NUM_BATCHED_TOKENS)
+    ours = cap.layer_specs(tiny, backend, config)
+    assert list(ours) == list(real)
+    assert ours == real
+    windows = [spec for name, spec in real.items() if name.endswith(".swa_cache")]
+    assert len(windows) == len(vt.V41_RATIOS)
+    assert all(s.prefix_replay_tokens == vt.WINDOW and not s.prefix_cacheable for s in windows)
+    assert not any(name.startswith("model.layers.4.attn.indexer") for name in real)
+
+
+@pytest.mark.parametrize("max_model_len", [131072, 1048576])
+def test_v41_flash_figures_are_the_hand_derived_ones(max_model_len):
+    """V4.1-Flash at 60 GiB, by hand from the records (``--kv-cache-dtype fp8`` on Hopper:
+    584 B window and compressed records, pages padded to 576 B, 64-token blocks;
+    ``nvfp4_ds_mla`` on SM100: 528 B window and 288 B compressed records, pages padded to
+    512 B, 128-token blocks; both: 32-token window pages, 132 B FP8 index keys, an 8-row fp32
+    ring of 2 x 512 floats = 32768 B per ratio-2 source). Only KV sources 2, 8, 14 (ratio 2)
+    and 20 (ratio 1) hold compressed rows, index keys and (ratio 2) a ring.
+
+    fp8: window page 32 x 584 = 18688 -> 19008; compressed pages 32 x 584 -> 19008 (ratio 2),
+    64 x 584 = 37376 -> 37440 (ratio 1); key pages 32 x 132 = 4224 -> 4608, 64 x 132 = 8448
+    -> 8640. The compressed group (one block id = a page of each) is
+    3 x (19008 + 4608) + 37440 + 8640 = 116928 B; vLLM fits floor(116928 / 19008) = 6
+    windows per window group (7 groups: 6 x 19008 = 114048 B) and the 3 rings in one group
+    (98304 B), so the widest is the compressed group: 116928 B per block id.
+
+    nvfp4_ds_mla: window page 32 x 528 = 16896 (33 x 512); compressed pages 64 x 288 = 18432,
+    128 x 288 = 36864; key pages 64 x 132 = 8448 -> 8704, 128 x 132 = 16896. Compressed group
+    3 x (18432 + 8704) + 36864 + 16896 = 135168 B, which holds exactly 8 windows (5 groups of
+    8 x 16896 = 135168 B, a tie), rings 98304 B. The window pages ask for a block stride of
+    whole records of both kinds, lcm(528, 288) = 3168: 135168 -> 43 x 3168 = 136224 B.
+
+    A request of L tokens takes in each window group cdiv(127 + 2 x 8192, 32) + 1 = 517
+    blocks, cdiv(L, block) in the compressed group, 1 ring block: fp8 7 x 517 + L/64 + 1,
+    nvfp4 5 x 517 + L/128 + 1. vLLM's tokens: int(floor(60 GiB / B) / blocks x L).
+    At 131072: 550975 blocks / 5668 vs 472930 / 3610, 12,741,248 vs 17,171,158 tokens,
+    1.3477x; at 1048576: / 20004 vs / 10778, 28,881,181 vs 46,010,674 tokens, 1.5931x (the
+    windows' fixed share shrinks with L, and NVFP4's compressed bytes per token are 0.72x)."""
+    memory = 60 * 2**30
+    fp8_block = 3 * (19008 + 4608) + 37440 + 8640  # 116928
+    nvfp4_group = 3 * (18432 + 8704) + 36864 + 16896  # 135168
+    nvfp4_block = -(-nvfp4_group // 3168) * 3168  # 136224
+    expected = {}
+    for backend, block, tokens_per_block, window_groups in [
+        ("vllm", fp8_block, 64, 7),
+        ("vllm-nvfp4_ds_mla", nvfp4_block, 128, 5),
+    ]:
+        blocks = window_groups * 517 + max_model_len // tokens_per_block + 1
+        num_blocks = memory // block
+        tokens = int(num_blocks / blocks * max_model_len)
+        expected[backend] = cap.Capacity(block, num_blocks, tokens, blocks, blocks * block)
+        assert cap.capacity(V41_FLASH, backend, memory, max_model_len) == expected[backend]
+        # the compressed group is the widest (a tie with the window groups for NVFP4)
+        groups = cap.breakdown(V41_FLASH, backend, max_model_len)
+        (compressed,) = [g for g in groups if "ratio-2 rows" in g.holds]
+        assert compressed.bytes_per_block == max(g.bytes_per_block for g in groups)
+        assert compressed.bytes_per_block == (fp8_block if backend == "vllm" else nvfp4_group)
+    ratio = expected["vllm-nvfp4_ds_mla"].tokens / expected["vllm"].tokens
+    assert round(ratio, 4) == {131072: 1.3477, 1048576: 1.5931}[max_model_len]
+
+
+def test_v41_breakdown_holds_every_cache_once():
+    """Each V4.1-Flash cache in one group, by kind: 40 windows, the 4 sources' compressed rows
+    and index keys, 3 rings; the charged bytes sum to vLLM's bytes per request."""
+    for backend in cap.V41_BACKENDS:
+        groups = cap.breakdown(V41_FLASH, backend, 1048576)
+        total = cap.capacity(V41_FLASH, backend, 60 * 2**30, 1048576)
+        assert sum(g.charged_bytes for g in groups) == total.bytes_per_request
+        counted: dict[str, int] = {}
+        for group in groups:
+            for part in group.holds.split(" + "):
+                n, kind = part.split(" x ")
+                counted[kind] = counted.get(kind, 0) + int(n)
+        assert counted == {
+            "window rows": 40,
+            "ratio-2 rows": 3,
+            "ratio-1 rows": 1,
+            "ratio-2 indexer keys": 3,
+            "ratio-1 indexer keys": 1,
+            "ratio-2 compressor state": 3,
+        }
+
+
+def test_v41_backends_are_v41s():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        cap.layer_specs(V41_FLASH, "dsv4_nvfp4-nvfp4", cap._planner_config("auto", 4096, 8192))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        cap.capacity(V41_FLASH, "dsv4_nvfp4-fp8", MEMORY, 131072)
+
+
+@pytest.mark.parametrize("backend", cap.V41_BACKENDS)
+@pytest.mark.parametrize("prompt_len", [10001, HEADLINE_PROMPT])
+def test_v41_admission_blocks_are_what_vllms_manager_asks(backend, prompt_len):
+    """V4.1's scheduler gate is V4's (``full_sequence_must_fit``; bounded replay only rewinds
+    prefix-cache hits): vLLM's manager admits a fresh V4.1-Flash request with exactly
+    :func:`capacity.admission_blocks` free blocks, the ring groups asking for one block, and
+    refuses it with one fewer."""
+    need = cap.admission_blocks(V41_FLASH, backend, prompt_len)
+    assert admits(V41_FLASH, backend, prompt_len, need)
+    assert not admits(V41_FLASH, backend, prompt_len, need - 1)
+
+
+@pytest.mark.parametrize("backend", cap.V41_BACKENDS)
+@pytest.mark.parametrize("spare", [0, 1])
+def test_v41_requests_at_once_is_exact_at_the_block_boundary(backend, spare):
+    """As for V4 (see test_requests_at_once_is_exact_at_the_block_boundary): a pool of
+    ``R + k D + spare`` blocks runs ``k + spare`` V4.1-Flash requests at once in vLLM's manager,
+    as :func:`capacity.requests_at_once` says. 64 outputs keep a decoding 129,024-token request
+    (a whole number of 64- and 128-token blocks) in one block of its compressed caches."""
+    prompt_len, output_len, k = HEADLINE_PROMPT, 64, 3
+    need = cap.admission_blocks(V41_FLASH, backend, prompt_len)
+    price = bytes_per_block(V41_FLASH, backend)
+    alone = serve(V41_FLASH, backend, 2 * need * price, prompt_len, output_len, 1)
+    assert not alone.preempted and alone.most_running == 1
+    assert alone.decode_blocks == cap.decode_blocks_per_request(
+        V41_FLASH, backend, prompt_len + output_len
+    )
+    num_blocks = need + k * alone.decode_blocks + spare
+    served = serve(V41_FLASH, backend, num_blocks * price, prompt_len, output_len, k + 3)
+    assert served.num_blocks == num_blocks
+    assert not served.preempted
+    assert served.most_running == k + spare
+    predicted = cap.requests_at_once(
+        V41_FLASH, backend, num_blocks * price, prompt_len + output_len, output_len=output_len
+    )
+    assert predicted == served.most_running
+
+
+def test_main_prints_the_v41_rows(capsys):
+    """``python -m dsv4_attn.vllm_glue.capacity --breakdown`` prints V4.1-Flash's rows (bytes
+    per block id, tokens, the ratio to vLLM's fp8 mode) and its groups."""
+    cap.main(["--max-model-len", "131072", "--breakdown"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines if line.startswith("V4.1-Flash")]
+    assert [row[:5] for row in rows] == [
+        ["V4.1-Flash", "131072", "vllm", "116928", "12,741,248"],
+        ["V4.1-Flash", "131072", "vllm-nvfp4_ds_mla", "136224", "17,171,158"],
+    ]
+    assert [row[-1] for row in rows] == ["1.000", "1.348"]
+    assert any(line.endswith("3 x ratio-2 compressor state") for line in lines)
