@@ -120,6 +120,8 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
 
     backend_cls = DSV4NVFP4Backend
     swa_backend_cls = DSV4NVFP4SWABackend
+    # A top-k layer maps its picks to cache slots into scratch of its own (entry slots, lengths).
+    _maps_top_k = True
 
     def __init__(
         self,
@@ -294,14 +296,15 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
         peak: bool = False,
         plan: DecodeSchedule | None = None,
     ) -> Shapes:
-        """Scratch of one decode forward of ``num_tokens`` tokens, in this order: a CSA layer's
-        entry slots and lengths, the log-sum-exp (fp32 ``[num_tokens, heads]``), and the
-        kernel's partials (split-KV, or the balanced ``plan``'s slots).
+        """Scratch of one decode forward of ``num_tokens`` tokens, in this order: a top-k layer's
+        entry slots and lengths (where it maps them itself, :attr:`_maps_top_k`), the
+        log-sum-exp (fp32 ``[num_tokens, heads]``), and the kernel's partials (split-KV, or the
+        balanced ``plan``'s slots).
         ``peak``: the most any forward of at most ``num_tokens`` tokens asks for (each piece at
         its own maximum, the balanced schedule's included where the layer may run it)."""
         shapes: Shapes = []
         heads = self.padded_heads
-        if self._top_k:
+        if self._top_k and self._maps_top_k:
             assert self.topk_indices_buffer is not None
             topk = self.topk_indices_buffer.shape[1]
             shapes += [((num_tokens, topk), torch.int32), ((num_tokens,), torch.int32)]

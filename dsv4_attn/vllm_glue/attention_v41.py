@@ -87,6 +87,7 @@ class DSV41NVFP4Attention(DeepseekV4FlashMLAAttention):
     decode and prefill kernels."""
 
     # The scratch rules of the V4 layer, which read only the attributes set in __init__ below.
+    _maps_top_k = False  # vLLM's compute_global_topk_indices_and_lens maps the picks
     _key_capacity = DSV4NVFP4Attention._key_capacity
     _scratch_shapes = DSV4NVFP4Attention._scratch_shapes
     _scratch = DSV4NVFP4Attention._scratch
@@ -125,8 +126,7 @@ class DSV41NVFP4Attention(DeepseekV4FlashMLAAttention):
 
     def _peak_decode_scratch(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """The most scratch a decode forward of this layer asks for."""
-        shapes = self._scratch_shapes(self.max_num_batched_tokens, self._key_capacity(0), peak=True)
-        return [s for s in shapes if not (self._top_k and s[1] is torch.int32)]
+        return self._scratch_shapes(self.max_num_batched_tokens, self._key_capacity(0), peak=True)
 
     def _peak_prefill_scratch(self, head_dim: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """The most scratch a prefill chunk asks for: vLLM's gathered rows (a chunk of
@@ -230,10 +230,7 @@ class DSV41NVFP4Attention(DeepseekV4FlashMLAAttention):
             swa_metadata.decode_swa_lens[:n],
         )
         capacity = window.capacity + (extra.capacity if extra is not None else 0)
-        shapes = self._scratch_shapes(n, capacity)
-        if self._top_k:
-            shapes = shapes[2:]  # vLLM maps the top-k to slots itself
-        lse, *partials = self._scratch(shapes, "decode")
+        lse, *partials = self._scratch(self._scratch_shapes(n, capacity), "decode")
         workspace = (partials[0], partials[1]) if partials else None
         args = (q[:n], window, self.attn_sink, self.scale, extra)
         outputs = {"out": output[:n], "lse": lse, "workspace": workspace}
