@@ -62,7 +62,9 @@ its scales at the end of its own row (no scale rows; a page is ``block_size`` re
                 s_b = amax_b * f32(1/6) clamped to [2^-9, 448], rounded to nearest-even e4m3
     e2m1_i = the float32 quotient x_i / s_b (rounded to nearest), then rounded to the nearest
     e2m1 value, ties to the even code, saturating at 6 (PTX ``cvt.rn.satfinite``: the quotient
-    is rounded twice, as vLLM's writer rounds it); decoded value i = e2m1_i * s_{i//16}.
+    is rounded twice, as vLLM's writer rounds it; with an e4m3 divisor the float32 quotient lies
+    on an e2m1 midpoint only where the exact one does, so the two steps give the exactly
+    rounded code); decoded value i = e2m1_i * s_{i//16}.
 
 FP8_DS_MLA round-trip error bound per nope value: |x - x_hat| <= 2^-4 |x| + 2^-10 * 2^(e_b - 127).
 RoPE values round-trip exactly in every format of this backend (not in V4.1's records).

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -123,6 +124,14 @@ def test_decode_schedule_cuda():
         check_decode_schedule(_compiled(), "cuda", seed)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_nvfp4_ds_writer_cuda(ratio):
+    _compiled()
+    for seed in range(3):
+        check_nvfp4_ds_writer("cuda", ratio, seed)
+
+
 @contextmanager
 def _compiles_counted() -> Iterator[list[str]]:
     """The Triton compilations while inside, in order, as ``"kernel: signature attributes
@@ -167,6 +176,8 @@ def test_one_compile_serves_every_batch_cuda():
             stand.step(fused, step)
         torch.cuda.synchronize()
     counts = {name: sum(c.startswith(name + ":") for c in warm) for name in kernels}
+    # V4.1's NVFP4_DS writer has no part in the stand's V4 steps: it never compiles there.
+    assert counts.pop("_rope_quant_insert_nvfp4_ds_kernel") == 0
     assert counts == KERNEL_VARIANTS, warm
     assert compiled[len(warm) :] == [], "\n".join(compiled[len(warm) :])
 
@@ -358,6 +369,23 @@ def _kernels():
                 "BLOCK_ENTRIES": 256,
             },
         )
+    yield (
+        kw._rope_quant_insert_nvfp4_ds_kernel,
+        {
+            "latent_ptr": p["bf16"],
+            "latent_stride": "i32",
+            "positions_ptr": p["i64"],
+            "cos_sin_ptr": p["f32"],
+            "cos_sin_stride": "i32",
+            "slots_ptr": p["i64"],
+            "cache_ptr": p["u8"],
+            "page_stride": "i32",
+            "block_size": "i32",
+            "RATIO": "constexpr",
+            "RECORD_BYTES": "constexpr",
+        },
+        {"RATIO": 2, "RECORD_BYTES": 288},
+    )
     from dsv4_attn.fused import compressor as cp
 
     for state in ("bf16", "f32"):
@@ -425,7 +453,7 @@ def test_every_kernel_compiles_for_sm90():
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
         assert len(compiled.asm["cubin"]) > 1000
         names.append(kernel.fn.__name__)
-    assert len(names) == 17, names
+    assert len(names) == 18, names
 
 
 # ----------------------------------------------------------------------------------------------
@@ -440,6 +468,7 @@ _STEP_POINTERS = {"seq_lens_ptr", "slot_mapping_ptr", "block_table_ptr"}
 UNSPECIALIZED: dict[str, tuple[set[str], set[str]]] = {
     "_qnorm_rope_nvfp4_insert_kernel": ({"num_slots"}, {"positions_ptr", "slots_ptr"}),
     "_store_staged_rows_kernel": (set(), set()),
+    "_rope_quant_insert_nvfp4_ds_kernel": (set(), {"positions_ptr", "slots_ptr"}),
     "_window_kernel": ({"num_reqs", "bt_stride", "bt_width"}, _STEP_POINTERS),
     "_compressed_kernel": (
         {"num_reqs", "bt_stride", "bt_width", "visible_width", "window"},
@@ -553,3 +582,189 @@ def test_one_launch_key_serves_every_batch(monkeypatch):
         stand.step(fused, step)
     new = {name: k - warm[name] for name, k in keys.items() if k - warm[name]}
     assert not new, new
+
+
+# ----------------------------------------------------------------------------------------------
+# V4.1's NVFP4_DS writer (rope_quant_insert_nvfp4_ds) against the torch codec
+# ----------------------------------------------------------------------------------------------
+
+_DS_BLOCK = 4  # records per page
+_DS_PAGES = 8
+_DS_TOKENS = 24
+_DS_MAX_POS = 64
+_IDENTITY_ROW = 0  # cos_sin row (1, 0): the rotation changes nothing
+_NEAR_IDENTITY_ROW = 2  # cos_sin row (1 - 2^-24, 0): each RoPE value x becomes pred_f32(x)
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _bf16_pred(x: torch.Tensor) -> torch.Tensor:
+    """The bf16 value next below |x| toward 0, with x's sign (x nonzero bf16)."""
+    bits = x.abs().view(torch.int16) - 1
+    return bits.view(torch.bfloat16) * x.sign()
+
+
+def _midpoint_row(gen: torch.Generator) -> torch.Tensor:
+    """bf16 [512]: per 16-value block an e4m3 value S (random code 1..126, subnormals
+    included), the block's amax 6 S, the 7 e2m1 midpoints times S and their bf16 predecessors
+    (quotients just below the midpoints), random signs. Every value is exact in bf16."""
+    codes = torch.randint(1, 127, (32,), generator=gen, dtype=torch.int32)
+    scale = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()[:, None]
+    mids = torch.tensor(_E2M1_MIDPOINTS)[None, :] * scale
+    block = torch.cat([6 * scale, mids, mids, torch.zeros_like(scale)], dim=1).bfloat16()
+    block[:, 8:15] = _bf16_pred(block[:, 8:15])
+    signs = torch.randint(0, 2, block.shape, generator=gen) * 2 - 1
+    return (block * signs.bfloat16()).reshape(512)
+
+
+def _scale_tie_row(gen: torch.Generator) -> torch.Tensor:
+    """bf16 [512] whose blocks' amax a makes f32(a * f32(1/6)) fall exactly halfway between two
+    e4m3 values (found by search over bf16 amaxes; subnormal and normal e4m3, ties rounding
+    down and up to the even code). The other 15 values of a block are smaller."""
+    amaxes = torch.arange(0x3000, 0x4600, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    scaled = amaxes.float() * torch.tensor(1 / 6, dtype=torch.float32)
+    e4m3 = torch.arange(127, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    ties = amaxes[torch.isin(scaled, (e4m3[1:] + e4m3[:-1]) / 2)]
+    assert ties.numel() > 100
+    amax = ties[torch.randint(0, ties.numel(), (32, 1), generator=gen)].float()
+    rest = (torch.rand(32, 15, generator=gen) * 2 - 1) * amax * 0.99
+    return torch.cat([amax, rest], dim=1).bfloat16().reshape(512)
+
+
+def _ds_inputs(ratio: int, seed: int):
+    """latent bf16 [T, 512], positions int64 [T], cos_sin f32 [64, 64], slots int64 [T], and
+    edge_rows (token -> its cos_sin row). Tokens 0..7 are edge cases that all write: zeros,
+    tiny (scale clamped to 2^-9), huge (clamped to 448, saturating), e2m1 midpoints, e4m3 ties
+    of the scale; the others random, some without a slot, some (ratio 2) closing no group."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"nvfp4_ds {ratio} {seed}".encode()))
+    T = _DS_TOKENS
+    # Random blocks stay under 6 * 448 (no saturation), for the error bound at the end.
+    exponents = torch.randint(-10, 8, (T, 32, 1), generator=gen).float()
+    latent = (torch.randn(T, 32, 16, generator=gen) * 2.0**exponents).reshape(T, 512).bfloat16()
+    angles = torch.rand(_DS_MAX_POS, 32, generator=gen, dtype=torch.float64) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1).float()
+    cos_sin[_IDENTITY_ROW] = torch.tensor([1.0] * 32 + [0.0] * 32)
+    cos_sin[_NEAR_IDENTITY_ROW] = torch.tensor([1.0 - 2.0**-24] * 32 + [0.0] * 32)
+    positions = torch.randint(4, _DS_MAX_POS, (T,), generator=gen)
+    latent[0] = 0.0
+    latent[1] = (torch.randn(512, generator=gen) * 2.0**-12).bfloat16()  # scales clamp to 2^-9
+    latent[2] = (torch.randn(512, generator=gen) * 2.0**14).bfloat16()  # clamp to 448, saturate
+    latent[2, :16] = 3.0e38  # quotients near bf16's top
+    for t in (3, 4, 5, 6):
+        latent[t] = _midpoint_row(gen)
+    # Rows 3 and 4 rotate by the identity (quotients exactly on midpoints in the RoPE blocks too),
+    # 5 and 6 by the near-identity (RoPE quotients one float32 step below the midpoints).
+    edge_rows = {3: _IDENTITY_ROW, 4: _IDENTITY_ROW, 5: _NEAR_IDENTITY_ROW, 6: _NEAR_IDENTITY_ROW}
+    for t, base in edge_rows.items():
+        positions[t] = base + ratio - 1  # closes the group starting at row `base`
+    latent[7] = _scale_tie_row(gen)
+    for t in (0, 1, 2, 7):
+        positions[t] = positions[t] // ratio * ratio + ratio - 1
+    slots = torch.randperm(_DS_PAGES * _DS_BLOCK, generator=gen)[:T]
+    skip = torch.randperm(T - 8, generator=gen)[:5] + 8
+    slots[skip] = -1
+    slots[skip[0]] = -3  # any negative slot writes nothing
+    return latent, positions, cos_sin, slots, edge_rows
+
+
+def _rotate_f32(latent: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+    """float32 [T, 512]: GPT-J RoPE of the last 64 values, each product and sum rounded once."""
+    x = latent.float()
+    even, odd = x[:, 448::2].clone(), x[:, 449::2].clone()
+    cos, sin = cs[:, :32], cs[:, 32:]
+    x[:, 448::2] = even * cos - odd * sin
+    x[:, 449::2] = even * sin + odd * cos
+    return x
+
+
+def check_nvfp4_ds_writer(device: str, ratio: int, seed: int) -> None:
+    """rope_quant_insert_nvfp4_ds's cache bytes == the codec's records of the rotated rows at
+    each written slot (and untouched bytes elsewhere); rotation against float64."""
+    from dsv4_attn import kv_cache as kc
+    from dsv4_attn.fused.kv_writers import rope_quant_insert_nvfp4_ds
+
+    latent, positions, cos_sin, slots, edge_rows = _ds_inputs(ratio, seed)
+    writes = (slots >= 0) & ((positions + 1) % ratio == 0)
+    assert writes[:8].all() and 0 < int(writes.sum()) < _DS_TOKENS
+    if ratio > 1:
+        assert ((positions + 1) % ratio != 0).any()  # some tokens close no group
+    cs = cos_sin[positions // ratio * ratio]
+    rotated = _rotate_f32(latent, cs)
+
+    # The rotation the expected bytes use, against float64 (a few float32 roundings).
+    x64 = latent.double()
+    e64, o64, c64, s64 = x64[:, 448::2], x64[:, 449::2], cs[:, :32].double(), cs[:, 32:].double()
+    for got, want, size in (
+        (rotated[:, 448::2], e64 * c64 - o64 * s64, (e64 * c64).abs() + (o64 * s64).abs()),
+        (rotated[:, 449::2], e64 * s64 + o64 * c64, (e64 * s64).abs() + (o64 * c64).abs()),
+    ):
+        assert ((got.double() - want).abs() <= 2.0**-22 * size).all()
+    assert torch.equal(rotated[:, :448], latent[:, :448].float())
+
+    # The constructed edge cases occur: RoPE quotients exactly on and one float32 step under
+    # e2m1 midpoints (each block's scale is S: its amax is 6 S or pred_f32(6 S)).
+    rope = rotated[:, 448:].reshape(-1, 4, 16)
+    scale = (rope.abs().amax(-1, keepdim=True) / 6).to(torch.float8_e4m3fn).float()
+    q = (rope / scale).abs()
+    mids = torch.tensor(_E2M1_MIDPOINTS)
+    on = int(torch.isin(q[[3, 4]], mids).sum())
+    gap = q[[5, 6]][..., None] - mids  # [..., 7]
+    under = int(((gap < 0) & (gap > -(2.0**-20) * mids)).sum())
+    assert on == under == 2 * 4 * 7 and not torch.isin(q[[5, 6]], mids).any(), (on, under)
+
+    layout = kc.page_layout(kc.KVFormat.NVFP4_DS, _DS_BLOCK)
+    gen = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, 256, (_DS_PAGES, layout.page_bytes), generator=gen, dtype=torch.uint8)
+    expected = start.clone()
+    records = expected.view(_DS_PAGES * _DS_BLOCK, 288)
+    data, _ = kc._encode_nvfp4_ds(rotated)
+    records[slots[writes]] = data[writes]
+
+    cache = start.to(device)
+    target = cache.view(_DS_PAGES, _DS_BLOCK, 288) if seed % 2 else cache  # vLLM's 3-D form
+    rope_quant_insert_nvfp4_ds(
+        latent.to(device),
+        positions.to(device),
+        cos_sin.to(device),
+        target,
+        slots.to(device),
+        ratio,
+        block_size=None if seed % 2 else _DS_BLOCK,
+    )
+    got = cache.cpu()
+    assert torch.equal(got, expected), (got != expected).nonzero()[:8].tolist()
+
+    # Where the rotation is the identity, the public codec on the bf16 rows says the same.
+    ident = torch.tensor([t for t, base in edge_rows.items() if base == _IDENTITY_ROW])
+    public = start.clone()
+    kc.write(public, slots[ident], latent[ident], kc.KVFormat.NVFP4_DS, _DS_BLOCK)
+    assert torch.equal(got.view(-1, 288)[slots[ident]], public.view(-1, 288)[slots[ident]])
+
+    # Decoded random rows stay within e2m1's error of the float64 rotation.
+    rows = torch.arange(_DS_TOKENS)[writes & (torch.arange(_DS_TOKENS) >= 8)]
+    decoded = kc.read(got, slots[rows], kc.KVFormat.NVFP4_DS, _DS_BLOCK).double()
+    want = x64[rows].clone()
+    want[:, 448::2], want[:, 449::2] = (
+        e64[rows] * c64[rows] - o64[rows] * s64[rows],
+        e64[rows] * s64[rows] + o64[rows] * c64[rows],
+    )
+    amax = want.view(-1, 32, 16).abs().amax(-1, keepdim=True).expand(-1, 32, 16).reshape(-1, 512)
+    bound = want.abs() / 4 + amax / 8 + 2.0**-10
+    assert ((decoded - want).abs() <= bound).all()
+
+
+def run_nvfp4_ds_checks(device: str) -> None:
+    """Every CPU case of :func:`check_nvfp4_ds_writer` (run in the interpreter's child)."""
+    for ratio in (1, 2):
+        for seed in range(2):
+            check_nvfp4_ds_writer(device, ratio, seed)
+
+
+def test_nvfp4_ds_writer_in_the_triton_interpreter():
+    """rope_quant_insert_nvfp4_ds in Triton's interpreter (a child process: Triton reads
+    TRITON_INTERPRET at import): ratios 1 and 2, both cache forms, edge rows."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    code = "from tests.test_fused import run_nvfp4_ds_checks; run_nvfp4_ds_checks('cpu')"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]

@@ -5,6 +5,9 @@
   paged store of each token's KV row at its SWA slot.
 * :func:`store_staged_rows` — NVFP4 encode + paged store of the compressed rows vLLM's compressor
   kernel left, one per token, in a bf16 staging buffer.
+* :func:`rope_quant_insert_nvfp4_ds` — what vLLM's ``_rope_quant_insert_nvfp4_kernel`` (SM100
+  only: it needs the hardware e2m1 conversion) does: GPT-J RoPE + V4.1 ``NVFP4_DS`` encode +
+  paged store of the compressed latent of each token that closes a group.
 
 The math follows :func:`dsv4_attn.vllm_glue.writers.qnorm_rope` (float32, products and sums
 rounded one operation at a time: the kernels are compiled without FMA contraction, as torch
@@ -17,10 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_attn.fused.nvfp4 import bf16_rne, load_nope_pairs, store_nvfp4_row
-from dsv4_attn.kv_cache import HEAD_DIM, NOPE_DIM, ROPE_DIM
+from dsv4_attn.fused.nvfp4 import (
+    bf16_rne,
+    load_nope_pairs,
+    store_nvfp4_ds_record,
+    store_nvfp4_row,
+)
+from dsv4_attn.kv_cache import HEAD_DIM, NOPE_DIM, ROPE_DIM, KVFormat, bytes_per_token, page_layout
 
-__all__ = ["qnorm_rope_nvfp4_insert", "store_staged_rows"]
+__all__ = ["qnorm_rope_nvfp4_insert", "rope_quant_insert_nvfp4_ds", "store_staged_rows"]
 
 _HEADS_PER_PROGRAM = 8
 _HALF_ROPE = ROPE_DIM // 2
@@ -217,6 +225,113 @@ def store_staged_rows(
         raise ValueError(f"rows must be [>= {T}, 512], got {tuple(rows.shape)}")
     _store_staged_rows_kernel[(T,)](
         rows, rows.stride(0), write_slots, cache, cache.stride(0), block_size
+    )
+
+
+_DS_RECORD_BYTES = bytes_per_token(KVFormat.NVFP4_DS)
+
+
+# positions and slots may be views at a token offset (a micro-batch): their alignment is not
+# specialized. The token count is the grid; everything else is fixed for the model's life.
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slots_ptr"])
+def _rope_quant_insert_nvfp4_ds_kernel(
+    latent_ptr,
+    latent_stride,
+    positions_ptr,
+    cos_sin_ptr,
+    cos_sin_stride,
+    slots_ptr,
+    cache_ptr,
+    page_stride,
+    block_size,
+    RATIO: tl.constexpr,
+    RECORD_BYTES: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    # Only a group's last token (and one with a slot) publishes the group's latent.
+    if (slot >= 0) & ((pos + 1) % RATIO == 0):
+        block = tl.arange(0, 32)[:, None]
+        pair = tl.arange(0, 8)[None, :]
+        col = block * 16 + pair * 2
+        row = latent_ptr + t.to(tl.int64) * latent_stride
+        even = tl.load(row + col).to(tl.float32)
+        odd = tl.load(row + col + 1).to(tl.float32)
+        # Pairs 224..255 are the RoPE pairs; the nope pairs load (cos, sin) = (1, 0), so the
+        # rotation leaves their values as they are. The group is rotated at its first position.
+        rope_pair = block * 8 + pair - 224
+        is_rope = rope_pair >= 0
+        cs = cos_sin_ptr + (pos // RATIO * RATIO) * cos_sin_stride + tl.maximum(rope_pair, 0)
+        cos = tl.load(cs, mask=is_rope, other=1.0).to(tl.float32)
+        sin = tl.load(cs + 32, mask=is_rope, other=0.0).to(tl.float32)
+        r_even, r_odd = _rotate(even, odd, cos, sin)
+        slot = slot.to(tl.int64)
+        record = cache_ptr + (slot // block_size) * page_stride + (slot % block_size) * RECORD_BYTES
+        store_nvfp4_ds_record(record, r_even, r_odd)
+
+
+def rope_quant_insert_nvfp4_ds(
+    latent: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    compress_ratio: int,
+    block_size: int | None = None,
+) -> None:
+    """vLLM's ``rope_quant_insert`` for the 288-byte ``NVFP4_DS`` record (CUDA, any arch):
+    token ``t`` with ``slot_mapping[t] >= 0`` and ``(positions[t] + 1) % compress_ratio == 0``
+    gets its latent row GPT-J-rotated (last 64 values, float32, at position
+    ``positions[t] // compress_ratio * compress_ratio``), encoded as
+    :func:`dsv4_attn.kv_cache.encode_rows` does for ``NVFP4_DS`` (on the float32 rotated values)
+    and stored at its slot. Other tokens write nothing.
+
+    Args:
+        latent: ``bf16 [>= T, 512]`` compressed latent rows (unit stride along the row).
+        positions: ``int64 [>= T]`` absolute positions.
+        cos_sin_cache: ``float32`` or ``bf16 [max_position, 64]`` (32 cos | 32 sin).
+        kv_cache: ``uint8``: vLLM's ``[num_blocks, block, 288]`` or this package's
+            ``[num_blocks, >= page_bytes]`` (then ``block_size`` is required); either way page
+            = :func:`dsv4_attn.kv_cache.page_layout` ``(NVFP4_DS, block)``.
+        slot_mapping: ``int64 [T]`` cache slot per token, negative = write nothing.
+        compress_ratio: tokens per compressed group (1 or more).
+        block_size: records per page, for a 2-D ``kv_cache`` only.
+    """
+    if kv_cache.dtype != torch.uint8:
+        raise ValueError(f"kv_cache must be uint8, got {kv_cache.dtype}")
+    if kv_cache.dim() == 3:
+        if kv_cache.shape[2] != _DS_RECORD_BYTES or kv_cache.stride()[1:] != (_DS_RECORD_BYTES, 1):
+            raise ValueError(f"kv_cache must be [blocks, block, 288], got {tuple(kv_cache.shape)}")
+        if block_size not in (None, kv_cache.shape[1]):
+            raise ValueError(f"block_size {block_size} != kv_cache.shape[1] {kv_cache.shape[1]}")
+        block_size = kv_cache.shape[1]
+    elif kv_cache.dim() != 2 or block_size is None or kv_cache.stride(1) != 1:
+        raise ValueError("a 2-D kv_cache needs block_size and contiguous pages")
+    elif kv_cache.shape[1] < page_layout(KVFormat.NVFP4_DS, block_size).page_bytes:
+        raise ValueError(f"kv_cache pages are too small for block_size {block_size}")
+    if compress_ratio < 1:
+        raise ValueError(f"compress_ratio must be >= 1, got {compress_ratio}")
+    T = slot_mapping.numel()
+    if T == 0:
+        return
+    if latent.shape[0] < T or latent.shape[-1] != HEAD_DIM or latent.stride(-1) != 1:
+        raise ValueError(f"latent must be [>= {T}, 512], got {tuple(latent.shape)}")
+    if positions.numel() < T or cos_sin_cache.shape[-1] != 2 * _HALF_ROPE:
+        raise ValueError("positions must cover the slots and cos_sin_cache be [max_pos, 64]")
+    _rope_quant_insert_nvfp4_ds_kernel[(T,)](
+        latent,
+        latent.stride(0),
+        positions,
+        cos_sin_cache,
+        cos_sin_cache.stride(0),
+        slot_mapping,
+        kv_cache,
+        kv_cache.stride(0),
+        block_size,
+        RATIO=compress_ratio,
+        RECORD_BYTES=_DS_RECORD_BYTES,
+        enable_fp_fusion=False,
     )
 
 

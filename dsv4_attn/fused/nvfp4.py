@@ -6,6 +6,10 @@ scale row into a paged cache. It follows the exact-arithmetic scale rule of
 comparisons against exact midpoints), so its bytes equal :func:`dsv4_attn.kv_cache.encode_rows`'
 on every input, whatever the device's division or FMA behaviour.
 
+:func:`store_nvfp4_ds_record` encodes 512 float32 values as DeepSeek-V4.1's 288-byte
+``NVFP4_DS`` record (:func:`dsv4_attn.kv_cache.encode_rows`' rule on float32 inputs), with
+software e4m3 and e2m1 rounding: it compiles for sm_90, which has no e2m1 conversion.
+
 Register tiles: the 448 nope values of a row as two ``[32, 8]`` float32 tiles, ``even[b, p]`` =
 value ``16 b + 2 p`` and ``odd[b, p]`` = value ``16 b + 2 p + 1`` (blocks ``b >= 28`` are padding,
 loaded as 0); the 64 RoPE values as two ``[32]`` bf16 tiles of the even and odd positions.
@@ -16,13 +20,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["bf16_rne", "e4m3_value", "load_nope_pairs", "store_nvfp4_row"]
+__all__ = [
+    "bf16_rne",
+    "e4m3_code_rne",
+    "e4m3_value",
+    "load_nope_pairs",
+    "store_nvfp4_ds_record",
+    "store_nvfp4_row",
+]
 
 # Byte geometry of an NVFP4 row (dsv4_attn.kv_cache), as compile-time constants of the kernels.
 NOPE_BLOCKS = tl.constexpr(28)  # e4m3 scales per row (448 / 16)
 DATA_ROW_BYTES = tl.constexpr(352)
 SCALE_ROW_BYTES = tl.constexpr(32)
 NOPE_BYTES = tl.constexpr(224)
+DS_SCALE_OFFSET = tl.constexpr(256)  # NVFP4_DS: 256 bytes of e2m1 pairs, then 32 e4m3 scales
 
 
 @triton.jit
@@ -53,6 +65,26 @@ def e4m3_value(code):
     mantissa = code & 7
     normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
     return tl.where(exponent > 0, normal, mantissa.to(tl.float32) * 0.001953125)
+
+
+@triton.jit
+def e4m3_code_rne(x):
+    """float8_e4m3fn code (int32 1..126) of float32 ``x`` in [2^-9, 448], rounded to nearest
+    even (as ``cvt.rn.satfinite``), in integer ops: Triton's CPU interpreter has no e4m3 cast.
+
+    ``x = 1.f * 2^E``: the 24-bit significand keeps 3 fraction bits for ``E >= -6`` (normal
+    e4m3), fewer below (subnormal e4m3, steps of 2^-9); a carry out of the kept bits moves into
+    the exponent field by plain addition.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    significand = (bits & 0x7FFFFF) | 0x800000
+    shift = 14 - tl.minimum(exponent, -6)
+    kept = significand >> shift
+    rest = significand - (kept << shift)
+    half = 1 << (shift - 1)
+    up = (rest > half) | ((rest == half) & ((kept & 1) == 1))
+    return ((tl.maximum(exponent, -6) + 6) << 3) + kept + up.to(tl.int32)
 
 
 @triton.jit
@@ -108,3 +140,26 @@ def store_nvfp4_row(cache_ptr, page_stride, block_size, slot, even, odd, rope_ev
     scale_byte = tl.where(block < NOPE_BLOCKS, lo, tl.where(block == NOPE_BLOCKS, e + 127, 0))
     scales = page + block_size * DATA_ROW_BYTES + row * SCALE_ROW_BYTES
     tl.store(scales + block, scale_byte.to(tl.uint8))
+
+
+@triton.jit
+def store_nvfp4_ds_record(record_ptr, even, odd):
+    """Encode 512 float32 values as DeepSeek-V4.1's 288-byte ``NVFP4_DS`` record at
+    ``record_ptr`` (``uint8``), as vLLM's SM100 writer does.
+
+    ``even[b, p]`` / ``odd[b, p]`` (float32 ``[32, 8]``) are values ``16 b + 2 p`` and
+    ``16 b + 2 p + 1``. Scale ``s_b = e4m3(clamp(amax_b * f32(1/6), 2^-9, 448))``; each value's
+    nibble is the nearest e2m1 (ties to the even code, saturating at 6) of the correctly rounded
+    float32 quotient ``x / s_b`` -- rounded twice, as vLLM's ``div_rn`` + ``cvt.rn.satfinite``.
+    """
+    amax = tl.max(tl.maximum(tl.abs(even), tl.abs(odd)), axis=1)  # [32]
+    sixth = tl.full([32], 0x3E2AAAAB, tl.int32).to(tl.float32, bitcast=True)  # f32(1/6)
+    code = e4m3_code_rne(tl.minimum(tl.maximum(amax * sixth, 0.001953125), 448.0))
+    scale = tl.broadcast_to(e4m3_value(code)[:, None], (32, 8))
+    packed = _e2m1_nibbles(tl.math.div_rn(even, scale), 1.0) | (
+        _e2m1_nibbles(tl.math.div_rn(odd, scale), 1.0) << 4
+    )
+    block = tl.arange(0, 32)
+    byte = block[:, None] * 8 + tl.arange(0, 8)[None, :]
+    tl.store(record_ptr + byte, packed.to(tl.uint8))
+    tl.store(record_ptr + DS_SCALE_OFFSET + block, code.to(tl.uint8))
