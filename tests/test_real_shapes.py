@@ -208,57 +208,9 @@ def _v41_text() -> dict:
     return json.loads(Path(_v41_flash_dir(), "config.json").read_text())["text_config"]
 
 
-def _v41_vllm_model(path: str, device: str, load: bool):
-    """``(config, model)``: vLLM's DeepseekV41ForCausalLM of the checkpoint at ``path`` as
-    ``vllm serve --language-model-only`` builds it, on ``device`` ("meta": shapes and dtypes
-    only, in a fraction of a second at V4.1-Flash's size), filled by vLLM's default loader when
-    ``load`` (strict: it refuses unknown names and parameters the checkpoint misses). Engram
-    tables in device memory (the host-memory default needs UVA); the layers' CUDA set-up
-    (streams, the SM count, the output projection's FP8 recipe and warm-up) is stood in, as in
-    tests/test_tiny_model.py; none of it makes parameters."""
-    from types import SimpleNamespace
-    from unittest import mock
-
-    import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.config.engram import EngramConfig
-    from vllm.model_executor.model_loader import get_model_loader
-    from vllm.models.deepseek_v41.nvidia import flashmla
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    from tests.test_tiny_model import _NoStream
-
-    vt._distributed_ready()
-    config = vt.engine_args(
-        model=path,
-        load_format="auto" if load else "dummy",
-        max_num_seqs=4,
-        skip_tokenizer_init=False,
-        language_model_only=True,
-        engram_config=EngramConfig(cpu_offload=False),
-    ).create_engine_config()
-    loader = get_model_loader(config.load_config)
-    sms = SimpleNamespace(multi_processor_count=4)
-    with (
-        set_current_vllm_config(config),
-        vt._cpu_events(),
-        set_default_torch_dtype(config.model_config.dtype),
-        mock.patch.object(torch.cuda, "Stream", _NoStream),
-        mock.patch.object(torch.cuda, "get_device_properties", lambda *args: sms),
-        mock.patch.object(torch.accelerator, "current_device_index", lambda: 0),
-        mock.patch.object(flashmla, "compute_fp8_einsum_recipe", lambda b: ((1, 128, 128), False)),
-        mock.patch.object(flashmla, "register_dsv41_o_proj_warmup", lambda layer: None),
-        torch.device(device),
-    ):
-        model = loader.create_model(vllm_config=config, model_config=config.model_config)
-        if load:
-            loader.load_weights(model, config.model_config)
-    return config, model
-
-
 @functools.cache
 def _v41_flash_on_meta():
-    return _v41_vllm_model(_v41_flash_dir(), "meta", load=False)
+    return vt.v41_vllm_model(_v41_flash_dir(), "meta", load=False)
 
 
 def test_v41_flash_config_reads_back_through_vllm_as_published():
@@ -484,7 +436,7 @@ def test_sharded_v41_weights_load_through_vllms_loader(tmp_path):
     for name, tensor in reference.items():
         assert loaded[name].dtype == tensor.dtype
         assert torch.equal(loaded[name].view(torch.uint8), tensor.view(torch.uint8)), name
-    _, model = _v41_vllm_model(str(sharded), "cpu", load=True)
+    _, model = vt.v41_vllm_model(str(sharded), "cpu", load=True)
     params = dict(model.named_parameters())
     embed = params["language_model.model.embed_tokens.weight"]
     assert torch.equal(embed, loaded["embed.weight"])

@@ -134,54 +134,12 @@ def _v41_config() -> dict:
     return json.loads(Path(v41_checkpoint(), "config.json").read_text())
 
 
-class _NoStream:
-    """Stands in for torch.cuda.Stream, which vLLM's V4.1 model creates in __init__."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-
 @functools.cache
 def v41_vllm():
     """``(config, model)``: vLLM's DeepseekV41ForCausalLM created and filled by vLLM's default
     model loader from :func:`v41_checkpoint` on the CPU, as ``vllm serve DIR
-    --language-model-only`` would (strict: the loader refuses unknown names and parameters the
-    checkpoint misses). Engram tables in device memory (the host-memory default needs UVA). The
-    layers' CUDA set-up (streams, the device's SM count, the FP8 einsum recipe of the output
-    projection, kernel warm-up registration) is stood in; none of it makes parameters."""
-    from types import SimpleNamespace
-    from unittest import mock
-
-    from vllm.config import set_current_vllm_config
-    from vllm.config.engram import EngramConfig
-    from vllm.model_executor.model_loader import get_model_loader
-    from vllm.models.deepseek_v41.nvidia import flashmla
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    vt._distributed_ready()
-    config = vt.engine_args(
-        model=v41_checkpoint(),
-        load_format="auto",
-        max_num_seqs=4,
-        skip_tokenizer_init=False,
-        language_model_only=True,
-        engram_config=EngramConfig(cpu_offload=False),
-    ).create_engine_config()
-    loader = get_model_loader(config.load_config)
-    sms = SimpleNamespace(multi_processor_count=4)
-    with (
-        set_current_vllm_config(config),
-        vt._cpu_events(),
-        set_default_torch_dtype(config.model_config.dtype),
-        mock.patch.object(torch.cuda, "Stream", _NoStream),
-        mock.patch.object(torch.cuda, "get_device_properties", lambda *args: sms),
-        mock.patch.object(torch.accelerator, "current_device_index", lambda: 0),
-        mock.patch.object(flashmla, "compute_fp8_einsum_recipe", lambda b: ((1, 128, 128), False)),
-        mock.patch.object(flashmla, "register_dsv41_o_proj_warmup", lambda layer: None),
-    ):
-        model = loader.create_model(vllm_config=config, model_config=config.model_config)
-        loader.load_weights(model, config.model_config)
-    return config, model
+    --language-model-only`` would (:func:`tests.vllm_glue_testing.v41_vllm_model`)."""
+    return vt.v41_vllm_model(v41_checkpoint(), "cpu", load=True)
 
 
 def _checkpoint_names_of(params: dict[str, torch.Tensor], hf_config) -> dict:

@@ -113,6 +113,59 @@ def tiny_v41_checkpoint() -> str:
     return _config_only_checkpoint("dsv41_tiny_", tiny_v41_config_dict())
 
 
+class _NoStream:
+    """Stands in for torch.cuda.Stream, which vLLM's V4.1 model creates in __init__."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+
+def v41_vllm_model(path: str, device: str, load: bool):
+    """``(config, model)``: vLLM's DeepseekV41ForCausalLM of the checkpoint at ``path`` as
+    ``vllm serve --language-model-only`` builds it, on ``device`` ("meta": shapes and dtypes
+    only, in a fraction of a second at V4.1-Flash's size), filled by vLLM's default loader when
+    ``load`` (strict: it refuses unknown names and parameters the checkpoint misses). Engram
+    tables in device memory (the host-memory default needs UVA); the layers' CUDA set-up
+    (streams, the SM count, the output projection's FP8 recipe and warm-up) is stood in; none of
+    it makes parameters."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.config.engram import EngramConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.models.deepseek_v41.nvidia import flashmla
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    _distributed_ready()
+    config = engine_args(
+        model=path,
+        load_format="auto" if load else "dummy",
+        max_num_seqs=4,
+        skip_tokenizer_init=False,
+        language_model_only=True,
+        engram_config=EngramConfig(cpu_offload=False),
+    ).create_engine_config()
+    loader = get_model_loader(config.load_config)
+    sms = SimpleNamespace(multi_processor_count=4)
+    with (
+        set_current_vllm_config(config),
+        _cpu_events(),
+        set_default_torch_dtype(config.model_config.dtype),
+        mock.patch.object(torch.cuda, "Stream", _NoStream),
+        mock.patch.object(torch.cuda, "get_device_properties", lambda *args: sms),
+        mock.patch.object(torch.accelerator, "current_device_index", lambda: 0),
+        mock.patch.object(flashmla, "compute_fp8_einsum_recipe", lambda b: ((1, 128, 128), False)),
+        mock.patch.object(flashmla, "register_dsv41_o_proj_warmup", lambda layer: None),
+        torch.device(device),
+    ):
+        model = loader.create_model(vllm_config=config, model_config=config.model_config)
+        if load:
+            loader.load_weights(model, config.model_config)
+    return config, model
+
+
 def engine_args(**overrides):
     from vllm.engine.arg_utils import EngineArgs
 
