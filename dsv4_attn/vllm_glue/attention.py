@@ -491,7 +491,13 @@ class DSV4NVFP4Attention(DeepseekV4Attention):
             window = replace(window, lens=compressed.window_lens[:n])
         workspace = (partials[0], partials[1]) if partials else None
         args = (q[:n], window, self.attn_sink, self.scale, extra)
-        outputs = {"out": output[:n], "lse": lse, "workspace": workspace, "plan": plan}
+        self._decode_call(
+            args, {"out": output[:n], "lse": lse, "workspace": workspace, "plan": plan}
+        )
+
+    def _decode_call(self, args: tuple, outputs: dict[str, Any]) -> None:
+        """One sparse-decode call: through :func:`dsv4_attn.ops.sparse_attention` (validation,
+        dispatch, a loud fallback) until it has run the kernel, then the kernel's entry."""
         if self._decode_kernel is not None:
             self._decode_kernel(*args, **outputs)
             return

@@ -41,7 +41,6 @@ from vllm.models.deepseek_v41.common.ops import (
 from vllm.models.deepseek_v41.nvidia.flashmla import DeepseekV4FlashMLAAttention
 from vllm.utils.math_utils import round_up
 
-from dsv4_attn import ops
 from dsv4_attn.kv_cache import KVFormat
 from dsv4_attn.layer_kind import Family, compressed_of
 from dsv4_attn.log import LOGGER_PREFIX
@@ -91,6 +90,7 @@ class DSV41NVFP4Attention(DeepseekV4FlashMLAAttention):
     _key_capacity = DSV4NVFP4Attention._key_capacity
     _scratch_shapes = DSV4NVFP4Attention._scratch_shapes
     _scratch = DSV4NVFP4Attention._scratch
+    _decode_call = DSV4NVFP4Attention._decode_call
 
     def __init__(self, vllm_config: VllmConfig, *args: Any, **kwargs: Any) -> None:
         check_supported(vllm_config)
@@ -233,16 +233,7 @@ class DSV41NVFP4Attention(DeepseekV4FlashMLAAttention):
         lse, *partials = self._scratch(self._scratch_shapes(n, capacity), "decode")
         workspace = (partials[0], partials[1]) if partials else None
         args = (q[:n], window, self.attn_sink, self.scale, extra)
-        outputs = {"out": output[:n], "lse": lse, "workspace": workspace}
-        if self._decode_kernel is not None:
-            self._decode_kernel(*args, **outputs)
-            return
-        ops.sparse_attention(*args, **outputs, check_values=False)
-        dispatch = ops.last_dispatch()
-        if dispatch is not None and dispatch.backend == "cutedsl":
-            from dsv4_attn.kernels import sparse_decode
-
-            self._decode_kernel = sparse_decode.sparse_attention
+        self._decode_call(args, {"out": output[:n], "lse": lse, "workspace": workspace})
 
     def _forward_prefill(
         self,
