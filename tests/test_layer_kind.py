@@ -133,22 +133,11 @@ def test_kinds_are_the_ones_vllms_own_v41_layers_take():
     pytest.importorskip("vllm")
     import torch
     from vllm.config import set_current_vllm_config
-    from vllm.models.deepseek_v41.attention import DeepseekV4Attention
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     from tests import vllm_glue_testing as vt
 
-    class Layer(DeepseekV4Attention):  # vLLM's base with its abstract compute left out
-        @classmethod
-        def get_padded_num_q_heads(cls, num_heads: int) -> int:
-            return 64
-
-        def forward_mqa(self, *args):
-            raise NotImplementedError
-
-        def _o_proj(self, *args):
-            raise NotImplementedError
-
+    Layer = vt.v41_base_layer()
     vt._distributed_ready()
     config = vt.engine_args(model=vt.tiny_v41_checkpoint()).create_engine_config()
     hf_config = config.model_config.hf_config

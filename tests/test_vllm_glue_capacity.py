@@ -515,7 +515,6 @@ def real_v41_specs(kv_cache_dtype: str, family: int, layer_class_path: str, monk
     import importlib
 
     from vllm.config import set_current_vllm_config
-    from vllm.models.deepseek_v41.attention import DeepseekV4Attention
     from vllm.platforms import current_platform
     from vllm.platforms.interface import Platform
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -524,20 +523,11 @@ def real_v41_specs(kv_cache_dtype: str, family: int, layer_class_path: str, monk
     module, name = layer_class_path.rsplit(".", 1)
     served = getattr(importlib.import_module(module), name)
 
-    class Layer(DeepseekV4Attention):  # vLLM's base with its abstract compute left out
-        backend_cls = served.backend_cls
-        swa_backend_cls = served.swa_backend_cls
-        packed_kv_cache_dtype = served.packed_kv_cache_dtype
-
-        @classmethod
-        def get_padded_num_q_heads(cls, num_heads: int) -> int:
-            return 64
-
-        def forward_mqa(self, *args):
-            raise NotImplementedError
-
-        def _o_proj(self, *args):
-            raise NotImplementedError
+    Layer = vt.v41_base_layer(
+        backend_cls=served.backend_cls,
+        swa_backend_cls=served.swa_backend_cls,
+        packed_kv_cache_dtype=served.packed_kv_cache_dtype,
+    )
 
     monkeypatch.setattr(
         current_platform,

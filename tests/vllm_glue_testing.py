@@ -113,6 +113,29 @@ def tiny_v41_checkpoint() -> str:
     return _config_only_checkpoint("dsv41_tiny_", tiny_v41_config_dict())
 
 
+def v41_base_layer(**class_attrs) -> type:
+    """vLLM's DeepSeek-V4.1 attention base class with its abstract compute left out (64 padded
+    heads; ``forward_mqa`` and ``_o_proj`` raise), which builds on the CPU: what the layer
+    reads from the config (kinds, sources, cache specs) without a platform's kernels.
+    ``class_attrs`` set class attributes, e.g. a served class's ``backend_cls``."""
+    from vllm.models.deepseek_v41.attention import DeepseekV4Attention
+
+    class Layer(DeepseekV4Attention):
+        @classmethod
+        def get_padded_num_q_heads(cls, num_heads: int) -> int:
+            return 64
+
+        def forward_mqa(self, *args):
+            raise NotImplementedError
+
+        def _o_proj(self, *args):
+            raise NotImplementedError
+
+    for name, value in class_attrs.items():
+        setattr(Layer, name, value)
+    return Layer
+
+
 class _NoStream:
     """Stands in for torch.cuda.Stream, which vLLM's V4.1 model creates in __init__."""
 
