@@ -293,3 +293,49 @@ def test_an_unreadable_moe_layer_skips_the_warmup_with_a_warning(h200, monkeypat
     assert worker.model_runner.steps == []
     warnings = [r.getMessage() for r in dsv4_logs.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "quant_method" in warnings[0], warnings
+
+
+def test_v41_replay_layers_run_eagerly_during_the_warmup_and_get_their_graphs_back(
+    h200, monkeypatch
+):
+    """DeepSeek-V4.1's replay layers would capture a CUDA graph on the default stream for a
+    warmup step (a RuntimeError at startup): the steps run with ``replay_cudagraphs`` None,
+    and the graphs are back afterwards, also when a step raises."""
+    from vllm.v1.worker.gpu import warmup as v2_warmup
+
+    monkeypatch.delenv(moe_warmup.MOE_WARMUP_ENV, raising=False)
+    graphs = object()
+    seen = []
+
+    def record(runner, execute_model, sample_tokens, num_tokens, **kwargs):
+        seen.append(runner.model_state.replay_cudagraphs)
+        if num_tokens == fail_at:
+            raise RuntimeError("step failed")
+        return True
+
+    monkeypatch.setattr(v2_warmup, "run_mixed_prefill_decode_warmup", record)
+    for fail_at in (None, default_counts(200)[3]):
+        seen.clear()
+        worker = stand_in_worker(v2=True, max_batched=200)
+        worker.model_runner.model_state = SimpleNamespace(replay_cudagraphs=graphs)
+        if fail_at is None:
+            moe_warmup.warm_moe(worker)
+            assert len(seen) == len(default_counts(200))
+        else:
+            with pytest.raises(RuntimeError, match="step failed"):
+                moe_warmup.warm_moe(worker)
+            assert len(seen) == 4
+        assert seen and all(g is None for g in seen)
+        assert worker.model_runner.model_state.replay_cudagraphs is graphs
+
+
+def test_vllms_v41_model_state_and_v2_runner_have_the_attributes_the_warmup_sets():
+    """The names :func:`warm_moe` reaches for: the V2 runner's ``model_state`` and V4.1's
+    ``replay_cudagraphs`` (a vLLM rename would otherwise make the eager switch a no-op)."""
+    import inspect
+
+    from vllm.models.deepseek_v41.nvidia.model_state import DeepseekV41ModelState
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    assert "self.replay_cudagraphs" in inspect.getsource(DeepseekV41ModelState.__init__)
+    assert "self.model_state = " in inspect.getsource(GPUModelRunner)

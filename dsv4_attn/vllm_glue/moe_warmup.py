@@ -22,6 +22,14 @@ MoE sees the step's tokens (no data-parallel gather or sequence-parallel split o
 Every rank derives the same counts from the same expert shapes, as the V2 runner's steps,
 which go through ``execute_model``, need.
 
+DeepSeek-V4.1's decoder replay layers run a step's trimmed prefill rows through CUDA graphs of
+their own (``model_state.replay_cudagraphs``), captured lazily per batch descriptor once the
+runner's memory profile has captured graphs. A warmup step's descriptor has no graph, so the
+replay layers would start a capture on the default stream, which CUDA refuses ("CUDA graphs
+must be captured on a non-default stream"); vLLM's own warmup step (16 tokens) never reaches
+the trim threshold. The warmup therefore runs those layers eagerly, as vLLM does without
+replay graphs, and puts the graphs back afterwards.
+
 Environment:
 
 * ``DSV4_ATTN_MOE_WARMUP=0`` turns the warmup off (read at each call); unset or any other
@@ -32,7 +40,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -157,6 +166,23 @@ def _run_step(worker: Any, num_tokens: int) -> None:
         )
 
 
+@contextmanager
+def _eager_replay_layers(runner: Any) -> Iterator[None]:
+    """Run DeepSeek-V4.1's decoder replay layers without their CUDA graphs inside the block
+    (``model_state.replay_cudagraphs`` set to None, vLLM's eager replay path), restored on
+    exit; nothing for a runner without them."""
+    state = getattr(runner, "model_state", None)
+    graphs = getattr(state, "replay_cudagraphs", None)
+    if graphs is None:
+        yield
+        return
+    state.replay_cudagraphs = None
+    try:
+        yield
+    finally:
+        state.replay_cudagraphs = graphs
+
+
 def _synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -183,7 +209,7 @@ def warm_moe(worker: Any) -> None:
     if not counts:
         return
     start = _clock()
-    with torch.inference_mode():
+    with torch.inference_mode(), _eager_replay_layers(runner):
         for num_tokens in counts:
             _run_step(worker, num_tokens)
     _synchronize()
