@@ -23,11 +23,11 @@ Every rank derives the same counts from the same expert shapes, as the V2 runner
 which go through ``execute_model``, need.
 
 DeepSeek-V4.1's decoder replay layers run a step's trimmed prefill rows through CUDA graphs of
-their own (``model_state.replay_cudagraphs``), captured lazily per batch descriptor once the
-runner's memory profile has captured graphs. A warmup step's descriptor has no graph, so the
-replay layers would start a capture on the default stream, which CUDA refuses ("CUDA graphs
-must be captured on a non-default stream"); vLLM's own warmup step (16 tokens) never reaches
-the trim threshold. The warmup therefore runs those layers eagerly, as vLLM does without
+their own (``model_state.replay_cudagraphs``), captured per batch descriptor on first use once
+the manager counts as captured, which it does from vLLM's graph capture before this warmup on. A
+warmup step's descriptor has no graph, so the replay layers would start a capture on the default
+stream, which CUDA refuses ("CUDA graphs must be captured on a non-default stream"); vLLM's own
+warmup step (16 tokens) never reaches the trim threshold. The warmup therefore runs those layers eagerly, as vLLM does without
 replay graphs, and puts the graphs back afterwards.
 
 Environment:
