@@ -527,12 +527,13 @@ def test_each_case_draws_prompts_no_other_case_shares(tmp_path: Path):
 def _run_shared_real(tmp_path: Path, layout: str, **env: str):
     """`BENCH_SHARED=1 scripts/gpu_serve.sh real LAYOUT` with the stand-in `vllm` (1 GiB of KV
     each, runs of `vllm bench serve` logged to tmp_path / "bench_runs.log") on a checkpoint
-    folder that has its tokenizer already (so none is written)."""
+    folder that has its tokenizer already (so none is written) and V4-Flash's vocabulary."""
     from tests.serve_stand_in import run_gpu_serve
 
     checkpoint = tmp_path / "flash"
     checkpoint.mkdir()
     (checkpoint / "tokenizer.json").write_text("{}")
+    (checkpoint / "config.json").write_text(json.dumps({"vocab_size": 129280}))
     env = {"BENCH_KV_GIB": "1", **env}
     return run_gpu_serve(
         ["real", layout],
@@ -651,3 +652,23 @@ def test_a_turn_order_without_the_server_is_refused_before_any_server_starts(tmp
         with pytest.raises(SystemExit, match=r"--turn-order .* must name each server once"):
             bench_serve.main([*common, "--turns", str(tmp_path / "t"), "--turn-order", order])
     assert not list(tmp_path.iterdir())  # nothing started, nothing written
+
+
+def test_prompt_token_ids_stay_below_the_checkpoints_vocabulary(tmp_path):
+    """The prompts' token-id bound is read from the served checkpoint: V4-Flash's top-level
+    vocab_size, V4.1-Flash's nested text_config one (4224 tokens: ids of V4's 129280 would be
+    refused by that server); a config without one is an error naming the file."""
+    from dsv4_attn.e2e.real_shapes import V41_OVERRIDES, flash_config, write_v41_flash_config
+
+    v41 = tmp_path / "v41"
+    write_v41_flash_config(v41, experts=4)
+    assert bench_serve.checkpoint_vocab(v41) == V41_OVERRIDES["vocab_size"] == 4224
+    v4 = tmp_path / "v4"
+    v4.mkdir()
+    (v4 / "config.json").write_text(flash_config(experts=4).to_json_string())
+    assert bench_serve.checkpoint_vocab(v4) == 129280
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps({"text_config": {}}))
+    with pytest.raises(ValueError, match=r"bare/config\.json"):
+        bench_serve.checkpoint_vocab(bare)

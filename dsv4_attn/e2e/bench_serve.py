@@ -76,6 +76,7 @@ __all__ = [
     "Case",
     "bench_command",
     "case_seed",
+    "checkpoint_vocab",
     "compare_greedy",
     "kv_tokens",
     "log_errors",
@@ -180,6 +181,23 @@ def kv_tokens(log_text: str) -> int | None:
     data-parallel rank; the last report of each)."""
     per_engine = {pid: int(n.replace(",", "")) for pid, n in _KV_LINE.findall(log_text)}
     return sum(per_engine.values()) if per_engine else None
+
+
+def checkpoint_vocab(model: str | Path) -> int:
+    """The vocabulary size of the checkpoint at ``model`` (its ``config.json``: ``vocab_size``,
+    or ``text_config.vocab_size`` for DeepSeek-V4.1's nested config): the bound of the prompts'
+    token ids. ValueError names the file when neither is there."""
+    path = Path(model) / "config.json"
+    config = json.loads(path.read_text())
+    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    if not isinstance(vocab, int) or vocab < 2:
+        raise ValueError(f"{path}: no vocab_size (top level or text_config) of 2 or more")
+    return vocab
+
+
+def _vocab(args: argparse.Namespace) -> int:
+    """The prompts' token-id bound: ``--vocab``, else the served checkpoint's."""
+    return args.vocab if args.vocab is not None else checkpoint_vocab(args.model)
 
 
 def case_seed(seed: int, case: Case) -> int:
@@ -395,7 +413,7 @@ def run_server(args: argparse.Namespace, name: str, out: Path) -> dict:
             with _turn(turns, steps, "greedy", name):
                 greedy = {
                     "name": name,
-                    **query(server, greedy_plan(args.vocab, args.max_model_len)),
+                    **query(server, greedy_plan(_vocab(args), args.max_model_len)),
                 }
             (out / f"{args.layout}_{name}_greedy.json").write_text(json.dumps(greedy))
             record["greedy_errors"] = len(greedy["errors"])
@@ -483,7 +501,7 @@ def _long_case(args, name: str, context: int, out: Path, turns, steps, record) -
                 context - args.long_output,
                 args.long_output,
                 offered,
-                vocab=args.vocab,
+                vocab=_vocab(args),
                 seed=args.seed + 7,
             )
             record.setdefault("capacity", {})[case_name] = measured
@@ -523,7 +541,11 @@ def main(argv: list[str] | None = None) -> None:
         help="first send each server the greedy-agreement set (serve_check.greedy_plan: "
         "prompts of 4K, 32K and the longest that fits, 16 concurrent) and compare the servers",
     )
-    parser.add_argument("--vocab", type=int, default=129280, help="token ids of the prompts")
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        help="token ids of the prompts are below this (default: the checkpoint's vocab_size)",
+    )
     parser.add_argument(
         "--profile",
         metavar="CASE",
