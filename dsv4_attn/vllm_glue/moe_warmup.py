@@ -27,8 +27,8 @@ their own (``model_state.replay_cudagraphs``), captured per batch descriptor on 
 the manager counts as captured, which it does from vLLM's graph capture before this warmup on. A
 warmup step's descriptor has no graph, so the replay layers would start a capture on the default
 stream, which CUDA refuses ("CUDA graphs must be captured on a non-default stream"); vLLM's own
-warmup step (16 tokens) never reaches the trim threshold. The warmup therefore runs those layers eagerly, as vLLM does without
-replay graphs, and puts the graphs back afterwards.
+warmup step (16 tokens) never reaches the trim threshold. The warmup therefore runs those
+layers eagerly, as vLLM does without replay graphs, and puts the graphs back afterwards.
 
 Environment:
 
