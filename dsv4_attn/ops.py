@@ -111,11 +111,6 @@ def _validate(q, window, sink, scale, extra, out, lse, check_values):
     window = _checked_scope("window", window, T, q.device, check_values)
     if extra is not None:
         extra = _checked_scope("extra", extra, T, q.device, check_values)
-        if extra.fmt is not window.fmt:
-            raise ValueError(
-                f"window and extra must share one KV format, got {window.fmt.value} and "
-                f"{extra.fmt.value}"
-            )
     if sink is not None:
         if not isinstance(sink, torch.Tensor) or sink.shape != (H,):
             got = tuple(sink.shape) if isinstance(sink, torch.Tensor) else type(sink).__name__
@@ -202,7 +197,9 @@ def sparse_attention(
         window: the first candidate list (the sliding window), a :class:`KVScope`.
         sink: ``[H]`` per-head sink logits (float32), or None.
         scale: softmax scale (``512 ** -0.5`` for DeepSeek-V4).
-        extra: the optional second list (compressed entries); same format as ``window``.
+        extra: the optional second list (compressed entries), in its own format: DeepSeek-V4.1's
+            ``nvfp4_ds_mla`` keeps the window in ``mxfp8_ds`` and the compressed entries in
+            ``nvfp4_ds``. Two formats in one call run on the fallback (the kernel reads one).
         out, lse: bf16 ``[T, H, 512]`` and fp32 ``[T, H]`` tensors to write into, in place
             (the kernel writes them directly; the fallbacks copy).
         workspace: the kernel's split-KV partials, two tensors of

@@ -177,6 +177,7 @@ def make_decode_case(
     lens: str = "full",
     sink: str | None = "finite",
     distinct: bool = True,
+    extra_fmt: KVFormat | str | None = None,
 ) -> DecodeCase:
     """A random decode problem.
 
@@ -188,11 +189,14 @@ def make_decode_case(
             first token at 0 and the last at full width).
         sink: None, ``"finite"``, ``"inf"`` (+inf), ``"-inf"`` or ``"mixed"`` (all of those).
         distinct: give each token its own rows (realistic traffic for benchmarks).
+        extra_fmt: the compressed scope's format (None: ``fmt``), e.g. ``nvfp4_ds`` beside an
+            ``mxfp8_ds`` window (DeepSeek-V4.1's ``nvfp4_ds_mla``).
     """
     fmt = KVFormat.parse(fmt)
+    extra_fmt = fmt if extra_fmt is None else KVFormat.parse(extra_fmt)
     gen = torch.Generator().manual_seed(seed)
 
-    def scope(width: int, bs: int):
+    def scope(width: int, bs: int, fmt: KVFormat = fmt):
         rows_per_token = max(width, 1)
         num_slots = T * rows_per_token if distinct else max(4 * width, bs)
         cache = random_cache(num_slots, bs, fmt, gen, device)
@@ -219,7 +223,7 @@ def make_decode_case(
     if sink not in sinks:
         raise ValueError(f"sink must be one of {list(sinks)}, got {sink!r}")
     sink_t = sinks[sink].to(device) if sinks[sink] is not None else None
-    extra_scope = scope(extra, extra_block_size) if extra is not None else None
+    extra_scope = scope(extra, extra_block_size, extra_fmt) if extra is not None else None
     return DecodeCase(q, window_scope, sink_t, HEAD_DIM**-0.5, extra_scope)
 
 

@@ -140,6 +140,11 @@ def _layout_reason(q, window, sink, extra) -> str | None:
         return f"{q.shape[1]} query heads; the kernel supports {SUPPORTED_HEAD_COUNTS}"
     reason = _scope_reason("window", window)
     if reason is None and extra is not None:
+        if extra.fmt is not window.fmt:
+            return (
+                f"window ({KVFormat(window.fmt).value}) and extra ({KVFormat(extra.fmt).value}) "
+                "are in two KV formats; the kernel reads one format a call"
+            )
         if extra.indices.dtype != window.indices.dtype or extra.lens.dtype != window.lens.dtype:
             return "window and extra indices (and lens) must share one dtype"
         reason = _scope_reason("extra", extra)

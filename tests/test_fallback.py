@@ -131,6 +131,22 @@ def test_fallback_matches_reference_cpu(params, seed):
     run_case(params, "cpu", seed)
 
 
+@pytest.mark.parametrize(
+    ("window_fmt", "extra_fmt"),
+    [("mxfp8_ds", "nvfp4_ds"), ("fp8_ds_mla", "nvfp4"), ("nvfp4_ds", "mxfp8_ds")],
+)
+def test_fallback_reads_each_scope_in_its_own_format(window_fmt, extra_fmt):
+    """DeepSeek-V4.1's nvfp4_ds_mla (an MXFP8 window beside NVFP4_DS compressed entries), V4's
+    window-in-8-bit split, and the pair swapped: each scope's rows are decoded in its own
+    format (one decoder for both would read the other's bytes as garbage)."""
+    case = make_decode_case(
+        5, 16, window_fmt, 24, 40, seed=4, lens="random", hole_rate=0.1, extra_fmt=extra_fmt
+    )
+    assert case.window.fmt.value == window_fmt and case.extra.fmt.value == extra_fmt
+    out, lse = fallback.sparse_attention(*case.args())
+    assert_matches_reference(out, lse, *reference_on_rows(case))
+
+
 def test_fallback_every_row_at_a_serving_shape():
     """128 tokens of 128 heads (a decode batch of V4-Pro's heads on one rank), short lists:
     every (token, head) row against the reference. At this size a whole-tensor bound alone

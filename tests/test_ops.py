@@ -121,11 +121,15 @@ def test_bad_input_raises_value_error(fields, message):
         _call_with(small_case(), **fields)
 
 
-def test_scopes_must_share_a_format():
-    case = small_case(fmt="bf16")
-    other = small_case(fmt="nvfp4")
-    with pytest.raises(ValueError, match="window and extra must share one KV format"):
-        ops.sparse_attention(case.q, case.window, case.sink, case.scale, other.extra)
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_scopes_in_two_formats_are_served(backend):
+    """An MXFP8_DS window beside NVFP4_DS compressed entries (DeepSeek-V4.1's nvfp4_ds_mla):
+    valid; on the CPU "auto" runs the fallback, and both backends match the float64 reference
+    on each scope's own rows."""
+    case = small_case(fmt="mxfp8_ds", extra_fmt="nvfp4_ds", lens="random", hole_rate=0.2)
+    out, lse = ops.sparse_attention(*case.args(), backend=backend)
+    assert ops.last_dispatch().backend == ("sdpa" if backend == "auto" else "reference")
+    assert_matches_reference(out, lse, *reference_on_rows(case))
 
 
 @pytest.mark.parametrize("backend", ["auto", "sdpa", "reference"])

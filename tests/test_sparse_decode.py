@@ -891,3 +891,21 @@ def test_split_partials_are_views_of_the_exact_shapes():
         sparse_decode._workspace_views((exact[0], transposed), o_shape, lse_shape)
     with pytest.raises(ValueError, match="workspace tensors must be contiguous"):
         sparse_decode._workspace_views((exact[0].float(), exact[1]), o_shape, lse_shape)
+
+
+@pytest.mark.parametrize(
+    ("window_fmt", "extra_fmt", "says"),
+    [
+        ("fp8_ds_mla", "nvfp4", "window (fp8_ds_mla) and extra (nvfp4) are in two KV formats"),
+        ("mxfp8_ds", "nvfp4_ds", "KV-cache format mxfp8_ds has no kernel"),
+    ],
+)
+def test_scopes_in_two_formats_have_a_reason_not_a_launch(window_fmt, extra_fmt, says):
+    """The kernel reads one format a call: V4's window-in-8-bit split and V4.1's nvfp4_ds_mla
+    get a reason (ops then runs the fallback), never a launch that reads one scope's bytes in
+    the other's layout."""
+    case = make_decode_case(4, 64, window_fmt, 128, 64, seed=3, extra_fmt=extra_fmt, block_size=64)
+    args = (case.q, case.window, case.sink, case.scale, case.extra)
+    assert not sparse_decode._common_layout(*args, None, None)
+    reason = sparse_decode._layout_reason(*args[:3], case.extra)
+    assert reason is not None and says in reason, reason
