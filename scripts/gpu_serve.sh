@@ -21,6 +21,7 @@
 #   bash scripts/gpu_serve.sh nvfp4     # ... --attention-backend DSV4_NVFP4 (NVFP4: auto)
 #   bash scripts/gpu_serve.sh compare   # agreement table, tokens/s, preemptions, prefix hits
 #   SERVE_MODEL=v41 bash scripts/gpu_serve.sh vllm|fp8|compare  # the same on the tiny V4.1
+#   SERVE_MODEL=v41 bash scripts/gpu_serve.sh spec S dspark K  # its DSpark draft (no MTP on V4.1)
 #   bash scripts/gpu_serve.sh mtp S [K] # server S (vllm, fp8, nvfp4) with and without MTP
 #                                       #   speculation (K draft tokens, default 1), compared
 #   bash scripts/gpu_serve.sh spec S M K # server S on the draftable checkpoint without and with
@@ -78,6 +79,7 @@ CKPT=/tmp/dsv4_tiny_ckpt
 DRAFTABLE=/tmp/dsv4_draftable_ckpt  # layers scaled down, an MTP layer that drafts well
 DSPARK=/tmp/dsv4_dspark_ckpt  # the same model with a DSpark draft that drafts well
 V41=/tmp/dsv41_tiny_ckpt  # the tiny DeepSeek-V4.1 (serve_check checkpoint --v41)
+V41_DSPARK=/tmp/dsv41_dspark_ckpt  # the same with a DSpark draft that drafts well
 # SERVE_MODEL=v41: the rounds (vllm, fp8, nvfp4, compare, first) serve the tiny V4.1 instead,
 # with its tokenizer (V4.1's multimodal processor refuses --skip-tokenizer-init; its text model
 # alone: --language-model-only), and vLLM's own round with fp8 caches as this backend's.
@@ -248,6 +250,7 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     python3 -m dsv4_attn.e2e.serve_check checkpoint "$DRAFTABLE" --draftable
     python3 -m dsv4_attn.e2e.serve_check checkpoint "$DSPARK" --draftable --dspark
     python3 -m dsv4_attn.e2e.serve_check checkpoint "$V41" --v41
+    python3 -m dsv4_attn.e2e.serve_check checkpoint "$V41_DSPARK" --v41 --dspark
     ;;
   tests)
     # -k: of test_sparse_decode's kernel-against-reference grid (ids FORMAT-H-T-EXTRA-SINK) the
@@ -315,13 +318,17 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     ;;
   spec)
     # The same on the draftable checkpoints, whose drafts are accepted about as often as
-    # trained ones: ${3:-mtp} (mtp, dspark) with ${4:-1} draft tokens.
+    # trained ones: ${3:-mtp} (mtp, dspark) with ${4:-1} draft tokens. SERVE_MODEL=v41: the
+    # tiny V4.1 with its DSpark draft (V4.1 has no MTP).
     method=${3:-mtp}
+    [ "${SERVE_MODEL:-v4}" = v41 ] && [ "$method" != dspark ] \
+      && { echo "DeepSeek-V4.1 speculates with dspark only, not $method" >&2; exit 2; }
     case $method in
       mtp) CKPT=$DRAFTABLE ;;
       # The draft's three window layers share the block table, so a block holds more bytes:
       # 2400 blocks fall short of one 4096-token request (vLLM's admission check), 3200 do not.
-      dspark) CKPT=$DSPARK; export SERVE_BLOCKS=${SERVE_BLOCKS:-3200} ;;
+      dspark) [ "${SERVE_MODEL:-v4}" = v41 ] && CKPT=$V41_DSPARK || CKPT=$DSPARK
+        export SERVE_BLOCKS=${SERVE_BLOCKS:-3200} ;;
       *) echo "unknown speculation $method (mtp, dspark)" >&2; exit 2 ;;
     esac
     spec_pair "${2:-fp8}" "$method" "${4:-1}"

@@ -1,6 +1,7 @@
 """The tiny checkpoint's draft weights (:mod:`dsv4_attn.e2e.draft_weights`) load through vLLM
 0.33's own draft models as written: MTP layers through ``DeepSeekV4MTP``, the DSpark draft
-through ``DSparkDeepseekV4ForCausalLM``; and the drafts built to predict the bigram do."""
+through ``DSparkDeepseekV4ForCausalLM`` (V4's, and V4.1's of ``vllm.models.deepseek_v41``); and
+the drafts built to predict the bigram do."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import functools
 import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 from unittest import mock
 
@@ -30,8 +32,9 @@ from dsv4_attn.e2e.draft_weights import (
     MARKOV_BIGRAM_BIAS,
     add_dspark_layers,
     add_mtp_layers,
+    v41_dspark_target_layer_ids,
 )
-from dsv4_attn.e2e.tiny_model import VLLM_SPEC, TinySpec, save_vllm_checkpoint
+from dsv4_attn.e2e.tiny_model import V41_RATIOS, VLLM_SPEC, TinySpec, save_vllm_checkpoint
 from dsv4_attn.vllm_glue.support import check_supported
 from tests.test_tiny_model import SPEC
 from tests.test_tiny_model import checkpoint as mtp_checkpoint
@@ -450,3 +453,251 @@ def test_add_dspark_layers_refuses_a_bad_bigram(tmp_path):
 def test_a_checkpoint_holds_one_draft_or_the_other(tmp_path):
     with pytest.raises(ValueError, match=r"with dspark, mtp_layers must be 0, got 1"):
         save_vllm_checkpoint(tmp_path, SPEC, mtp_layers=1, dspark=True)
+
+
+# DeepSeek-V4.1 --------------------------------------------------------------------------------
+
+# The stream entering each of the tiny V4.1's last three layers (of six), as V4.1-Flash's
+# published draft reads layers 37, 38 and 39 of 40; vLLM's V4.1 takes the ids as they are.
+V41_TARGET_LAYER_IDS = (3, 4, 5)
+# vLLM's V4.1 DSpark leaves these to the target (load_dspark_model aliases them).
+ALIASED = {"model.embed_tokens.weight", "lm_head.weight"}
+
+
+@functools.cache
+def v41_checkpoint() -> str:
+    """The tiny V4.1 checkpoint with the DSpark draft."""
+    path = save_vllm_checkpoint(temp_dir("dsv41_dspark_ckpt_"), SPEC, family="v41")
+    return str(add_dspark_layers(path, SPEC.seed))
+
+
+def v41_engine_config(path: str):
+    """The engine config of ``vllm serve PATH --language-model-only`` with this package's
+    backend (fp8, the KV format it serves V4.1 with) and method "dspark" on the draft inside
+    the checkpoint, its block size left to the checkpoint's ``dspark_block_size``."""
+    from vllm.config.engram import EngramConfig
+
+    vt._distributed_ready()
+    args = vt.engine_args(
+        model=path,
+        load_format="auto",
+        max_num_seqs=4,
+        skip_tokenizer_init=False,
+        language_model_only=True,
+        engram_config=EngramConfig(cpu_offload=False),
+        attention_backend="DSV4_NVFP4",
+        kv_cache_dtype="fp8",
+        speculative_config={"method": "dspark", "model": path},
+    )
+    with mock.patch.dict(os.environ, _V2_RUNNER):
+        return args.create_engine_config()
+
+
+def load_v41_dspark_with_vllm(path: str):
+    """vLLM's DeepSeek-V4.1 DSpark draft (``vllm.models.deepseek_v41.nvidia.dspark
+    .DSparkDeepseekV4ForCausalLM``, CUDA model code built on the CPU with this package's V4.1
+    attention layer) for the checkpoint at ``path``, filled by its own ``load_weights`` from
+    every tensor of the checkpoint. Returns ``(config, model, loaded names)``.
+
+    Built directly, as vLLM's ``load_dspark_model`` builds it (see
+    :func:`load_dspark_with_vllm`), with the CUDA set-up vLLM's V4.1 layers do in
+    ``__init__`` stood in as :func:`tests.vllm_glue_testing.v41_vllm_model` stands it in (none
+    of it makes parameters)."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+    from vllm.models.deepseek_v41.nvidia import flashmla
+    from vllm.models.deepseek_v41.nvidia.dspark import DSparkDeepseekV4ForCausalLM
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    config = v41_engine_config(path)
+    draft = config.speculative_config.draft_model_config
+    assert draft.architectures == ["DSparkV41DraftModel"]
+    sms = SimpleNamespace(multi_processor_count=4)
+    with (
+        mock.patch.dict(os.environ, _V2_RUNNER),
+        set_current_vllm_config(config),
+        vt._cpu_events(),
+        set_default_torch_dtype(draft.dtype),
+        mock.patch.object(torch.cuda, "Stream", vt._NoStream),
+        mock.patch.object(torch.cuda, "get_device_properties", lambda *args: sms),
+        mock.patch.object(torch.accelerator, "current_device_index", lambda: 0),
+        mock.patch.object(flashmla, "compute_fp8_einsum_recipe", lambda b: ((1, 128, 128), False)),
+        mock.patch.object(flashmla, "register_dsv41_o_proj_warmup", lambda layer: None),
+    ):
+        model = DSparkDeepseekV4ForCausalLM(vllm_config=config, prefix="")
+    with set_current_vllm_config(config):
+        loaded = model.load_weights(iter(checkpoint_weights(path).items()))
+    return config, model, loaded
+
+
+@functools.cache
+def v41_dspark_model():
+    return load_v41_dspark_with_vllm(v41_checkpoint())
+
+
+def _v41_destination(name: str, text: dict) -> tuple[str, tuple]:
+    """Where vLLM's V4.1 DSpark keeps the checkpoint tensor ``name``: ``(parameter, index)``
+    with the tensor equal to ``parameter[index]``, written out from vLLM's sources
+    (``vllm/models/deepseek_v41/nvidia/dspark.py``: ``_remap_dspark_name`` and
+    ``load_weights``; the fused projections' and experts' layouts), not from the writer."""
+    stage, rest = name.removeprefix("mtp.").split(".", 1)
+    if rest in ("main_proj.weight", "main_norm.weight", "norm.weight"):
+        return f"model.{rest}", ()
+    if rest.startswith("confidence_head."):
+        return f"model.{rest}", ()
+    if rest == "markov_head.embed.weight":
+        return "model.markov_head.markov_w1.weight", ()
+    if rest == "markov_head.head.weight":
+        return "model.markov_head.markov_w2.weight", ()
+    layer = f"model.layers.{stage}."
+    q_lora, inter = text["q_lora_rank"], text["moe_intermediate_size"]
+    shared = inter * text["n_shared_experts"]
+    if rest == "attn.wq_a.weight":  # [wq_a; wkv] stacked along the output
+        return layer + "attn.fused_wqa_wkv.weight", (slice(0, q_lora),)
+    if rest == "attn.wkv.weight":
+        return layer + "attn.fused_wqa_wkv.weight", (slice(q_lora, None),)
+    if rest == "attn.attn_sink":  # one per query head, of the padded heads the kernels take
+        return layer + rest, (slice(0, text["num_attention_heads"]),)
+    if rest == "ffn.gate.bias":
+        return layer + "ffn.gate.e_score_correction_bias", ()
+    parts = rest.split(".")
+    if rest.startswith("ffn.shared_experts."):
+        if parts[2] == "w2":
+            return layer + "ffn.shared_experts.down_proj.weight", ()
+        rows = slice(0, shared) if parts[2] == "w1" else slice(shared, None)
+        return layer + "ffn.shared_experts.gate_up_proj.weight", (rows,)
+    if rest.startswith("ffn.experts."):  # ffn.experts.{e}.w{1,2,3}.weight: stacked by expert
+        expert, proj = int(parts[2]), parts[3]
+        if proj == "w2":
+            return layer + "ffn.experts.routed_experts.w2_weight", (expert,)
+        rows = slice(0, inter) if proj == "w1" else slice(inter, None)
+        return layer + "ffn.experts.routed_experts.w13_weight", (expert, rows)
+    return layer + rest, ()
+
+
+def test_vllm_takes_the_v41_dspark_config():
+    """vLLM resolves method "dspark" on the V4.1 checkpoint to its V4.1 DSpark draft, reading
+    the layers, ranks, target layers and block size from ``text_config``, and hands the draft
+    the stream entering layers that the tiny V4.1 has."""
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
+        get_eagle3_aux_layers_from_config,
+    )
+    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+
+    on_disk = json.loads(Path(v41_checkpoint(), "config.json").read_text())
+    text = on_disk["text_config"]
+    assert on_disk["model_type"] == "deepseek_v41"
+    assert text["dspark_target_layer_ids"] == list(V41_TARGET_LAYER_IDS)
+    assert text["n_mtp_layers"] == 3 and text["dspark_markov_rank"] == DEFAULT_MARKOV_RANK
+    assert text["enable_confidence_head"] is True and text["dspark_block_size"] == 5
+    assert text["dspark_noise_token_id"] == text["vocab_size"] - 1
+    # one window-only entry per draft layer past the main ones, as V4.1-Flash's config has
+    assert text["compress_ratios"] == [*V41_RATIOS, 0, 0, 0]
+    assert not any(key.startswith("dspark") or key == "n_mtp_layers" for key in on_disk)
+
+    config = v41_dspark_model()[0]
+    check_supported(config)
+    spec = config.speculative_config
+    assert spec.method == "dspark" and spec.num_speculative_tokens == 5
+    hf = spec.draft_model_config.hf_config
+    assert hf.model_type == "deepseek_v41"
+    assert list(hf.dspark_target_layer_ids) == list(V41_TARGET_LAYER_IDS)
+    assert hf.n_mtp_layers == 3 and hf.dspark_markov_rank == DEFAULT_MARKOV_RANK
+    assert get_parallel_drafting_token_id(hf) == text["vocab_size"] - 1
+    # vLLM's V4.1 captures the stream entering layer L inside layer L's hyper-connection pre-mix
+    # (L = num_hidden_layers: the last layer's output); layer 0 captures nothing.
+    aux = get_eagle3_aux_layers_from_config(spec)
+    assert aux == V41_TARGET_LAYER_IDS
+    assert all(1 <= layer <= text["num_hidden_layers"] for layer in aux)
+
+
+def test_v41_dspark_target_layers_are_the_last_three():
+    assert v41_dspark_target_layer_ids(6) == (3, 4, 5)
+    assert v41_dspark_target_layer_ids(40) == (37, 38, 39)  # V4.1-Flash's
+    assert v41_dspark_target_layer_ids(4) == (1, 2, 3)
+    with pytest.raises(ValueError, match=r"more than 3 layers, got 3"):
+        v41_dspark_target_layer_ids(3)
+
+
+def test_v41_checkpoint_has_the_dspark_layers():
+    """V4.1's draft: window-only decoder layers from the main model's layer 0 (no Engram,
+    compressor or indexer), the Markov factors under V4.1's names, no hyper-connection head."""
+    text = json.loads(Path(v41_checkpoint(), "config.json").read_text())["text_config"]
+    names = load_file(str(Path(v41_checkpoint(), DSPARK_FILE)))
+    hidden, vocab = text["hidden_size"], text["vocab_size"]
+    assert names["mtp.0.main_proj.weight"].shape == (hidden, 3 * hidden)
+    assert names["mtp.2.markov_head.embed.weight"].shape == (vocab, DEFAULT_MARKOV_RANK)
+    assert names["mtp.2.markov_head.head.weight"].shape == (vocab, DEFAULT_MARKOV_RANK)
+    assert names["mtp.2.confidence_head.proj.weight"].shape == (1, hidden + DEFAULT_MARKOV_RANK)
+    main = load_file(str(Path(v41_checkpoint(), "model.safetensors")))
+    layer0 = {k.removeprefix("layers.0.") for k in main if k.startswith("layers.0.")}
+    for i in range(3):
+        assert {k.removeprefix(f"mtp.{i}.") for k in names if k.startswith(f"mtp.{i}.")} >= layer0
+    assert not any(k.startswith("mtp.3.") for k in names)
+    for part in (".engram.", ".compressor.", ".indexer.", "hc_head", ".markov_w", ".e_proj"):
+        assert not any(part in k for k in names), part
+
+
+def test_vllm_v41_dspark_loader_takes_every_draft_weight():
+    """vLLM's own V4.1 DSpark model takes every tensor of the draft into the parameter
+    :func:`_v41_destination` names, equal to it, and has no parameter but the aliased
+    embedding and head that the draft does not fill; no tensor equals the main model's."""
+    _, model, loaded = v41_dspark_model()
+    params = dict(model.named_parameters())
+    assert set(loaded) == set(params) - ALIASED
+    assert model.model.confidence_head is not None  # kept: the checkpoint has one
+    text = json.loads(Path(v41_checkpoint(), "config.json").read_text())["text_config"]
+    draft = load_file(str(Path(v41_checkpoint(), DSPARK_FILE)))
+    filled = set()
+    for name, tensor in draft.items():
+        param, index = _v41_destination(name, text)
+        torch.testing.assert_close(params[param][index].float(), tensor.float(), msg=name)
+        filled.add(param)
+    assert filled == set(params) - ALIASED
+
+    # Moved in most entries (V4.1's norms are all ones: noise of their spread alone would
+    # move a few by one bfloat16 step), so a loader reading the main model's is caught.
+    main = load_file(str(Path(v41_checkpoint(), "model.safetensors")))
+    for draft_name, main_name in {
+        "mtp.0.main_norm.weight": "norm.weight",  # all ones in the main model
+        "mtp.2.norm.weight": "norm.weight",
+        "mtp.1.attn_norm.weight": "layers.0.attn_norm.weight",
+        "mtp.1.attn.kv_norm.weight": "layers.0.attn.kv_norm.weight",
+        "mtp.1.hc_ffn_scale": "layers.0.hc_ffn_scale",
+        "mtp.2.attn.attn_sink": "layers.0.attn.attn_sink",
+        "mtp.0.attn.wq_b.weight": "layers.0.attn.wq_b.weight",
+    }.items():
+        moved = (draft[draft_name] != main[main_name]).float().mean()
+        assert moved > 0.5, (draft_name, moved)
+    assert not torch.equal(draft["mtp.0.attn_norm.weight"], draft["mtp.1.attn_norm.weight"])
+
+
+def test_vllm_v41_model_loads_the_dspark_checkpoint():
+    """The target itself still loads: vLLM's V4.1 model, filled strictly by its default loader
+    (unknown names and unfilled parameters raise), drops the draft's ``mtp.*`` tensors."""
+    _, model = vt.v41_vllm_model(v41_checkpoint(), "cpu", load=True)
+    assert not any("mtp" in name for name, _ in model.named_parameters())
+
+
+def test_a_v41_bigram_markov_head_biases_exactly_the_bigram(tmp_path):
+    """V4.1's DSpark has V4's Markov head (``DSparkMarkovHead``): a bigram head written under
+    V4.1's names adds the bias to exactly the given bigram of the previous token in vLLM's own
+    head (w2 @ w1[token]), and vLLM's loader takes every draft tensor."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(v41_checkpoint(), path)
+    vocab = json.loads((path / "config.json").read_text())["text_config"]["vocab_size"]
+    gen = torch.Generator().manual_seed(zlib.crc32(b"v41 bigram"))
+    bigram = torch.randint(vocab, (vocab,), generator=gen)
+    add_dspark_layers(path, SPEC.seed, bigram=bigram)
+    text = json.loads((path / "config.json").read_text())["text_config"]
+    assert text["dspark_markov_rank"] == vocab
+    assert text["compress_ratios"] == [*V41_RATIOS, 0, 0, 0]  # extended once, not twice
+    _, model, loaded = load_v41_dspark_with_vllm(str(path))
+    assert set(loaded) == set(dict(model.named_parameters())) - ALIASED
+    tokens = torch.arange(vocab)
+    head = model.model.markov_head.markov_w2.weight.float()
+    bias = model.markov_embed(tokens).float() @ head.T  # row t: the bias after token t
+    assert torch.equal(bias.argmax(-1), bigram)
+    assert (bias.amax(-1) == MARKOV_BIGRAM_BIAS).all()
+    assert (bias.sum(-1) == MARKOV_BIGRAM_BIAS).all()

@@ -262,3 +262,53 @@ def test_waiting_for_a_server_ends_once_its_process_has_exited(tmp_path):
     with pytest.raises(TimeoutError, match="not up after 3 s"):  # no pid file: the time limit
         server.wait(3, tmp_path / "never_written.pid")
     exited.wait()
+
+
+def test_the_checkpoint_command_gives_the_v41_its_dspark_draft(tmp_path, capsys):
+    """`serve_check checkpoint DIR --v41 --dspark`: the tiny V4.1 (its tokenizer and config)
+    with the DSpark draft, as V4's `--dspark` without `--draftable` (seeded, a Markov head of the
+    default rank rather than the bigram's); `--v41` still refuses `--mtp-layers` (V4.1 has no
+    MTP) and `--draftable` (no draftable V4.1), before writing anything."""
+    import json
+
+    import pytest
+    from safetensors import safe_open
+
+    path = tmp_path / "ckpt"
+    serve_check.main(["checkpoint", str(path), "--v41", "--dspark"])
+    assert f"checkpoint: {path}" in capsys.readouterr().out
+    config = json.loads((path / "config.json").read_text())
+    text = config["text_config"]
+    assert config["model_type"] == "deepseek_v41" and (path / "tokenizer.json").exists()
+    assert text["n_mtp_layers"] == 3 and text["dspark_target_layer_ids"] == [3, 4, 5]
+    assert text["dspark_markov_rank"] == 64  # not the bigram head's rank (the vocabulary)
+    with safe_open(str(path / "dspark.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+    assert {"mtp.0.main_proj.weight", "mtp.2.markov_head.embed.weight"} <= names
+    for flags in (["--draftable"], ["--mtp-layers=1"], ["--dspark", "--draftable"]):
+        with pytest.raises(SystemExit, match="no --mtp-layers or --draftable with --v41"):
+            serve_check.main(["checkpoint", str(tmp_path / "refused"), "--v41", *flags])
+    assert not (tmp_path / "refused").exists()
+
+
+def test_the_v41_spec_part_serves_its_dspark_checkpoint_and_refuses_mtp(tmp_path):
+    """`SERVE_MODEL=v41 scripts/gpu_serve.sh spec fp8 dspark 4` with a stand-in `vllm serve`:
+    the pair serves the tiny V4.1 with its DSpark draft (its text model, its tokenizer, 3200
+    blocks); `spec fp8 mtp 1` is refused before any server starts (V4.1 has no MTP)."""
+    from tests.serve_stand_in import free_port, run_gpu_serve
+
+    port = free_port(0, 1)
+    env = dict(SERVE_MODEL="v41", SKIP_PHASES="preemption", SPEC_PORT=str(port))
+    run = run_gpu_serve(["spec", "fp8", "dspark", "4"], tmp_path, **env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = tmp_path / "out"
+    for name in ("fp8_plain", "fp8_dspark4"):
+        command = (out / f"serve_{name}.cmd").read_text()
+        assert command.startswith("vllm serve /tmp/dsv41_dspark_ckpt ")
+        assert "--language-model-only" in command and "--skip-tokenizer-init" not in command
+        assert "--num-gpu-blocks-override 3200 " in command
+    (tmp_path / "mtp").mkdir()
+    refused = run_gpu_serve(["spec", "fp8", "mtp", "1"], tmp_path / "mtp", **env)
+    assert refused.returncode == 2
+    assert "DeepSeek-V4.1 speculates with dspark only, not mtp" in refused.stderr
+    assert not list((tmp_path / "mtp").glob("**/serve_*.cmd"))

@@ -326,9 +326,9 @@ def test_v41_tokenizer_loads_offline_and_spells_the_chat_encoding(monkeypatch):
     assert chat.decode(token_ids, skip_special_tokens=False) == prompt
 
 
-def test_v41_checkpoint_takes_no_draft(tmp_path):
-    for kwargs in ({"mtp_layers": 1}, {"dspark": True}):
-        with pytest.raises(ValueError, match="holds no draft"):
+def test_v41_checkpoint_takes_no_mtp_layers(tmp_path):
+    for kwargs in ({"mtp_layers": 1}, {"mtp_layers": 1, "dspark": True}):
+        with pytest.raises(ValueError, match=r"DeepSeek-V4\.1 has no MTP layers"):
             save_vllm_checkpoint(tmp_path, SPEC, family="v41", **kwargs)
     with pytest.raises(ValueError, match="layer_output_scale must be 1"):
         save_vllm_checkpoint(tmp_path, TinySpec(layer_output_scale=0.5), family="v41")
@@ -338,8 +338,9 @@ def test_v41_checkpoint_takes_no_draft(tmp_path):
 
 
 def test_serve_check_cli_writes_the_v41_checkpoint(monkeypatch):
-    """``serve_check checkpoint DIR --v41`` asks for the V4.1 family with no draft, and refuses
-    draft options with it; without it, the V4 default of one MTP layer stays."""
+    """``serve_check checkpoint DIR --v41`` asks for the V4.1 family without MTP layers (with
+    ``--dspark`` its DSpark draft), and refuses the MTP and draftable options with it; without
+    it, the V4 default of one MTP layer stays."""
     from dsv4_attn.e2e import serve_check, tiny_model
 
     calls = []
@@ -347,11 +348,13 @@ def test_serve_check_cli_writes_the_v41_checkpoint(monkeypatch):
         tiny_model, "save_vllm_checkpoint", lambda *a, **k: calls.append((a, k)) or a[0]
     )
     serve_check.main(["checkpoint", "D", "--v41"])
+    serve_check.main(["checkpoint", "D", "--v41", "--dspark"])
     serve_check.main(["checkpoint", "D"])
     assert [(a[2], k) for a, k in calls] == [
         (0, {"dspark": False, "family": "v41"}),
+        (0, {"dspark": True, "family": "v41"}),
         (1, {"dspark": False, "family": "v4"}),
     ]
-    for flag in ("--dspark", "--draftable", "--mtp-layers=1"):
-        with pytest.raises(SystemExit, match="--v41 writes no draft"):
+    for flag in ("--draftable", "--mtp-layers=1"):
+        with pytest.raises(SystemExit, match="no --mtp-layers or --draftable with --v41"):
             serve_check.main(["checkpoint", "D", "--v41", flag])

@@ -9,6 +9,10 @@ draft is asked to *draft well*: for a model whose layers barely move the residua
 (``tiny_model.DRAFTABLE_SPEC``), the next token is mostly the one the current token's embedding
 alone gives (the bigram), and the draft is built to predict exactly that, so that speculation
 is measured with drafts that are accepted about as often as trained ones.
+
+DeepSeek-V4.1 checkpoints (``model_type`` ``deepseek_v41``, text fields under ``text_config``)
+carry no MTP layers, only the DSpark draft (:func:`add_dspark_layers` writes it in V4.1's
+layout: :data:`V41_DSPARK_BLOCK_SIZE`, :func:`v41_dspark_target_layer_ids`).
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ __all__ = [
     "DSPARK_LAYERS",
     "DSPARK_TARGET_LAYER_IDS",
     "MARKOV_BIGRAM_BIAS",
+    "V41_DSPARK_BLOCK_SIZE",
     "add_dspark_layers",
     "add_mtp_layers",
+    "is_v41",
+    "v41_dspark_target_layer_ids",
 ]
 
 #: the draft's decoder layers (vLLM's default when ``n_mtp_layers`` is absent, written anyway)
@@ -39,6 +46,39 @@ DSPARK_FILE = "dspark.safetensors"
 #: the logit bias a bigram Markov head adds to the bigram token: far above the tiny model's
 #: logits (standard deviation ~0.3), so the draft samples the bigram
 MARKOV_BIGRAM_BIAS = 32.0
+#: the V4.1 draft's block, V4.1-Flash's ``dspark_block_size``: the tokens drafted in parallel,
+#: vLLM's ``num_speculative_tokens`` when the speculative config leaves it out
+V41_DSPARK_BLOCK_SIZE = 5
+#: the main layers whose attention input the V4.1 draft reads: the last ones, as V4.1-Flash
+#: (``[37, 38, 39]`` of 40 layers)
+_V41_TARGET_LAYERS = 3
+#: V4.1's main weights are named as DeepSeek names them (no ``model.`` prefix)
+_V41_NORM, _V41_LAYERS = "norm.weight", "layers."
+#: the parts of a V4.1 main layer a draft layer has none of (vLLM builds the draft's layers
+#: without an Engram, and window only: no compressor, no indexer)
+_V41_NOT_IN_DRAFT = (".engram.", ".compressor.", ".indexer.")
+
+
+def is_v41(config: dict) -> bool:
+    """Whether ``config`` (a ``config.json``) is a DeepSeek-V4.1 one: V4.1's ``model_type``, or
+    its text fields nested under ``text_config``."""
+    return config.get("model_type") == "deepseek_v41" or "text_config" in config
+
+
+def v41_dspark_target_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """The ``dspark_target_layer_ids`` of a V4.1 model of ``num_layers`` layers: the last
+    :data:`_V41_TARGET_LAYERS` layers, ``(3, 4, 5)`` for the tiny V4.1's six.
+
+    vLLM's V4.1 reads id ``L`` as the stream entering layer ``L`` (the one layer ``L - 1``
+    leaves; ``num_layers``: the last layer's output), captured inside layer ``L``'s fused
+    hyper-connection pre-mix; layer 0 takes the bare embedding and captures nothing, so the
+    ids lie in ``[1, num_layers]``. (V4's ids are ``L``'s output instead.)"""
+    if num_layers <= _V41_TARGET_LAYERS:
+        raise ValueError(
+            f"the V4.1 draft reads the inputs of the last {_V41_TARGET_LAYERS} layers past "
+            f"layer 0, which needs more than {_V41_TARGET_LAYERS} layers, got {num_layers}"
+        )
+    return tuple(range(num_layers - _V41_TARGET_LAYERS, num_layers))
 
 
 def _main_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -51,12 +91,17 @@ def _main_weights(path: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _mover(gen: torch.Generator):
-    """``moved(tensor)``: the tensor plus seeded noise of half its own scale."""
+def _mover(gen: torch.Generator, relative: float = 0.0):
+    """``moved(tensor)``: the tensor plus seeded noise of half its own scale, plus ``relative``
+    times its mean magnitude: what moves a constant tensor (V4.1's norms are all ones, whose
+    spread of 0 leaves only the 1e-3 floor, below a bfloat16 step at 1)."""
 
     def moved(tensor: torch.Tensor) -> torch.Tensor:
         scale = tensor.float().std() if tensor.numel() > 1 else tensor.float().abs().mean()
-        noise = torch.randn(tensor.shape, generator=gen) * (0.5 * float(scale) + 1e-3)
+        std = 0.5 * float(scale) + 1e-3
+        if relative:
+            std += relative * float(tensor.float().abs().mean())
+        noise = torch.randn(tensor.shape, generator=gen) * std
         return (tensor.float() + noise).to(tensor.dtype)
 
     return moved
@@ -69,16 +114,40 @@ def _random(
     return (torch.randn(shape, generator=gen) * std).to(dtype)
 
 
-def _draft_layer(weights: dict, config: dict, index: int, moved) -> dict[str, torch.Tensor]:
-    """Draft decoder layer ``index`` (``mtp.{index}.*``): the main model's first sliding-window
-    layer (vLLM builds draft layers without a compressor), every tensor ``moved``."""
-    sliding = config["layer_types"].index("sliding_attention")
-    prefix = f"model.layers.{sliding}."
+def _draft_layer(
+    weights: dict, config: dict, index: int, moved, prefix: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Draft decoder layer ``index`` (``mtp.{index}.*``): the main model's layer ``prefix``
+    (default: V4's first sliding-window layer; vLLM builds draft layers without a compressor),
+    every tensor ``moved``; none of a V4.1 layer's Engram, compressor or indexer."""
+    if prefix is None:
+        sliding = config["layer_types"].index("sliding_attention")
+        prefix = f"model.layers.{sliding}."
     return {
         f"mtp.{index}.{key.removeprefix(prefix)}": moved(tensor)
         for key, tensor in weights.items()
-        if key.startswith(prefix)
+        if key.startswith(prefix) and not any(part in key for part in _V41_NOT_IN_DRAFT)
     }
+
+
+def _v41_window_layer(text: dict) -> str:
+    """The weight prefix of the V4.1 main model's first window-only layer (compress ratio 0)
+    without an Engram, KV or index source: the layer vLLM's V4.1 builds each draft layer as
+    (its draft layers lie past ``num_hidden_layers``, where ``compress_ratios`` gives 0 and
+    no source, and it builds them without an Engram)."""
+    taken = {
+        *(text.get("engram_layer_ids") or ()),
+        *(text.get("kv_source_layer_ids") or ()),
+        *(text.get("index_source_layer_ids") or ()),
+    }
+    ratios = text["compress_ratios"][: text["num_hidden_layers"]]
+    for layer, ratio in enumerate(ratios):
+        if ratio == 0 and layer not in taken:
+            return f"{_V41_LAYERS}{layer}."
+    raise ValueError(
+        f"the V4.1 draft's layers start from a window-only main layer (compress ratio 0, no "
+        f"Engram or source), but this checkpoint has none: compress_ratios={ratios}"
+    )
 
 
 def _save(path: Path, file_name: str, tensors: dict, config: dict, **config_keys) -> None:
@@ -193,12 +262,34 @@ def add_dspark_layers(
     drafts' first decoder layer), and vLLM's DSpark loader maps every ``mtp.{i}.*`` it does not
     know as a head to its layer ``i``, so MTP's ``mtp.0.e_proj.weight`` and the like raise a
     KeyError there. Write the DSpark checkpoint to its own directory (``mtp_layers=0``).
+
+    A DeepSeek-V4.1 checkpoint (:func:`is_v41`) gets the draft vLLM's V4.1 DSpark
+    (``vllm.models.deepseek_v41.nvidia.dspark.DSparkDeepseekV4ForCausalLM``) reads, which
+    differs from V4's in:
+
+    * no ``hc_head_*``: V4.1 has no learned hyper-connection head (vLLM collapses the draft's
+      copies with its last layer's FFN pre-mix, and would place ``hc_head_*`` in a decoder
+      layer that has no such parameter);
+    * the Markov factors named as V4.1 checkpoints name them, ``markov_head.embed.weight``
+      (vLLM's ``markov_w1``) and ``markov_head.head.weight`` (``markov_w2``); the same head
+      as V4's otherwise, so ``bigram`` works alike;
+    * the decoder layers start from the main model's first window-only layer
+      (:func:`_v41_window_layer`), its tensors named as V4.1 names them (``layers.{i}.*``),
+      the norms from ``norm.weight``, and, as V4.1's norms are all ones, moved by noise of a
+      tenth of their magnitude too;
+    * the target layers are :func:`v41_dspark_target_layer_ids`, and the config keys go into
+      ``text_config`` (vLLM's ``DeepseekV41Config`` lifts its fields onto the config vLLM's
+      draft reads), with ``dspark_block_size`` :data:`V41_DSPARK_BLOCK_SIZE` and
+      ``compress_ratios`` extended by a 0 for each draft layer, as V4.1-Flash's (vLLM counts
+      draft layers in ``compress_ratios`` and takes 0 past its end, so it is not required).
     """
     from safetensors import safe_open
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
-    vocab = config["vocab_size"]
+    v41 = is_v41(config)
+    text = config["text_config"] if v41 else config  # where the model's own fields are
+    vocab = text["vocab_size"]
     if markov_rank is None:
         markov_rank = DEFAULT_MARKOV_RANK if bigram is None else vocab
     for name, value in (("seed", seed), ("markov_rank", markov_rank)):
@@ -225,12 +316,18 @@ def add_dspark_layers(
             raise ValueError(
                 f"bigram tokens must be in [0, {vocab}), got {bigram.min()}..{bigram.max()}"
             )
-    num_layers = config["num_hidden_layers"]
-    if not all(0 <= i < num_layers for i in DSPARK_TARGET_LAYER_IDS):
-        raise ValueError(
-            f"DSpark reads the hidden stream after layers {list(DSPARK_TARGET_LAYER_IDS)}, "
-            f"but this checkpoint has layers 0..{num_layers - 1} only"
-        )
+    num_layers = text["num_hidden_layers"]
+    if v41:
+        target_layer_ids = v41_dspark_target_layer_ids(num_layers)
+        layer_prefix = _v41_window_layer(text)
+    else:
+        target_layer_ids = DSPARK_TARGET_LAYER_IDS
+        layer_prefix = None
+        if not all(0 <= i < num_layers for i in DSPARK_TARGET_LAYER_IDS):
+            raise ValueError(
+                f"DSpark reads the hidden stream after layers {list(DSPARK_TARGET_LAYER_IDS)}, "
+                f"but this checkpoint has layers 0..{num_layers - 1} only"
+            )
     mtp_files = []
     for weights_file in sorted(path.glob("*.safetensors")):
         if weights_file.name == DSPARK_FILE:  # ours, from an earlier run: rewritten below
@@ -239,54 +336,55 @@ def add_dspark_layers(
             # keys() only: the handle is not iterable, and no tensor is read
             if any(key.startswith("mtp.") for key in handle.keys()):  # noqa: SIM118
                 mtp_files.append(weights_file.name)
-    if mtp_files or config.get("num_nextn_predict_layers", 0):
+    if mtp_files or text.get("num_nextn_predict_layers", 0):
         raise ValueError(
             f"{path} already has MTP draft layers (num_nextn_predict_layers="
-            f"{config.get('num_nextn_predict_layers', 0)}, mtp.* weights in {mtp_files}): "
+            f"{text.get('num_nextn_predict_layers', 0)}, mtp.* weights in {mtp_files}): "
             "DSpark's weights are mtp.* too, and vLLM's DSpark loader cannot read MTP's "
             "(e_proj, h_proj, enorm, hnorm, head, emb); write the DSpark checkpoint to its own "
             "directory, without MTP layers"
         )
 
     weights = _main_weights(path)
-    hidden = config["hidden_size"]
+    hidden = text["hidden_size"]
     gen = torch.Generator().manual_seed(seed)
-    moved = _mover(gen)
+    moved = _mover(gen, relative=0.1 if v41 else 0.0)
+    main_norm = weights[_V41_NORM if v41 else "model.norm.weight"]
 
     dspark: dict[str, torch.Tensor] = {}
-    inputs = hidden * len(DSPARK_TARGET_LAYER_IDS)
+    inputs = hidden * len(target_layer_ids)
     # variance-preserving, so main_norm sees activations of the target's scale
     dspark["mtp.0.main_proj.weight"] = _random(gen, hidden, inputs, std=inputs**-0.5)
-    dspark["mtp.0.main_norm.weight"] = moved(weights["model.norm.weight"])
+    dspark["mtp.0.main_norm.weight"] = moved(main_norm)
     for i in range(DSPARK_LAYERS):
-        dspark.update(_draft_layer(weights, config, i, moved))
+        dspark.update(_draft_layer(weights, config, i, moved, layer_prefix))
     last = f"mtp.{DSPARK_LAYERS - 1}"
-    dspark[f"{last}.norm.weight"] = moved(weights["model.norm.weight"])
-    for part in ("fn", "base", "scale"):
-        dspark[f"{last}.hc_head_{part}"] = moved(weights[f"model.hc_head_{part}"])
+    dspark[f"{last}.norm.weight"] = moved(main_norm)
+    if not v41:  # V4.1 has no learned hyper-connection head
+        for part in ("fn", "base", "scale"):
+            dspark[f"{last}.hc_head_{part}"] = moved(weights[f"model.hc_head_{part}"])
     markov = f"{last}.markov_head"
+    # vLLM's names of the factors (markov_w1 embeds the previous token, markov_w2 projects it
+    # to the vocabulary) or V4.1 checkpoints' own, which vLLM's V4.1 loader maps onto them
+    w1_name, w2_name = ("embed", "head") if v41 else ("markov_w1", "markov_w2")
     if bigram is None:
         # The Markov bias w2 @ w1[token] has unit-scale entries over the rank: a logit bias of
         # the order of the logits themselves, so a wrong or missing head shows in the drafts.
-        dspark[f"{markov}.markov_w1.weight"] = _random(gen, vocab, markov_rank, std=1.0)
-        dspark[f"{markov}.markov_w2.weight"] = _random(
+        dspark[f"{markov}.{w1_name}.weight"] = _random(gen, vocab, markov_rank, std=1.0)
+        dspark[f"{markov}.{w2_name}.weight"] = _random(
             gen, vocab, markov_rank, std=markov_rank**-0.5
         )
     else:  # w1[token] = bias * e_token; w2[v, token] = 1 where v is the token's bigram
         w1 = torch.eye(vocab) * MARKOV_BIGRAM_BIAS
         w2 = torch.nn.functional.one_hot(bigram, vocab).T.contiguous()
-        dspark[f"{markov}.markov_w1.weight"] = w1.to(torch.bfloat16)
-        dspark[f"{markov}.markov_w2.weight"] = w2.to(torch.bfloat16)
+        dspark[f"{markov}.{w1_name}.weight"] = w1.to(torch.bfloat16)
+        dspark[f"{markov}.{w2_name}.weight"] = w2.to(torch.bfloat16)
     width = hidden + markov_rank
     dspark[f"{last}.confidence_head.proj.weight"] = _random(
         gen, 1, width, std=width**-0.5, dtype=torch.float32
     )
-    _save(
-        path,
-        DSPARK_FILE,
-        dspark,
-        config,
-        dspark_target_layer_ids=list(DSPARK_TARGET_LAYER_IDS),
+    keys = dict(
+        dspark_target_layer_ids=list(target_layer_ids),
         n_mtp_layers=DSPARK_LAYERS,
         dspark_markov_rank=markov_rank,
         enable_confidence_head=True,
@@ -294,4 +392,15 @@ def add_dspark_layers(
         # drafting without one. The vocabulary's last id (the tiny model's prompts are random).
         dspark_noise_token_id=vocab - 1,
     )
+    if v41:
+        ratios = [*text["compress_ratios"][:num_layers], *[0] * DSPARK_LAYERS]
+        text = {
+            **text,
+            **keys,
+            "dspark_block_size": V41_DSPARK_BLOCK_SIZE,
+            "compress_ratios": ratios,
+        }
+        _save(path, DSPARK_FILE, dspark, {**config, "text_config": text})
+    else:
+        _save(path, DSPARK_FILE, dspark, config, **keys)
     return path

@@ -360,20 +360,24 @@ def save_vllm_checkpoint(
     back (other names); :func:`load_or_build` keeps its own.
 
     ``"v41"``: the DeepSeek-V4.1 variant (:func:`write_v41_checkpoint`), served with
-    ``vllm serve PATH --language-model-only``; it holds no draft (vLLM's V4.1 model drops
-    ``mtp.*`` weights), so ``mtp_layers`` must be 0 or None and ``dspark`` False.
+    ``vllm serve PATH --language-model-only``. V4.1 has no MTP, so ``mtp_layers`` must be 0 or
+    None; ``dspark`` adds its DSpark draft (:func:`~dsv4_attn.e2e.draft_weights.add_dspark_layers`,
+    seeded by the spec, a Markov head of the default rank: the V4.1 writer has no draftable
+    variant).
     """
     from dsv4_attn.e2e.draft_weights import add_dspark_layers, add_mtp_layers
 
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     if family == "v41":
-        if mtp_layers or dspark:
+        if mtp_layers:
             raise ValueError(
-                "the DeepSeek-V4.1 checkpoint holds no draft (vLLM's V4.1 model drops mtp.* "
-                f"weights): got mtp_layers={mtp_layers}, dspark={dspark}"
+                "DeepSeek-V4.1 has no MTP layers (its only draft is DSpark: dspark=True); got "
+                f"mtp_layers={mtp_layers}"
             )
         path = write_v41_checkpoint(path, spec)
+        if dspark:
+            add_dspark_layers(path, spec.seed)
         (path / _SPEC_FILE).write_text(json.dumps(asdict(spec), indent=1) + "\n")
         return path
     if mtp_layers is None:
