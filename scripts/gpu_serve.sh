@@ -79,7 +79,7 @@ CKPT=/tmp/dsv4_tiny_ckpt
 DRAFTABLE=/tmp/dsv4_draftable_ckpt  # layers scaled down, an MTP layer that drafts well
 DSPARK=/tmp/dsv4_dspark_ckpt  # the same model with a DSpark draft that drafts well
 V41=/tmp/dsv41_tiny_ckpt  # the tiny DeepSeek-V4.1 (serve_check checkpoint --v41)
-V41_DSPARK=/tmp/dsv41_dspark_ckpt  # the same with a DSpark draft that drafts well
+V41_DSPARK=/tmp/dsv41_dspark_ckpt  # its layers scaled down, a DSpark draft that drafts well
 # SERVE_MODEL=v41: the rounds (vllm, fp8, nvfp4, compare, first) serve the tiny V4.1 instead,
 # with its tokenizer (V4.1's multimodal processor refuses --skip-tokenizer-init; its text model
 # alone: --language-model-only), and vLLM's own round with fp8 caches as this backend's.
@@ -250,7 +250,7 @@ print('dsv4_attn from', dsv4_attn.__file__, '| vllm', vllm.__version__)"
     python3 -m dsv4_attn.e2e.serve_check checkpoint "$DRAFTABLE" --draftable
     python3 -m dsv4_attn.e2e.serve_check checkpoint "$DSPARK" --draftable --dspark
     python3 -m dsv4_attn.e2e.serve_check checkpoint "$V41" --v41
-    python3 -m dsv4_attn.e2e.serve_check checkpoint "$V41_DSPARK" --v41 --dspark
+    python3 -m dsv4_attn.e2e.serve_check checkpoint "$V41_DSPARK" --v41 --draftable --dspark
     ;;
   tests)
     # -k: of test_sparse_decode's kernel-against-reference grid (ids FORMAT-H-T-EXTRA-SINK) the

@@ -268,7 +268,7 @@ def test_the_checkpoint_command_gives_the_v41_its_dspark_draft(tmp_path, capsys)
     """`serve_check checkpoint DIR --v41 --dspark`: the tiny V4.1 (its tokenizer and config)
     with the DSpark draft, as V4's `--dspark` without `--draftable` (seeded, a Markov head of the
     default rank rather than the bigram's); `--v41` still refuses `--mtp-layers` (V4.1 has no
-    MTP) and `--draftable` (no draftable V4.1), before writing anything."""
+    MTP) and `--draftable` without `--dspark`, before writing anything."""
     import json
 
     import pytest
@@ -285,8 +285,8 @@ def test_the_checkpoint_command_gives_the_v41_its_dspark_draft(tmp_path, capsys)
     with safe_open(str(path / "dspark.safetensors"), framework="pt") as handle:
         names = set(handle.keys())
     assert {"mtp.0.main_proj.weight", "mtp.2.markov_head.embed.weight"} <= names
-    for flags in (["--draftable"], ["--mtp-layers=1"], ["--dspark", "--draftable"]):
-        with pytest.raises(SystemExit, match="no --mtp-layers or --draftable with --v41"):
+    for flags in (["--draftable"], ["--mtp-layers=1"], ["--dspark", "--mtp-layers=1"]):
+        with pytest.raises(SystemExit, match="--draftable only with --dspark"):
             serve_check.main(["checkpoint", str(tmp_path / "refused"), "--v41", *flags])
     assert not (tmp_path / "refused").exists()
 

@@ -330,8 +330,6 @@ def test_v41_checkpoint_takes_no_mtp_layers(tmp_path):
     for kwargs in ({"mtp_layers": 1}, {"mtp_layers": 1, "dspark": True}):
         with pytest.raises(ValueError, match=r"DeepSeek-V4\.1 has no MTP layers"):
             save_vllm_checkpoint(tmp_path, SPEC, family="v41", **kwargs)
-    with pytest.raises(ValueError, match="layer_output_scale must be 1"):
-        save_vllm_checkpoint(tmp_path, TinySpec(layer_output_scale=0.5), family="v41")
     with pytest.raises(ValueError, match="family must be one of"):
         save_vllm_checkpoint(tmp_path, SPEC, family="v5")
     assert list(tmp_path.iterdir()) == []
@@ -339,8 +337,9 @@ def test_v41_checkpoint_takes_no_mtp_layers(tmp_path):
 
 def test_serve_check_cli_writes_the_v41_checkpoint(monkeypatch):
     """``serve_check checkpoint DIR --v41`` asks for the V4.1 family without MTP layers (with
-    ``--dspark`` its DSpark draft), and refuses the MTP and draftable options with it; without
-    it, the V4 default of one MTP layer stays."""
+    ``--dspark`` its DSpark draft, with ``--draftable`` too the draftable spec), and refuses MTP
+    layers and ``--draftable`` without ``--dspark``; without it, the V4 default of one MTP
+    layer stays."""
     from dsv4_attn.e2e import serve_check, tiny_model
 
     calls = []
@@ -349,12 +348,82 @@ def test_serve_check_cli_writes_the_v41_checkpoint(monkeypatch):
     )
     serve_check.main(["checkpoint", "D", "--v41"])
     serve_check.main(["checkpoint", "D", "--v41", "--dspark"])
+    serve_check.main(["checkpoint", "D", "--v41", "--dspark", "--draftable"])
     serve_check.main(["checkpoint", "D"])
-    assert [(a[2], k) for a, k in calls] == [
-        (0, {"dspark": False, "family": "v41"}),
-        (0, {"dspark": True, "family": "v41"}),
-        (1, {"dspark": False, "family": "v4"}),
+    assert [(a[1], a[2], k) for a, k in calls] == [
+        (tiny_model.VLLM_SPEC, 0, {"dspark": False, "family": "v41"}),
+        (tiny_model.VLLM_SPEC, 0, {"dspark": True, "family": "v41"}),
+        (tiny_model.DRAFTABLE_SPEC, 0, {"dspark": True, "family": "v41"}),
+        (tiny_model.VLLM_SPEC, 1, {"dspark": False, "family": "v4"}),
     ]
     for flag in ("--draftable", "--mtp-layers=1"):
-        with pytest.raises(SystemExit, match="no --mtp-layers or --draftable with --v41"):
+        with pytest.raises(SystemExit, match="--draftable only with --dspark"):
             serve_check.main(["checkpoint", "D", "--v41", flag])
+
+
+def test_the_bigram_rule_is_what_transformers_computes_with_zeroed_layers():
+    """The rule :func:`v41_bigram_table` applies (a stream of equal embedding copies, collapsed
+    with positive weights, then RMSNorm and the head: ``argmax head @ (norm * e / rms(e))``),
+    checked on V4, where transformers runs the whole model with every layer's output zeroed
+    (:func:`bigram_table`), its learned hyper-connection head included."""
+    from dsv4_attn.e2e.tiny_model import DRAFTABLE_SPEC, _bigram_of, bigram_table, build_tiny_model
+
+    model = build_tiny_model(DRAFTABLE_SPEC)
+    inner = model.model
+    rule = _bigram_of(
+        inner.embed_tokens.weight.detach(),
+        inner.norm.weight.detach(),
+        model.lm_head.weight.detach(),
+        model.config.rms_norm_eps,
+        row_dtype=torch.float32,
+    )
+    assert torch.equal(rule, bigram_table(model))
+    assert len(rule.unique()) > 100  # a table of many tokens, not a constant
+
+
+def test_a_draftable_v41_scales_exactly_each_layers_outputs(tmp_path):
+    """``layer_output_scale`` multiplies attention's output projection, the routed and shared
+    experts' down projections and the Engram's wkv of every layer, and changes no other tensor
+    (the same seed draws the rest alike)."""
+    from dsv4_attn.e2e.tiny_model import write_v41_checkpoint
+
+    scale = 0.02
+    plain = load_file(
+        str(write_v41_checkpoint(tmp_path / "plain", VLLM_SPEC) / "model.safetensors")
+    )
+    spec = TinySpec(num_heads=64, index_heads=64, layer_output_scale=scale)
+    scaled = load_file(str(write_v41_checkpoint(tmp_path / "scaled", spec) / "model.safetensors"))
+    assert plain.keys() == scaled.keys()
+    outputs = (".attn.wo_b.weight", ".shared_experts.w2.weight", ".engram.wkv.weight")
+    expected_scaled = {
+        name
+        for name in plain
+        if name.endswith(outputs) or (".ffn.experts." in name and name.endswith(".w2.weight"))
+    }
+    assert any(".engram." in n for n in expected_scaled) and len(expected_scaled) > 6 * 3
+    for name, tensor in plain.items():
+        if name in expected_scaled:
+            assert torch.equal(scaled[name], (tensor.float() * scale).to(tensor.dtype)), name
+        else:
+            assert torch.equal(scaled[name], tensor), name
+
+
+def test_a_draftable_v41_dspark_head_drafts_its_bigram(tmp_path):
+    """``save_vllm_checkpoint(..., family="v41", dspark=True)`` with the draftable spec: the
+    draft's Markov bias (vLLM's ``w2 @ w1[t]``, V4.1's ``head @ embed[t]``) peaks at the
+    checkpoint's own bigram for every token; with the plain spec the head is of low rank."""
+    from safetensors import safe_open
+
+    from dsv4_attn.e2e.tiny_model import DRAFTABLE_SPEC, v41_bigram_table
+
+    path = save_vllm_checkpoint(tmp_path / "d", DRAFTABLE_SPEC, 0, dspark=True, family="v41")
+    bigram = v41_bigram_table(path)
+    with safe_open(str(path / "dspark.safetensors"), framework="pt") as handle:
+        w1 = handle.get_tensor("mtp.2.markov_head.embed.weight").float()
+        w2 = handle.get_tensor("mtp.2.markov_head.head.weight").float()
+    bias = w1 @ w2.T  # [previous token, next token]: w2 @ w1[t] for each t, as rows
+    assert torch.equal(bias.argmax(-1), bigram)
+    assert len(bigram.unique()) > 100
+    plain = save_vllm_checkpoint(tmp_path / "p", VLLM_SPEC, 0, dspark=True, family="v41")
+    config = json.loads((plain / "config.json").read_text())
+    assert config["text_config"]["dspark_markov_rank"] == 64

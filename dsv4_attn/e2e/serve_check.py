@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> None:
         "--v41",
         action="store_true",
         help="the tiny DeepSeek-V4.1 (Engram, tokenizer) instead of DeepSeek-V4; its only draft "
-        "is DSpark (--dspark), and it has no --draftable variant",
+        "is DSpark (--dspark, with --draftable one that drafts the bigram)",
     )
     q = sub.add_parser("query", help="send the request set to a running server")
     q.add_argument("--name", required=True)
@@ -509,11 +509,12 @@ def main(argv: list[str] | None = None) -> None:
 
         if args.mtp_layers is not None and args.mtp_layers < 0:
             raise SystemExit(f"--mtp-layers must be >= 0, got {args.mtp_layers}")
-        if args.v41 and (args.mtp_layers or args.draftable):
-            # V4.1 has no MTP (vLLM refuses method "mtp" on it), and its tiny model no variant
-            # whose layers leave the next token to a bigram draft
+        if args.v41 and (args.mtp_layers or (args.draftable and not args.dspark)):
+            # V4.1 has no MTP (vLLM refuses method "mtp" on it): its draftable variant is for
+            # the DSpark draft
             raise SystemExit(
-                "--v41 writes no draft but DSpark: no --mtp-layers or --draftable with --v41"
+                "--v41 writes no draft but DSpark: no --mtp-layers with --v41, and --draftable "
+                "only with --dspark"
             )
         spec = DRAFTABLE_SPEC if args.draftable else VLLM_SPEC
         if args.v41 or args.dspark:

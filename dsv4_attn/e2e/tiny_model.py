@@ -65,6 +65,7 @@ __all__ = [
     "save_vllm_checkpoint",
     "tiny_config",
     "tiny_v41_config",
+    "v41_bigram_table",
     "v41_config",
     "v41_text",
     "v41_weight_shapes",
@@ -362,8 +363,8 @@ def save_vllm_checkpoint(
     ``"v41"``: the DeepSeek-V4.1 variant (:func:`write_v41_checkpoint`), served with
     ``vllm serve PATH --language-model-only``. V4.1 has no MTP, so ``mtp_layers`` must be 0 or
     None; ``dspark`` adds its DSpark draft (:func:`~dsv4_attn.e2e.draft_weights.add_dspark_layers`,
-    seeded by the spec, a Markov head of the default rank: the V4.1 writer has no draftable
-    variant).
+    seeded by the spec), which with ``spec.layer_output_scale`` < 1 drafts the bigram
+    (:func:`v41_bigram_table`).
     """
     from dsv4_attn.e2e.draft_weights import add_dspark_layers, add_mtp_layers
 
@@ -377,7 +378,9 @@ def save_vllm_checkpoint(
             )
         path = write_v41_checkpoint(path, spec)
         if dspark:
-            add_dspark_layers(path, spec.seed)
+            draftable = spec.layer_output_scale < 1
+            bigram = v41_bigram_table(path) if draftable else None
+            add_dspark_layers(path, spec.seed, bigram=bigram)
         (path / _SPEC_FILE).write_text(json.dumps(asdict(spec), indent=1) + "\n")
         return path
     if mtp_layers is None:
@@ -719,17 +722,37 @@ def _v41_tensor(
     return (std * torch.randn(shape, generator=gen, device=device)).to(dtype).cpu()
 
 
+#: The tensors through which a V4.1 layer writes into the residual stream: attention's output
+#: projection, the routed and shared experts' down projections, and the Engram's ``wkv``, whose
+#: value rows its output is made of (its key rows are RMS-normalized before the gate, so a scale
+#: leaves the gate as it is).
+_V41_LAYER_OUTPUTS = re.compile(
+    r"\.(attn\.wo_b|ffn\.experts\.\d+\.w2|ffn\.shared_experts\.w2|engram\.wkv)\.weight$"
+)
+
+
 def write_v41_weights(
     path: str | Path,
     text: dict,
     seed: int,
     max_shard_bytes: int | None = None,
     device: str | torch.device = "cpu",
+    layer_output_scale: float = 1.0,
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Draw every tensor of :func:`v41_weight_shapes` of ``text`` (:func:`_v41_tensor`, drawn by
     ``device``) and save it in ``path``: ``model.safetensors``, or with ``max_shard_bytes`` shards
     of at most that many bytes (a larger tensor alone in one) and their index, as vLLM's loader
-    reads them. One shard is held in host memory at a time. Returns the table it wrote."""
+    reads them. One shard is held in host memory at a time. ``layer_output_scale`` multiplies
+    the tensors through which each layer writes into the residual stream
+    (:data:`_V41_LAYER_OUTPUTS`), as :class:`TinySpec`'s does for V4. Returns the table it
+    wrote."""
+
+    def tensor(name: str) -> torch.Tensor:
+        drawn = _v41_tensor(name, *shapes[name], std, seed, device)
+        if layer_output_scale != 1 and _V41_LAYER_OUTPUTS.search(name):
+            drawn = (drawn.float() * layer_output_scale).to(drawn.dtype)
+        return drawn
+
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -749,7 +772,7 @@ def write_v41_weights(
         files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     std = text["initializer_range"]
     for file, names in zip(files, shards, strict=True):
-        weights = {name: _v41_tensor(name, *shapes[name], std, seed, device) for name in names}
+        weights = {name: tensor(name) for name in names}
         save_file(weights, str(path / file), metadata={"format": "pt"})
         del weights
     if len(shards) > 1:
@@ -769,16 +792,58 @@ def write_v41_checkpoint(path: str | Path, spec: TinySpec = VLLM_SPEC) -> Path:
     read it) and bf16 safetensors under vLLM's V4.1 weight names (:func:`v41_weight_shapes`).
     Serve it with ``--language-model-only`` (no vision tower: vLLM's processor would otherwise
     want the image token at id 129264 of a full-size vocabulary). ``spec.layer_output_scale``
-    must be 1 (it serves drafts, which this checkpoint has none of). Returns the directory."""
-    if spec.layer_output_scale != 1:
-        raise ValueError(
-            f"the V4.1 checkpoint has no draft to serve: layer_output_scale must be 1, got "
-            f"{spec.layer_output_scale}"
-        )
+    < 1 scales each layer's outputs (:func:`write_v41_weights`), for a DSpark draft that drafts
+    the bigram (:func:`v41_bigram_table`). Returns the directory."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     write_v41_tokenizer(path, spec.vocab_size)
     config = tiny_v41_config(spec, _v41_engram_fields(path))
     (path / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-    write_v41_weights(path, config["text_config"], spec.seed)
+    write_v41_weights(
+        path, config["text_config"], spec.seed, layer_output_scale=spec.layer_output_scale
+    )
     return path
+
+
+def v41_bigram_table(path: str | Path) -> torch.Tensor:
+    """``[V]`` int64: the greedy next token after each token of the V4.1 checkpoint at ``path``
+    when every layer's output is zero, as vLLM computes it from the weights as written (bf16).
+
+    With nothing added, the residual stream is ``hc_mult`` equal copies of the token's
+    embedding ``e``: each layer's residual mix (Sinkhorn-balanced, rows summing to 1) keeps them
+    equal, and the final collapse (the last layer's pre-mix, positive weights) gives ``c * e``,
+    ``c > 0``, which the final RMSNorm takes back to ``e``'s: the logits are
+    ``head @ (norm.weight * e / rms(e))``, the normalized row rounded to bf16 before the
+    head, as vLLM's RMSNorm hands it on. V4.1 has no learned hyper-connection head, so nothing
+    else enters. For a checkpoint written with ``layer_output_scale`` < 1 it is the model's own
+    greedy choice at most positions (:func:`bigram_table` is V4's, through transformers)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    eps = config["text_config"]["rms_norm_eps"]
+    wanted = {"embed.weight": None, "norm.weight": None, "head.weight": None}
+    for weights_file in sorted(path.glob("model*.safetensors")):
+        with safe_open(str(weights_file), framework="pt") as handle:
+            for name in wanted.keys() & set(handle.keys()):
+                wanted[name] = handle.get_tensor(name)
+    missing = [name for name, tensor in wanted.items() if tensor is None]
+    if missing:
+        raise ValueError(f"{path}: no {missing} in its model*.safetensors")
+    return _bigram_of(wanted["embed.weight"], wanted["norm.weight"], wanted["head.weight"], eps)
+
+
+def _bigram_of(
+    embed: torch.Tensor,
+    norm_weight: torch.Tensor,
+    head: torch.Tensor,
+    eps: float,
+    row_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``argmax(head @ (norm_weight * e / rms(e)))`` for every embedding row ``e`` (``embed``
+    ``[V, H]``, ``head`` ``[V, H]``), the normalized rows rounded to ``row_dtype`` first:
+    ``[V]`` int64. Computed in float32."""
+    embed = embed.float()
+    normed = embed * torch.rsqrt(embed.pow(2).mean(-1, keepdim=True) + eps)
+    normed = (normed * norm_weight.float()).to(row_dtype).float()
+    return (normed @ head.float().T).argmax(-1)
