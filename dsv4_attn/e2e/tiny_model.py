@@ -746,13 +746,6 @@ def write_v41_weights(
     the tensors through which each layer writes into the residual stream
     (:data:`_V41_LAYER_OUTPUTS`), as :class:`TinySpec`'s does for V4. Returns the table it
     wrote."""
-
-    def tensor(name: str) -> torch.Tensor:
-        drawn = _v41_tensor(name, *shapes[name], std, seed, device)
-        if layer_output_scale != 1 and _V41_LAYER_OUTPUTS.search(name):
-            drawn = (drawn.float() * layer_output_scale).to(drawn.dtype)
-        return drawn
-
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -771,6 +764,13 @@ def write_v41_weights(
     else:
         files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     std = text["initializer_range"]
+
+    def tensor(name: str) -> torch.Tensor:
+        drawn = _v41_tensor(name, *shapes[name], std, seed, device)
+        if layer_output_scale != 1 and _V41_LAYER_OUTPUTS.search(name):
+            drawn = (drawn.float() * layer_output_scale).to(drawn.dtype)
+        return drawn
+
     for file, names in zip(files, shards, strict=True):
         weights = {name: tensor(name) for name in names}
         save_file(weights, str(path / file), metadata={"format": "pt"})
