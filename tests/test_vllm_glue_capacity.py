@@ -461,16 +461,13 @@ def test_requests_at_once_is_what_vllms_manager_runs_at_7_gib(backend, measured)
     assert predicted == served.most_running
 
 
-@pytest.mark.parametrize("backend", ["vllm", "dsv4_nvfp4-nvfp4"])
-@pytest.mark.parametrize("spare", [0, 1])
-def test_requests_at_once_is_exact_at_the_block_boundary(backend, spare):
-    """A pool of ``R + k D + spare`` blocks (R: what admitting the prompt takes; D: what vLLM's
-    manager holds for one decoding request) runs ``k + spare`` requests at once: with none spare,
-    the null block leaves the request after k decoding ones one block short. 256 outputs keep a
-    decoding 129,024-token request in one 256-token block of its compressed caches, so from its
-    second decode step on it holds D, whenever the next request is tried."""
-    layers, prompt_len, output_len, k = cap.SCHEDULES["V4-Flash"], HEADLINE_PROMPT, 256, 3
-    need = cap.admission_blocks(layers, backend, prompt_len)  # vLLM's: see the test above
+def check_requests_at_once_at_the_block_boundary(layers, backend, output_len, spare, k=3):
+    """A pool of ``R + k D + spare`` blocks (R: what admitting a ``HEADLINE_PROMPT``-token
+    prompt takes, vLLM's own; D: what vLLM's manager holds for one decoding request, measured
+    with the request alone) runs ``k + spare`` requests at once in vLLM's manager, as
+    :func:`capacity.requests_at_once` says."""
+    prompt_len = HEADLINE_PROMPT
+    need = cap.admission_blocks(layers, backend, prompt_len)
     price = bytes_per_block(layers, backend)
     alone = serve(layers, backend, 2 * need * price, prompt_len, output_len, 1)
     assert not alone.preempted and alone.most_running == 1
@@ -487,6 +484,17 @@ def test_requests_at_once_is_exact_at_the_block_boundary(backend, spare):
         layers, backend, num_blocks * price, prompt_len + output_len, output_len=output_len
     )
     assert predicted == served.most_running
+
+
+@pytest.mark.parametrize("backend", ["vllm", "dsv4_nvfp4-nvfp4"])
+@pytest.mark.parametrize("spare", [0, 1])
+def test_requests_at_once_is_exact_at_the_block_boundary(backend, spare):
+    """A pool of ``R + k D + spare`` blocks (R: what admitting the prompt takes; D: what vLLM's
+    manager holds for one decoding request) runs ``k + spare`` requests at once: with none spare,
+    the null block leaves the request after k decoding ones one block short. 256 outputs keep a
+    decoding 129,024-token request in one 256-token block of its compressed caches, so from its
+    second decode step on it holds D, whenever the next request is tried."""
+    check_requests_at_once_at_the_block_boundary(cap.SCHEDULES["V4-Flash"], backend, 256, spare)
 
 
 # DeepSeek-V4.1-Flash in vLLM's own V4.1 modes: fp8 on Hopper (FlashMLA) and nvfp4_ds_mla
@@ -675,23 +683,7 @@ def test_v41_requests_at_once_is_exact_at_the_block_boundary(backend, spare):
     ``R + k D + spare`` blocks runs ``k + spare`` V4.1-Flash requests at once in vLLM's manager,
     as :func:`capacity.requests_at_once` says. 64 outputs keep a decoding 129,024-token request
     (a whole number of 64- and 128-token blocks) in one block of its compressed caches."""
-    prompt_len, output_len, k = HEADLINE_PROMPT, 64, 3
-    need = cap.admission_blocks(V41_FLASH, backend, prompt_len)
-    price = bytes_per_block(V41_FLASH, backend)
-    alone = serve(V41_FLASH, backend, 2 * need * price, prompt_len, output_len, 1)
-    assert not alone.preempted and alone.most_running == 1
-    assert alone.decode_blocks == cap.decode_blocks_per_request(
-        V41_FLASH, backend, prompt_len + output_len
-    )
-    num_blocks = need + k * alone.decode_blocks + spare
-    served = serve(V41_FLASH, backend, num_blocks * price, prompt_len, output_len, k + 3)
-    assert served.num_blocks == num_blocks
-    assert not served.preempted
-    assert served.most_running == k + spare
-    predicted = cap.requests_at_once(
-        V41_FLASH, backend, num_blocks * price, prompt_len + output_len, output_len=output_len
-    )
-    assert predicted == served.most_running
+    check_requests_at_once_at_the_block_boundary(V41_FLASH, backend, 64, spare)
 
 
 def test_main_prints_the_v41_rows(capsys):
